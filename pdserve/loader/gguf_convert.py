@@ -1,0 +1,243 @@
+"""Turn a GGUF file into a Hugging Face style folder, once, and cache it.
+
+Reading a GGUF costs seconds (parsing ~50k tokenizer strings, dequantizing every tensor), so the
+result -- `config.json`, `model.safetensors` (fp32, HF tensor names and layout),
+`tokenizer.json`, `tokenizer_config.json` -- is written under the user cache folder keyed by the
+file's hash. Every later start loads that folder through the ordinary HF-folder path, so there
+is exactly one runtime loader.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pdserve.loader.errors import ModelLoadError
+
+# GGUF architecture name -> HF model_type. llama.cpp stores Llama-arch Q/K rows permuted for its
+# interleaved RoPE; qwen2/qwen3 use NEOX RoPE in llama.cpp and are stored unpermuted.
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+PERMUTED_QK_ARCHITECTURES = {"llama"}
+
+# Pre-tokenizer split regexes by `tokenizer.ggml.pre`; None means the GPT-2 byte-level default.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+PRE_TOKENIZER_SPLITS: dict[str, str | None] = {
+    "default": None, "gpt2": None, "smollm": None,
+    "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+}
+
+TOKEN_TYPE_CONTROL = 3
+TOKEN_TYPE_USER_DEFINED = 4
+
+
+def cache_root() -> Path:
+    if env := os.environ.get("PDSERVE_CACHE_DIR"):
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pdserve"
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def converted_folder(gguf_path: Path) -> Path:
+    """The cached HF-style folder for `gguf_path`, converting it first if needed."""
+    target = cache_root() / f"gguf-{file_digest(gguf_path)[:24]}"
+    if (target / "model.safetensors").is_file() and (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    tmp.chmod(0o755)
+    try:
+        convert_gguf(gguf_path, tmp)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process converted it meanwhile
+            pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def convert_gguf(gguf_path: Path, out: Path) -> None:
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(gguf_path)
+    except Exception as e:  # the gguf package raises assorted errors on a bad file
+        raise ModelLoadError(f"{gguf_path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
+    meta = _Metadata(reader)
+    arch = meta.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ModelLoadError(
+            f"unsupported GGUF architecture {arch!r} in {gguf_path.name}; "
+            f"supported: {', '.join(GGUF_ARCHITECTURES)}"
+        )
+    config = _hf_config(meta, arch, {t.name for t in reader.tensors})
+    tensors = _hf_tensors(reader, arch, config)
+    tokenizer, tokenizer_config = _tokenizer_files(meta)
+
+    from safetensors.numpy import save_file
+
+    save_file(tensors, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    tokenizer.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+
+
+class _Metadata:
+    def __init__(self, reader: Any) -> None:
+        self._fields = reader.fields
+
+    def get(self, key: str, default: Any = None) -> Any:
+        field = self._fields.get(key)
+        if field is None:
+            return default
+        value = field.contents()
+        return value
+
+    def require(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise ModelLoadError(f"GGUF metadata is missing {key!r}")
+        return value
+
+
+def _hf_config(meta: _Metadata, arch: str, tensor_names: set[str]) -> dict[str, Any]:
+    if "rope_freqs.weight" in tensor_names:
+        raise ModelLoadError("GGUF files with rope_freqs (Llama 3.1 RoPE scaling) are not supported yet; "
+                             "use the Hugging Face folder")
+    heads = int(meta.require(f"{arch}.attention.head_count"))
+    hidden = int(meta.require(f"{arch}.embedding_length"))
+    tokens = meta.require("tokenizer.ggml.tokens")
+    config: dict[str, Any] = {
+        "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                           "qwen3": "Qwen3ForCausalLM"}[arch]],
+        "model_type": GGUF_ARCHITECTURES[arch],
+        "vocab_size": int(meta.get(f"{arch}.vocab_size", len(tokens))),
+        "hidden_size": hidden,
+        "intermediate_size": int(meta.require(f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(meta.require(f"{arch}.block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(meta.get(f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": int(meta.get(f"{arch}.attention.key_length", hidden // heads)),
+        "hidden_act": "silu",
+        "rms_norm_eps": float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "max_position_embeddings": int(meta.get(f"{arch}.context_length", 2048)),
+        "rope_theta": float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "torch_dtype": "float32",
+    }
+    scaling = meta.get(f"{arch}.rope.scaling.type")
+    if scaling == "linear":
+        config["rope_scaling"] = {"rope_type": "linear", "factor": float(meta.require(f"{arch}.rope.scaling.factor"))}
+    elif scaling not in (None, "none"):
+        raise ModelLoadError(f"unsupported GGUF RoPE scaling {scaling!r}")
+    return config
+
+
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def _hf_name(gguf_name: str) -> str:
+    base, _, suffix = gguf_name.rpartition(".")
+    parts = base.split(".")
+    if parts[0] == "blk" and len(parts) == 3 and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
+    if base in _TOP_NAMES:
+        return f"{_TOP_NAMES[base]}.{suffix}"
+    raise ModelLoadError(f"unexpected tensor {gguf_name!r} in GGUF file")
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    # Undo llama.cpp's per-head row interleave so HF's rotate_half RoPE applies.
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _hf_tensors(reader: Any, arch: str, config: dict[str, Any]) -> dict[str, np.ndarray]:
+    from gguf.quants import dequantize
+    from tqdm import tqdm
+
+    out: dict[str, np.ndarray] = {}
+    for t in tqdm(reader.tensors, desc="dequantizing GGUF (first start only)", unit="tensor", leave=False):
+        name = _hf_name(t.name)
+        try:
+            w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        except NotImplementedError:
+            raise ModelLoadError(f"GGUF tensor type {t.tensor_type.name} ({t.name}) is not supported") from None
+        # GGUF lists dims innermost first; dequantize returns numpy (row-major) order already.
+        if arch in PERMUTED_QK_ARCHITECTURES and (".q_proj." in name or ".k_proj." in name):
+            n = config["num_attention_heads"] if ".q_proj." in name else config["num_key_value_heads"]
+            w = _unpermute(w, n)
+        out[name] = np.ascontiguousarray(w)
+    return out
+
+
+def _tokenizer_files(meta: _Metadata) -> tuple[Any, dict[str, Any]]:
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ModelLoadError(f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE, 'gpt2'); "
+                             "use the Hugging Face folder")
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre not in PRE_TOKENIZER_SPLITS:
+        raise ModelLoadError(f"GGUF pre-tokenizer {pre!r} is not supported")
+    tokens: list[str] = meta.require("tokenizer.ggml.tokens")
+    merges = [tuple(m.split(" ", 1)) for m in meta.require("tokenizer.ggml.merges")]
+    types: list[int] = meta.get("tokenizer.ggml.token_type") or []
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    split = PRE_TOKENIZER_SPLITS[pre]
+    if split is None:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, ty in zip(tokens, types, strict=False) if ty == TOKEN_TYPE_CONTROL])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, ty in zip(tokens, types, strict=False) if ty == TOKEN_TYPE_USER_DEFINED])
+
+    def token(key: str) -> str | None:
+        idx = meta.get(f"tokenizer.ggml.{key}_token_id")
+        return tokens[int(idx)] if idx is not None else None
+
+    tokenizer_config = {
+        "bos_token": token("bos"), "eos_token": token("eos"), "unk_token": token("unknown"),
+        "pad_token": token("padding"),
+        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        "chat_template": meta.get("tokenizer.chat_template"),
+    }
+    return tok, tokenizer_config

@@ -1,0 +1,166 @@
+"""The Llama-family decoder (llama, mistral, qwen2, qwen3, ernie4_5) over a paged KV cache.
+
+Weights are fused at load time (q|k|v into one matrix, gate|up into one) so a layer is five
+matmuls. Logits are computed only for each sequence's last token of the step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.kv_cache import KVCache
+from pdserve.loader.errors import ModelLoadError
+from pdserve.model.forward_batch import ForwardBatch
+from pdserve.model.paged_attention import paged_attention
+from pdserve.model.rope import RotaryEmbedding
+from pdserve.model_config import ModelConfig
+
+
+def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        kw = {"dtype": dtype, "device": device}
+        qkv = c.q_size + 2 * c.kv_size
+        self.input_norm = _param(c.hidden_size, **kw)
+        self.qkv = _param(qkv, c.hidden_size, **kw)
+        self.qkv_bias = _param(qkv, **kw) if c.qkv_bias else None
+        self.q_norm = _param(c.head_dim, **kw) if c.qk_norm else None
+        self.k_norm = _param(c.head_dim, **kw) if c.qk_norm else None
+        self.o = _param(c.hidden_size, c.q_size, **kw)
+        self.o_bias = _param(c.hidden_size, **kw) if c.o_bias else None
+        self.post_norm = _param(c.hidden_size, **kw)
+        self.gate_up = _param(2 * c.intermediate_size, c.hidden_size, **kw)
+        self.gate_up_bias = _param(2 * c.intermediate_size, **kw) if c.mlp_bias else None
+        self.down = _param(c.hidden_size, c.intermediate_size, **kw)
+        self.down_bias = _param(c.hidden_size, **kw) if c.mlp_bias else None
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu", max_positions: int | None = None) -> None:
+        super().__init__()
+        device = torch.device(device)
+        self.config = config
+        self.dtype = dtype
+        kw = {"dtype": dtype, "device": device}
+        self.embed = _param(config.vocab_size, config.hidden_size, **kw)
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype, device) for _ in range(config.num_layers))
+        self.norm = _param(config.hidden_size, **kw)
+        self.lm_head = self.embed if config.tie_word_embeddings else _param(config.vocab_size, config.hidden_size, **kw)
+        self.rope = RotaryEmbedding(config.rope, config.head_dim, max_positions or config.max_position_embeddings,
+                                    device)
+        self.scale = config.head_dim ** -0.5
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv_cache: KVCache | None) -> torch.Tensor:
+        """Logits [num_seqs, vocab] (fp32) for the last token of each chunk in `batch`."""
+        c = self.config
+        eps = c.rms_norm_eps
+        positions = batch.positions
+        h = F.embedding(batch.input_ids, self.embed)
+        for i, layer in enumerate(self.layers):
+            x = F.rms_norm(h, (c.hidden_size,), layer.input_norm, eps)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            q, k, v = qkv.split((c.q_size, c.kv_size, c.kv_size), dim=-1)
+            q = q.view(-1, c.num_heads, c.head_dim)
+            k = k.view(-1, c.num_kv_heads, c.head_dim)
+            v = v.view(-1, c.num_kv_heads, c.head_dim)
+            if layer.q_norm is not None:
+                q = F.rms_norm(q, (c.head_dim,), layer.q_norm, eps)
+                k = F.rms_norm(k, (c.head_dim,), layer.k_norm, eps)
+            q = self.rope.apply(q, positions)
+            k = self.rope.apply(k, positions)
+            cache = kv_cache.layers[i] if kv_cache is not None else None
+            attn = paged_attention(q, k, v, cache, batch, self.scale)
+            h = h + F.linear(attn, layer.o, layer.o_bias)
+            x = F.rms_norm(h, (c.hidden_size,), layer.post_norm, eps)
+            gate, up = F.linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+        last = F.rms_norm(h[batch.logits_indices], (c.hidden_size,), self.norm, eps)
+        return F.linear(last, self.lm_head).float()
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the fused parameters; every parameter must be filled once."""
+        c = self.config
+        q, kv, inter = c.q_size, c.kv_size, c.intermediate_size
+        # HF projection name -> (our parameter name, row slice)
+        parts = {
+            "self_attn.q_proj": ("qkv", slice(0, q)),
+            "self_attn.k_proj": ("qkv", slice(q, q + kv)),
+            "self_attn.v_proj": ("qkv", slice(q + kv, q + 2 * kv)),
+            "self_attn.o_proj": ("o", slice(None)),
+            "self_attn.q_norm": ("q_norm", slice(None)),
+            "self_attn.k_norm": ("k_norm", slice(None)),
+            "mlp.gate_proj": ("gate_up", slice(0, inter)),
+            "mlp.up_proj": ("gate_up", slice(inter, 2 * inter)),
+            "mlp.down_proj": ("down", slice(None)),
+            "input_layernorm": ("input_norm", slice(None)),
+            "post_attention_layernorm": ("post_norm", slice(None)),
+        }
+        expected = self._expected_weight_names()
+        seen: set[str] = set()
+        for name, tensor in tensors:
+            if "rotary_emb" in name or (name == "lm_head.weight" and c.tie_word_embeddings):
+                continue
+            target, rows = self._target(name, parts)
+            if target is None:
+                raise ModelLoadError(f"unexpected weight {name!r} for a {c.model_type} model")
+            dest = target[rows]
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise ModelLoadError(f"weight {name!r} has shape {tuple(tensor.shape)}, "
+                                     f"expected {tuple(dest.shape)} from config.json")
+            dest.copy_(tensor)
+            seen.add(name)
+        missing = sorted(expected - seen)
+        if missing:
+            more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
+            raise ModelLoadError(f"checkpoint is missing weights: {', '.join(missing[:3])}{more}")
+
+    def _target(self, name: str, parts: dict[str, tuple[str, slice]]) -> tuple[torch.Tensor | None, slice]:
+        top = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.norm,
+               "lm_head.weight": self.lm_head}
+        if name in top:
+            return top[name].data, slice(None)
+        pieces = name.split(".")
+        if len(pieces) < 5 or pieces[:2] != ["model", "layers"] or not pieces[2].isdigit():
+            return None, slice(None)
+        index = int(pieces[2])
+        if index >= len(self.layers):
+            return None, slice(None)
+        module, kind = ".".join(pieces[3:-1]), pieces[-1]
+        if module not in parts:
+            return None, slice(None)
+        param_name, rows = parts[module]
+        if kind == "bias":
+            param_name += "_bias"
+        param = getattr(self.layers[index], param_name, None)
+        return (param.data if param is not None else None), rows
+
+    def _expected_weight_names(self) -> set[str]:
+        c = self.config
+        names = {"model.embed_tokens.weight", "model.norm.weight"}
+        if not c.tie_word_embeddings:
+            names.add("lm_head.weight")
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            projections = ["q_proj", "k_proj", "v_proj", "o_proj"]
+            names |= {f"{p}self_attn.{n}.weight" for n in projections}
+            names |= {f"{p}mlp.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")}
+            names |= {f"{p}input_layernorm.weight", f"{p}post_attention_layernorm.weight"}
+            if c.qkv_bias:
+                names |= {f"{p}self_attn.{n}.bias" for n in ("q_proj", "k_proj", "v_proj")}
+            if c.o_bias:
+                names.add(f"{p}self_attn.o_proj.bias")
+            if c.mlp_bias:
+                names |= {f"{p}mlp.{n}.bias" for n in ("gate_proj", "up_proj", "down_proj")}
+            if c.qk_norm:
+                names |= {f"{p}self_attn.q_norm.weight", f"{p}self_attn.k_norm.weight"}
+        return names

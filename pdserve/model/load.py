@@ -1,0 +1,43 @@
+"""Build a DecoderModel from a model folder, on any device, in the requested dtype."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from pdserve.loader.errors import ModelLoadError
+from pdserve.loader.hf_folder import iter_tensors, read_config
+from pdserve.model.decoder import DecoderModel
+from pdserve.model_config import ModelConfig
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        # fp32 on CPU: without AVX512-BF16/AMX, bf16 matmuls are emulated and several times slower.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def load_config(folder: Path) -> ModelConfig:
+    return ModelConfig.from_hf_dict(read_config(folder))
+
+
+def load_decoder(folder: Path, dtype: torch.dtype, device: torch.device,
+                 max_positions: int | None = None) -> DecoderModel:
+    config = load_config(folder)
+    try:
+        model = DecoderModel(config, dtype=dtype, device=device, max_positions=max_positions)
+    except RuntimeError as e:  # typically out of memory
+        raise ModelLoadError(f"cannot allocate the model on {device}: {e}") from None
+    model.load_weights(iter_tensors(folder))
+    return model

@@ -1,0 +1,217 @@
+"""Batched next-token sampling: min_tokens, penalties, greedy / temperature / top-k / top-p / min-p."""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.sampling.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """One sequence's inputs for one sampling step."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    eos_token_ids: tuple[int, ...] = ()
+    # Created once per request (see make_generator) and reused every step.
+    generator: torch.Generator | None = None
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [N] long
+    # log_softmax of the raw logits at the chosen token; None when no row asked for logprobs.
+    logprobs: torch.Tensor | None = None  # [N] float
+    # K = max logprobs requested in the batch; None when K == 0.
+    top_token_ids: torch.Tensor | None = None  # [N, K] long
+    top_logprobs: torch.Tensor | None = None  # [N, K] float
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """Per-request generator for a seeded request; None when the request has no seed."""
+    if seed is None:
+        return None
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    return gen
+
+
+def check_stop(
+    params: SamplingParams,
+    output_token_ids: Sequence[int],
+    eos_token_ids: Sequence[int],
+    max_model_len_left: int | None = None,
+) -> str | None:
+    """Finish reason after the last appended token: "stop", "length" or None.
+
+    max_model_len_left is how many more tokens fit in the model's context after the
+    current output (max_model_len - prompt_len - len(output)); <= 0 ends with "length".
+    """
+    num_out = len(output_token_ids)
+    if num_out and num_out >= params.min_tokens:
+        last = output_token_ids[-1]
+        if not params.ignore_eos and last in eos_token_ids:
+            return "stop"
+        if params.stop_token_ids and last in params.stop_token_ids:
+            return "stop"
+    if params.max_tokens is not None and num_out >= params.max_tokens:
+        return "length"
+    if max_model_len_left is not None and max_model_len_left <= 0:
+        return "length"
+    return None
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        n, vocab = logits.shape
+        if len(rows) != n:
+            raise ValueError(f"got {n} logits rows but {len(rows)} sampling rows")
+        params = [r.params for r in rows]
+        want_logprobs = any(p.logprobs is not None for p in params)
+        blocked = _min_tokens_blocked(rows, vocab)
+        penalised = any(_has_penalty(p) for p in params)
+        if not want_logprobs and not blocked and not penalised and all(p.greedy for p in params):
+            return SamplerOutput(token_ids=logits.argmax(dim=-1))
+
+        device = logits.device
+        raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if want_logprobs else None
+        x = logits.to(torch.float32, copy=True)
+        if blocked:
+            row_idx, tok_idx = zip(*blocked, strict=True)
+            x[torch.tensor(row_idx, device=device), torch.tensor(tok_idx, device=device)] = -torch.inf
+        if penalised:
+            _apply_penalties(x, rows)
+
+        token_ids = x.argmax(dim=-1)
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        if sampled:
+            idx = torch.tensor(sampled, device=device)
+            token_ids[idx] = _sample(x[idx], [rows[i] for i in sampled])
+
+        out = SamplerOutput(token_ids=token_ids)
+        if raw_logprobs is not None:
+            out.logprobs = raw_logprobs.gather(1, token_ids[:, None]).squeeze(1)
+            k = max(p.logprobs or 0 for p in params)
+            if k > 0:
+                out.top_logprobs, out.top_token_ids = raw_logprobs.topk(k, dim=-1)
+        return out
+
+
+def _has_penalty(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def _min_tokens_blocked(rows: list[SamplingRow], vocab: int) -> list[tuple[int, int]]:
+    """(row, token) pairs to mask while a row is still short of min_tokens."""
+    pairs: list[tuple[int, int]] = []
+    for i, r in enumerate(rows):
+        p = r.params
+        if len(r.output_token_ids) >= p.min_tokens:
+            continue
+        banned = set(p.stop_token_ids or ())
+        if not p.ignore_eos:
+            banned.update(r.eos_token_ids)
+        pairs.extend((i, t) for t in banned if 0 <= t < vocab)
+    return pairs
+
+
+def _token_counts(seqs: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[len(seqs), vocab] occurrence counts, built with one scatter_add over a padded id matrix."""
+    width = max((len(s) for s in seqs), default=0)
+    ids = torch.full((len(seqs), width), vocab, dtype=torch.long)  # pad id = vocab, dropped below
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+    ids = ids.to(device)
+    counts = torch.zeros(len(seqs), vocab + 1, dtype=torch.float32, device=device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
+    return counts[:, :vocab]
+
+
+def _apply_penalties(x: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """In place on x [N, V]; only rows that use a penalty are touched."""
+    vocab, device = x.shape[1], x.device
+    rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
+    if rep:
+        idx = torch.tensor(rep, device=device)
+        seqs = [rows[i].prompt_token_ids + rows[i].output_token_ids for i in rep]
+        seen = _token_counts(seqs, vocab, device) > 0
+        pen = torch.tensor([rows[i].params.repetition_penalty for i in rep], device=device)[:, None]
+        sub = x[idx]
+        x[idx] = torch.where(seen, torch.where(sub > 0, sub / pen, sub * pen), sub)
+
+    pf = [i for i, r in enumerate(rows) if r.params.presence_penalty or r.params.frequency_penalty]
+    if pf:
+        idx = torch.tensor(pf, device=device)
+        counts = _token_counts([rows[i].output_token_ids for i in pf], vocab, device)
+        freq = torch.tensor([rows[i].params.frequency_penalty for i in pf], device=device)[:, None]
+        pres = torch.tensor([rows[i].params.presence_penalty for i in pf], device=device)[:, None]
+        x[idx] -= freq * counts + pres * (counts > 0)
+
+
+def _sample(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Random draw for non-greedy rows; x [M, V] float32 is modified in place."""
+    m, vocab = x.shape
+    device = x.device
+    params = [r.params for r in rows]
+
+    temps = [p.temperature for p in params]
+    if any(t != 1.0 for t in temps):
+        x.div_(torch.tensor(temps, device=device)[:, None])
+
+    ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]  # vocab = off
+    if any(p.top_p < 1.0 for p in params):
+        x = _top_k_top_p(x, ks, [p.top_p for p in params])
+    elif any(k < vocab for k in ks):
+        _top_k(x, ks)
+    if any(p.min_p > 0.0 for p in params):
+        probs = x.softmax(dim=-1)
+        min_p = torch.tensor([p.min_p for p in params], device=device)[:, None]
+        x.masked_fill_(probs < probs.amax(dim=-1, keepdim=True) * min_p, -torch.inf)
+
+    probs = x.softmax(dim=-1)
+    # Exponential race: argmax(p / q) with q ~ Exp(1) is a draw from p.
+    q = torch.empty_like(probs)
+    unseeded = [j for j, r in enumerate(rows) if r.generator is None]
+    if len(unseeded) == m:
+        q.exponential_()
+    else:
+        for j, r in enumerate(rows):
+            if r.generator is not None:
+                q[j].exponential_(generator=r.generator)
+        if unseeded:
+            batch_q = torch.empty(len(unseeded), vocab, device=device).exponential_()
+            q[torch.tensor(unseeded, device=device)] = batch_q
+    # A q of exactly 0 would turn a filtered 0-probability token into 0/0 = nan, which argmax picks.
+    q.clamp_min_(torch.finfo(q.dtype).tiny)
+    return probs.div_(q).argmax(dim=-1)
+
+
+def _top_k(x: torch.Tensor, ks: list[int]) -> None:
+    """In place; rows with k == vocab are left alone. Ties with the k-th value are kept."""
+    vocab = x.shape[1]
+    k_t = torch.tensor(ks, device=x.device)
+    max_k = max(k for k in ks if k < vocab)
+    top = x.topk(max_k, dim=-1).values
+    kth = top.gather(1, (k_t.clamp(max=max_k) - 1)[:, None])
+    kth.masked_fill_((k_t >= vocab)[:, None], -torch.inf)
+    x.masked_fill_(x < kth, -torch.inf)
+
+
+def _top_k_top_p(x: torch.Tensor, ks: list[int], ps: list[float]) -> torch.Tensor:
+    """Sort-based top-k then top-p; returns the filtered logits."""
+    vocab, device = x.shape[1], x.device
+    sorted_x, order = x.sort(dim=-1)  # ascending
+    k_t = torch.tensor(ks, device=device)
+    kth = sorted_x.gather(1, (vocab - k_t)[:, None])
+    sorted_x.masked_fill_(sorted_x < kth, -torch.inf)
+
+    p_t = torch.tensor(ps, device=device)
+    cum = sorted_x.softmax(dim=-1).cumsum(dim=-1)
+    drop = cum <= (1 - p_t)[:, None]
+    drop[:, -1] = False  # always keep the most likely token
+    drop &= (p_t < 1.0)[:, None]  # rows with top_p off stay bit-identical
+    sorted_x.masked_fill_(drop, -torch.inf)
+    return torch.empty_like(x).scatter_(1, order, sorted_x)
