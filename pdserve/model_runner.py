@@ -1,0 +1,50 @@
+"""The worker-side core: weights, KV cache and sampler, executing one scheduled step at a time.
+
+The caller (the engine's scheduler, or a single-request loop) owns block allocation; the runner
+only turns `SequenceChunk`s plus their `SamplingRow`s into next tokens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from pdserve.kv_cache import KVCache, KVCacheSpec
+from pdserve.loader import resolve_model_folder
+from pdserve.model import ForwardBatch, SequenceChunk, default_device, load_decoder, resolve_dtype
+from pdserve.sampling import Sampler, SamplerOutput, SamplingRow
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        dtype: str = "auto",
+        device: str | None = None,
+        block_size: int = 64,
+        max_model_len: int | None = None,
+    ) -> None:
+        self.device = torch.device(device) if device else default_device()
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.folder = resolve_model_folder(model)
+        self.block_size = block_size
+        self.model = load_decoder(self.folder, self.dtype, self.device, max_positions=max_model_len)
+        self.config = self.model.config
+        self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
+                                 self.config.max_position_embeddings)
+        self.sampler = Sampler()
+        self.kv_cache: KVCache | None = None
+
+    def allocate_kv_cache(self, num_blocks: int) -> KVCache:
+        spec = KVCacheSpec.for_model(self.config, num_blocks, self.block_size, self.dtype)
+        self.kv_cache = KVCache.allocate(spec, self.device)
+        return self.kv_cache
+
+    def logits(self, chunks: list[SequenceChunk], is_dummy_or_profile_run: bool = False) -> torch.Tensor:
+        batch = ForwardBatch.build(chunks, self.block_size, self.device, is_dummy_or_profile_run)
+        return self.model(batch, None if is_dummy_or_profile_run else self.kv_cache)
+
+    def execute(self, chunks: list[SequenceChunk], rows: list[SamplingRow]) -> SamplerOutput:
+        """Run one step and sample one token per chunk (rows align with chunks)."""
+        return self.sampler(self.logits(chunks), rows)

@@ -1,0 +1,53 @@
+"""Shared fixtures. The Hugging Face oracle for the embedded model loads once per test session (~30 s)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def embedded_folder() -> Path:
+    from pdserve.loader import resolve_model_folder
+
+    return resolve_model_folder(None)
+
+
+@pytest.fixture(scope="session")
+def embedded_tokenizer(embedded_folder: Path):
+    from pdserve.tokenizer import Tokenizer
+
+    return Tokenizer(embedded_folder)
+
+
+@pytest.fixture(scope="session")
+def embedded_runner():
+    from pdserve.model_runner import ModelRunner
+
+    return ModelRunner(None, dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def hf_gguf_model():
+    """transformers' own model, loaded from the same GGUF file the embedded model ships."""
+    from transformers import AutoModelForCausalLM
+
+    from pdserve.loader.default_model import default_model_path
+
+    path = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_gguf_tokenizer():
+    from transformers import AutoTokenizer
+
+    from pdserve.loader.default_model import default_model_path
+
+    path = default_model_path()
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
