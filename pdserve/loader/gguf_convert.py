@@ -211,7 +211,7 @@ def _tokenizer_files(meta: _Metadata) -> tuple[Any, dict[str, Any]]:
     if pre not in PRE_TOKENIZER_SPLITS:
         raise ModelLoadError(f"GGUF pre-tokenizer {pre!r} is not supported")
     tokens: list[str] = meta.require("tokenizer.ggml.tokens")
-    merges = [tuple(m.split(" ", 1)) for m in meta.require("tokenizer.ggml.merges")]
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
     types: list[int] = meta.get("tokenizer.ggml.token_type") or []
     vocab = {tok: i for i, tok in enumerate(tokens)}
 

@@ -1,0 +1,65 @@
+"""Each supported architecture against transformers' own forward, through our loader and paged cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.kv_cache import KVCache, KVCacheSpec
+from pdserve.model import ForwardBatch, SequenceChunk, load_decoder
+from tests.tiny_models import ARCHITECTURES, hf_logits, make_tiny_model
+
+TOL = 1e-4
+BLOCK = 8
+PROMPT = [(i * 37 + 11) % 97 for i in range(45)]  # crosses five 8-token block boundaries
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
+def arch(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    hf = make_tiny_model(request.param, folder)
+    ours = load_decoder(folder, torch.float32, torch.device("cpu"))
+    return ours, hf_logits(hf, PROMPT)
+
+
+def _cache(model, blocks: int = 16) -> KVCache:
+    return KVCache.allocate(KVCacheSpec.for_model(model.config, blocks, BLOCK, torch.float32), "cpu")
+
+
+def _run(model, cache, chunks, block_size=BLOCK) -> torch.Tensor:
+    return model(ForwardBatch.build(chunks, block_size), cache)
+
+
+def test_whole_prompt(arch):
+    model, expected = arch
+    cache = _cache(model)
+    logits = _run(model, cache, [SequenceChunk(PROMPT, 0, list(range(16)))])
+    torch.testing.assert_close(logits[0], expected[-1], atol=TOL, rtol=0)
+
+
+def test_whole_prompt_without_cache(arch):
+    """The profile-run path (no KV cache) computes the same logits."""
+    model, expected = arch
+    logits = model(ForwardBatch.build([SequenceChunk(PROMPT, 0, list(range(16)))], BLOCK,
+                                      is_dummy_or_profile_run=True), None)
+    torch.testing.assert_close(logits[0], expected[-1], atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("chunk", [5, 8, 13])
+def test_prompt_in_chunks(arch, chunk):
+    model, expected = arch
+    cache = _cache(model)
+    table = [15, 3, 9, 0, 7, 12, 1]  # scattered blocks: order comes from the table, not block ids
+    for start in range(0, len(PROMPT), chunk):
+        piece = PROMPT[start:start + chunk]
+        logits = _run(model, cache, [SequenceChunk(piece, start, table)])
+        torch.testing.assert_close(logits[0], expected[start + len(piece) - 1], atol=TOL, rtol=0)
+
+
+def test_token_by_token(arch):
+    model, expected = arch
+    cache = _cache(model)
+    table = list(range(15, 8, -1))
+    for pos, token in enumerate(PROMPT):
+        logits = _run(model, cache, [SequenceChunk([token], pos, table)])
+        torch.testing.assert_close(logits[0], expected[pos], atol=TOL, rtol=0)

@@ -1,0 +1,44 @@
+"""Small random-weight checkpoints saved by transformers, one per supported architecture."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, initializer_range=0.2)
+
+ARCHITECTURES: dict[str, tuple[str, dict]] = {
+    "llama": ("LlamaConfig", {}),
+    "llama-tied-bias": ("LlamaConfig", dict(tie_word_embeddings=True, attention_bias=True, mlp_bias=True)),
+    "llama3-rope-scaling": ("LlamaConfig", dict(rope_parameters=dict(
+        rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=64))),
+    "mistral": ("MistralConfig", dict(sliding_window=None)),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", dict(head_dim=32)),
+    "ernie4_5": ("Ernie4_5Config", dict(use_bias=True, head_dim=16)),
+}
+
+
+def make_tiny_model(name: str, folder: Path, seed: int = 0):
+    """Save a random model of architecture `name` into `folder`; returns the transformers model (fp32, eval)."""
+    import transformers
+
+    config_class, extra = ARCHITECTURES[name]
+    config = getattr(transformers, config_class)(**{**COMMON, **extra})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # biases and norms start at 0 / 1; randomise them so they are exercised
+        for pname, p in model.named_parameters():
+            if pname.endswith("bias") or "norm" in pname:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(folder)
+    return model
+
+
+def hf_logits(model, token_ids: list[int]) -> torch.Tensor:
+    """transformers' logits for every position of `token_ids` (one forward, no cache)."""
+    with torch.no_grad():
+        return model(torch.tensor([token_ids])).logits[0].float()
