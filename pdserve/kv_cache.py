@@ -48,8 +48,8 @@ class KVCache:
             raise ValueError(f"KV cache tensor {tuple(tensor.shape)} {tensor.dtype} does not match {spec}")
         self.spec = spec
         self.tensor = tensor
-        # [num_blocks, block_size, kv_heads, head_dim] strided views, one pair per layer.
-        self.layers = [(tensor[:, layer, 0], tensor[:, layer, 1]) for layer in range(spec.num_layers)]
+        # Per layer a [num_blocks, 2 (K, V), block_size, kv_heads, head_dim] strided view.
+        self.layers = [tensor[:, layer] for layer in range(spec.num_layers)]
 
     @classmethod
     def allocate(cls, spec: KVCacheSpec, device: torch.device | str) -> KVCache:

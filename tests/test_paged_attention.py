@@ -95,6 +95,6 @@ def test_cache_layout_layer_of_block_is_contiguous(models):
     region = cache.tensor[3, 1]
     assert region.is_contiguous()
     assert region.numel() * region.element_size() == cache.spec.bytes_per_layer_block
-    k, v = cache.layers[1]
     model(ForwardBatch.build([SequenceChunk(_prompt(5, 9), 0, [3])], BLOCK), cache)
-    assert k[3, :5].abs().sum() > 0 and torch.equal(k[3], region[0]) and torch.equal(v[3], region[1])
+    k, v = region  # written in place by the forward pass
+    assert k[:5].abs().sum() > 0 and v[:5].abs().sum() > 0 and k[5:].abs().sum() == 0

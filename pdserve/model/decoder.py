@@ -24,6 +24,13 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Paramete
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 
+def _add_linear(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+                ) -> torch.Tensor:
+    """residual + x @ weight.T (+ bias), with the add fused into the matmul."""
+    out = torch.addmm(residual, x, weight.t())
+    return out if bias is None else out.add_(bias)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, c: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
@@ -64,26 +71,25 @@ class DecoderModel(nn.Module):
         """Logits [num_seqs, vocab] (fp32) for the last token of each chunk in `batch`."""
         c = self.config
         eps = c.rms_norm_eps
-        positions = batch.positions
+        cos_sin = self.rope.lookup(batch.positions)
+        heads, kv_heads, head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         h = F.embedding(batch.input_ids, self.embed)
         for i, layer in enumerate(self.layers):
             x = F.rms_norm(h, (c.hidden_size,), layer.input_norm, eps)
             qkv = F.linear(x, layer.qkv, layer.qkv_bias)
-            q, k, v = qkv.split((c.q_size, c.kv_size, c.kv_size), dim=-1)
-            q = q.view(-1, c.num_heads, c.head_dim)
-            k = k.view(-1, c.num_kv_heads, c.head_dim)
-            v = v.view(-1, c.num_kv_heads, c.head_dim)
+            # q and k heads side by side, so RoPE runs once per layer.
+            qk = qkv[:, :c.q_size + c.kv_size].view(-1, heads + kv_heads, head_dim)
+            v = qkv[:, c.q_size + c.kv_size:].view(-1, kv_heads, head_dim)
             if layer.q_norm is not None:
-                q = F.rms_norm(q, (c.head_dim,), layer.q_norm, eps)
-                k = F.rms_norm(k, (c.head_dim,), layer.k_norm, eps)
-            q = self.rope.apply(q, positions)
-            k = self.rope.apply(k, positions)
+                qk = torch.cat((F.rms_norm(qk[:, :heads], (head_dim,), layer.q_norm, eps),
+                                F.rms_norm(qk[:, heads:], (head_dim,), layer.k_norm, eps)), dim=1)
+            q, k = self.rope.apply(qk, cos_sin).split((heads, kv_heads), dim=1)
             cache = kv_cache.layers[i] if kv_cache is not None else None
             attn = paged_attention(q, k, v, cache, batch, self.scale)
-            h = h + F.linear(attn, layer.o, layer.o_bias)
+            h = _add_linear(h, attn, layer.o, layer.o_bias)
             x = F.rms_norm(h, (c.hidden_size,), layer.post_norm, eps)
             gate, up = F.linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+            h = _add_linear(h, F.silu(gate) * up, layer.down, layer.down_bias)
         last = F.rms_norm(h[batch.logits_indices], (c.hidden_size,), self.norm, eps)
         return F.linear(last, self.lm_head).float()
 

@@ -42,6 +42,7 @@ class DecodeAttention:
     token_index: torch.Tensor  # [B] positions in the flat batch
     block_tables: torch.Tensor  # [B, max_blocks], padded with block 0 (masked out)
     mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] bool
+    is_whole_batch: bool = False  # every token of the step is a decode token, in order
 
 
 @dataclass
@@ -103,7 +104,7 @@ class ForwardBatch:
             slot_offsets=tensor(slot_offsets),
             logits_indices=tensor(logits_indices),
             prefills=prefills,
-            decode=_decode_attention(decodes, block_size, device) if decodes else None,
+            decode=_decode_attention(decodes, block_size, device, whole_batch=not prefills) if decodes else None,
             is_dummy_or_profile_run=is_dummy_or_profile_run,
         )
 
@@ -122,8 +123,8 @@ def _prefill_attention(start: int, chunk: SequenceChunk, block_size: int, device
     return PrefillAttention(start, n, done, block_ids, mask)
 
 
-def _decode_attention(decodes: list[tuple[int, SequenceChunk]], block_size: int, device: torch.device | str
-                      ) -> DecodeAttention:
+def _decode_attention(decodes: list[tuple[int, SequenceChunk]], block_size: int, device: torch.device | str,
+                      whole_batch: bool) -> DecodeAttention:
     lens = [c.context_len for _, c in decodes]
     max_blocks = -(-max(lens) // block_size)
     tables = [c.block_table[:max_blocks] + [0] * (max_blocks - len(c.block_table[:max_blocks]))
@@ -134,4 +135,5 @@ def _decode_attention(decodes: list[tuple[int, SequenceChunk]], block_size: int,
         token_index=torch.tensor([s for s, _ in decodes], dtype=torch.long, device=device),
         block_tables=torch.tensor(tables, dtype=torch.long, device=device),
         mask=mask[:, None, None, :],
+        is_whole_batch=whole_batch,
     )

@@ -12,17 +12,16 @@ def paged_attention(
     q: torch.Tensor,  # [T, heads, head_dim]
     k: torch.Tensor,  # [T, kv_heads, head_dim]
     v: torch.Tensor,
-    cache: tuple[torch.Tensor, torch.Tensor] | None,  # this layer's K, V: [blocks, block_size, kv_heads, head_dim]
+    cache: torch.Tensor | None,  # this layer's [blocks, 2 (K, V), block_size, kv_heads, head_dim]
     batch: ForwardBatch,
     scale: float,
 ) -> torch.Tensor:  # [T, heads * head_dim]
     if cache is not None:
-        k_cache, v_cache = cache
-        k_cache[batch.slot_blocks, batch.slot_offsets] = k
-        v_cache[batch.slot_blocks, batch.slot_offsets] = v
+        cache[batch.slot_blocks, 0, batch.slot_offsets] = k
+        cache[batch.slot_blocks, 1, batch.slot_offsets] = v
     num_tokens, heads, head_dim = q.shape
     kv_heads = k.shape[1]
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if batch.prefills else q  # q is never read back for pure decode steps
 
     for p in batch.prefills:
         qs = q[p.start:p.start + p.length].transpose(0, 1)  # [heads, n, d]
@@ -32,20 +31,35 @@ def paged_attention(
         else:
             assert cache is not None, "a chunk continuing a cached prefix needs the KV cache"
             context = p.num_computed + p.length
-            ks = k_cache[p.block_ids].flatten(0, 1)[:context].transpose(0, 1)
-            vs = v_cache[p.block_ids].flatten(0, 1)[:context].transpose(0, 1)
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=p.mask, is_causal=p.mask is None,
-                                           scale=scale, enable_gqa=heads != kv_heads)
-        out[p.start:p.start + p.length] = o.transpose(0, 1)
+            ks = _gather(cache[:, 0], p.block_ids).flatten(0, 1)[:context].transpose(0, 1)
+            vs = _gather(cache[:, 1], p.block_ids).flatten(0, 1)[:context].transpose(0, 1)
+        if heads != kv_heads:
+            # Repeating K/V is cheaper than enable_gqa, which drops CPU SDPA to its slow math path.
+            ks = ks.repeat_interleave(heads // kv_heads, dim=0)
+            vs = vs.repeat_interleave(heads // kv_heads, dim=0)
+        # 4-D inputs: with 3-D ones CPU SDPA falls back to its slow math path.
+        o = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], attn_mask=p.mask, is_causal=p.mask is None,
+                                           scale=scale)
+        out[p.start:p.start + p.length] = o[0].transpose(0, 1)
 
     if (d := batch.decode) is not None:
         assert cache is not None, "decode tokens need the KV cache"
         b = d.token_index.shape[0]
         # Group query heads by their KV head ([B, kv_heads, group, d]): GQA without repeating K/V.
-        qd = q[d.token_index].view(b, kv_heads, heads // kv_heads, head_dim)
-        kd = k_cache[d.block_tables].flatten(1, 2).transpose(1, 2)  # [B, kv_heads, L, d]
-        vd = v_cache[d.block_tables].flatten(1, 2).transpose(1, 2)
+        qd = (q if d.is_whole_batch else q[d.token_index]).view(b, kv_heads, heads // kv_heads, head_dim)
+        kd = _gather(cache[:, 0], d.block_tables).flatten(1, 2).transpose(1, 2)  # [B, kv_heads, L, d]
+        vd = _gather(cache[:, 1], d.block_tables).flatten(1, 2).transpose(1, 2)
         o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask, scale=scale)
-        out[d.token_index] = o.reshape(b, heads, head_dim)
+        if d.is_whole_batch:  # decode-only step: no scatter into `out`
+            return o.view(num_tokens, heads * head_dim)
+        out[d.token_index] = o.view(b, heads, head_dim)
 
     return out.view(num_tokens, heads * head_dim)
+
+
+def _gather(blocks: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """blocks[block_ids] as a contiguous copy (so later flattens are views).
+
+    index_select is ~4x faster than advanced indexing on this strided per-layer view.
+    """
+    return torch.index_select(blocks, 0, block_ids.reshape(-1)).view(*block_ids.shape, *blocks.shape[1:])

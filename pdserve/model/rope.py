@@ -27,27 +27,36 @@ def inverse_frequencies(rope: RopeConfig, rotary_dim: int) -> torch.Tensor:
 
 
 class RotaryEmbedding:
-    """Precomputed cos/sin for positions [0, max_positions); `apply` rotates q and k in one call."""
+    """Precomputed cos/sin for positions [0, max_positions).
+
+    Per step, `lookup` gathers the rows for the batch's positions once; every layer then calls
+    `apply` on its q and k heads together.
+    """
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int, device: torch.device) -> None:
         inv_freq = inverse_frequencies(rope, head_dim)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         self.interleaved = rope.interleaved
-        if self.interleaved:
-            freqs = freqs.repeat_interleave(2, dim=-1)
-        else:
-            freqs = torch.cat((freqs, freqs), dim=-1)
-        self.cos = freqs.cos().to(device)
-        self.sin = freqs.sin().to(device)
+        if self.interleaved:  # GPT-J pairs (x0, x1), (x2, x3), ...
+            cos = freqs.cos().repeat_interleave(2, dim=-1)
+            sin = torch.stack((-freqs.sin(), freqs.sin()), dim=-1).flatten(-2)
+        else:  # rotate_half: halves (x[:d/2], x[d/2:])
+            cos = torch.cat((freqs.cos(), freqs.cos()), dim=-1)
+            sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
+        # The sign of rotate_half is folded into `sin`, so applying is two multiplies and one swap.
+        self.cos = cos.to(device)
+        self.sin = sin.to(device)
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [tokens, heads, head_dim] -> rotated copy (fp32 math, input dtype out)."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    def apply(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x: [tokens, heads, head_dim] -> rotated copy (fp32 math, x's dtype out)."""
+        cos, sin = cos_sin
         xf = x.float()
         if self.interleaved:
-            rotated = torch.stack((-xf[..., 1::2], xf[..., 0::2]), dim=-1).flatten(-2)
+            swapped = xf.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
         else:
             half = xf.shape[-1] // 2
-            rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
-        return (xf * cos + rotated * sin).to(x.dtype)
+            swapped = torch.cat((xf[..., half:], xf[..., :half]), dim=-1)
+        return (xf * cos + swapped * sin).to(x.dtype)

@@ -1,0 +1,116 @@
+"""Single-sequence forward speed on the embedded model: pdserve beside transformers, same weights, one run.
+
+    .venv/bin/python bench/forward.py [--prompt-len 512] [--new-tokens 128] [--reps 3]
+
+Prefill: tokens/s for one prompt of --prompt-len tokens. Decode: the steady batch-1 rate,
+(T(1 + N tokens) - T(1 token)) / N, as in ../shared/reference/anchors-cpu.md. The two engines take
+turns rep by rep, so a noisy neighbour hits both alike; the table shows the median and the best rep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+
+class Engine:
+    """Callables that time one engine: prefill, and greedy generation of n tokens after the prompt."""
+
+    def __init__(self, name: str, prefill, generate) -> None:  # noqa: ANN001
+        self.name, self.prefill, self.generate = name, prefill, generate
+        self.prefill_rates: list[float] = []
+        self.decode_rates: list[float] = []
+
+    def run_rep(self, prompt_len: int, new_tokens: int) -> None:
+        t_prefill = _seconds(self.prefill)
+        t_one = _seconds(lambda: self.generate(1))
+        t_many = _seconds(lambda: self.generate(1 + new_tokens))
+        self.prefill_rates.append(prompt_len / t_prefill)
+        self.decode_rates.append(new_tokens / (t_many - t_one))
+
+
+def _seconds(fn) -> float:  # noqa: ANN001
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def pdserve_engine(prompt: list[int], new_tokens: int, dtype: str) -> Engine:
+    from pdserve.model import SequenceChunk
+    from pdserve.model_runner import ModelRunner
+
+    runner = ModelRunner(None, dtype=dtype, device="cpu")
+    blocks = -(-(len(prompt) + new_tokens + 2) // runner.block_size)
+    runner.allocate_kv_cache(blocks)
+    table = list(range(blocks))
+
+    def prefill() -> int:
+        return int(runner.logits([SequenceChunk(prompt, 0, table)]).argmax())
+
+    def generate(n: int) -> None:
+        token = prefill()
+        for i in range(n - 1):
+            token = int(runner.logits([SequenceChunk([token], len(prompt) + i, table)]).argmax())
+
+    return Engine("pdserve", prefill, generate)
+
+
+def transformers_engine(prompt: list[int]) -> Engine:
+    from transformers import AutoModelForCausalLM
+
+    from pdserve.loader.default_model import default_model_path
+
+    path = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt])
+
+    def prefill() -> None:
+        with torch.no_grad():
+            model(ids, use_cache=True, logits_to_keep=1)
+
+    def generate(n: int) -> None:
+        with torch.no_grad():
+            model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
+                           min_new_tokens=n, pad_token_id=2)
+
+    return Engine("transformers", prefill, generate)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default="float32", help="pdserve's dtype (transformers always runs fp32)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(100, 49152, (args.prompt_len,), generator=g).tolist()
+
+    ours = pdserve_engine(prompt, args.new_tokens, args.dtype)
+    theirs = transformers_engine(prompt)
+    for engine in (ours, theirs):  # warm-up
+        engine.run_rep(args.prompt_len, 4)
+        engine.prefill_rates.clear()
+        engine.decode_rates.clear()
+    for _ in range(args.reps):
+        for engine in (ours, theirs):
+            engine.run_rep(args.prompt_len, args.new_tokens)
+
+    print(f"\nSmolLM2-135M-Instruct, {args.threads} threads, pdserve {args.dtype} vs transformers fp32, "
+          f"{args.reps} reps taking turns: median (best)")
+    print(f"{'':26}{'pdserve':>16}{'transformers':>16}{'ratio':>14}")
+    for label, attr in ((f"prefill {args.prompt_len} tok, tok/s", "prefill_rates"),
+                        ("decode batch 1, tok/s", "decode_rates")):
+        a, b = getattr(ours, attr), getattr(theirs, attr)
+        ma, mb = statistics.median(a), statistics.median(b)
+        print(f"{label:26}{f'{ma:.1f} ({max(a):.1f})':>16}{f'{mb:.1f} ({max(b):.1f})':>16}"
+              f"{f'{ma / mb:.2f} ({max(a) / max(b):.2f})':>14}")
+
+
+if __name__ == "__main__":
+    main()
