@@ -1,0 +1,6 @@
+"""pdserve: LLM serving with prefill/decode disaggregation."""
+
+from pdserve.sampling import SamplingParams
+
+__version__ = "0.1.0"
+__all__ = ["SamplingParams", "__version__"]

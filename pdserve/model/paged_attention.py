@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pdserve.model.forward_batch import ForwardBatch
+from pdserve.model.forward_batch import DecodeAttention, ForwardBatch, PrefillAttention
 
 
 def paged_attention(
@@ -19,42 +19,51 @@ def paged_attention(
     if cache is not None:
         cache[batch.slot_blocks, 0, batch.slot_offsets] = k
         cache[batch.slot_blocks, 1, batch.slot_offsets] = v
-    num_tokens, heads, head_dim = q.shape
-    kv_heads = k.shape[1]
-    out = torch.empty_like(q) if batch.prefills else q  # q is never read back for pure decode steps
-
+    num_tokens = q.shape[0]
+    d = batch.decode
+    if d is not None and d.is_whole_batch:  # a decode-only step: no scatter into an output buffer
+        return _decode(q, cache, d, scale).view(num_tokens, -1)
+    out = torch.empty_like(q)
     for p in batch.prefills:
-        qs = q[p.start:p.start + p.length].transpose(0, 1)  # [heads, n, d]
-        if p.block_ids is None:
-            ks = k[p.start:p.start + p.length].transpose(0, 1)
-            vs = v[p.start:p.start + p.length].transpose(0, 1)
-        else:
-            assert cache is not None, "a chunk continuing a cached prefix needs the KV cache"
-            context = p.num_computed + p.length
-            ks = _gather(cache[:, 0], p.block_ids).flatten(0, 1)[:context].transpose(0, 1)
-            vs = _gather(cache[:, 1], p.block_ids).flatten(0, 1)[:context].transpose(0, 1)
-        if heads != kv_heads:
-            # Repeating K/V is cheaper than enable_gqa, which drops CPU SDPA to its slow math path.
-            ks = ks.repeat_interleave(heads // kv_heads, dim=0)
-            vs = vs.repeat_interleave(heads // kv_heads, dim=0)
-        # 4-D inputs: with 3-D ones CPU SDPA falls back to its slow math path.
-        o = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], attn_mask=p.mask, is_causal=p.mask is None,
-                                           scale=scale)
-        out[p.start:p.start + p.length] = o[0].transpose(0, 1)
+        out[p.start:p.start + p.length] = _prefill(q, k, v, cache, p, scale)
+    if d is not None:
+        out[d.token_index] = _decode(q[d.token_index], cache, d, scale)
+    return out.view(num_tokens, -1)
 
-    if (d := batch.decode) is not None:
-        assert cache is not None, "decode tokens need the KV cache"
-        b = d.token_index.shape[0]
-        # Group query heads by their KV head ([B, kv_heads, group, d]): GQA without repeating K/V.
-        qd = (q if d.is_whole_batch else q[d.token_index]).view(b, kv_heads, heads // kv_heads, head_dim)
-        kd = _gather(cache[:, 0], d.block_tables).flatten(1, 2).transpose(1, 2)  # [B, kv_heads, L, d]
-        vd = _gather(cache[:, 1], d.block_tables).flatten(1, 2).transpose(1, 2)
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask, scale=scale)
-        if d.is_whole_batch:  # decode-only step: no scatter into `out`
-            return o.view(num_tokens, heads * head_dim)
-        out[d.token_index] = o.view(b, heads, head_dim)
 
-    return out.view(num_tokens, heads * head_dim)
+def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor | None,
+             p: PrefillAttention, scale: float) -> torch.Tensor:  # [n, heads, d]
+    heads, kv_heads = q.shape[1], k.shape[1]
+    qs = q[p.start:p.start + p.length].transpose(0, 1)  # [heads, n, d]
+    if p.block_ids is None:
+        ks = k[p.start:p.start + p.length].transpose(0, 1)
+        vs = v[p.start:p.start + p.length].transpose(0, 1)
+    else:
+        assert cache is not None, "a chunk continuing a cached prefix needs the KV cache"
+        context = p.num_computed + p.length
+        ks = _gather(cache[:, 0], p.block_ids).flatten(0, 1)[:context].transpose(0, 1)
+        vs = _gather(cache[:, 1], p.block_ids).flatten(0, 1)[:context].transpose(0, 1)
+    if heads != kv_heads:
+        # Repeating K/V is cheaper than enable_gqa, which drops CPU SDPA to its slow math path.
+        ks = ks.repeat_interleave(heads // kv_heads, dim=0)
+        vs = vs.repeat_interleave(heads // kv_heads, dim=0)
+    # 4-D inputs: with 3-D ones CPU SDPA also falls back to the math path.
+    o = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], attn_mask=p.mask, is_causal=p.mask is None,
+                                       scale=scale)
+    return o[0].transpose(0, 1)
+
+
+def _decode(q: torch.Tensor, cache: torch.Tensor | None, d: DecodeAttention, scale: float
+            ) -> torch.Tensor:  # [B, heads, d]
+    assert cache is not None, "decode tokens need the KV cache"
+    b, heads, head_dim = q.shape
+    kv_heads = cache.shape[-2]
+    # Query heads grouped by their KV head ([B, kv_heads, group, d]): GQA without repeating K/V.
+    qd = q.view(b, kv_heads, heads // kv_heads, head_dim)
+    kd = _gather(cache[:, 0], d.block_tables).flatten(1, 2).transpose(1, 2)  # [B, kv_heads, L, d]
+    vd = _gather(cache[:, 1], d.block_tables).flatten(1, 2).transpose(1, 2)
+    o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask, scale=scale)
+    return o.view(b, heads, head_dim)
 
 
 def _gather(blocks: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
