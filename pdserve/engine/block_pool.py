@@ -1,0 +1,114 @@
+"""KV blocks: reference counts, a free list, and the prefix-cache index of full blocks.
+
+A block is in exactly one of three states:
+- in use: ref_cnt > 0 (one reference per request holding it);
+- cached: ref_cnt == 0 but it holds a full block whose hash is indexed, so a later request with
+  the same prefix can take it back; evicted least-recently-freed first when blocks run out;
+- clean: ref_cnt == 0 and nothing indexed.
+Clean blocks are reused last-freed-first, so a large pool is only touched (faulted in, on CPU) as
+far as the load needs it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+BlockHash = int
+
+
+def hash_block(parent: BlockHash | None, token_ids: Iterable[int]) -> BlockHash:
+    """Chained hash: a block's identity covers its tokens and every token before it."""
+    return hash((parent, tuple(token_ids)))
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: BlockHash | None = None
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError("the KV cache needs at least one block")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._clean: list[int] = list(range(num_blocks - 1, -1, -1))  # a stack: pop() gives block 0 first
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; oldest first
+        self._by_hash: dict[BlockHash, int] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._clean) + len(self._evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._by_hash)
+
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def allocate(self, n: int) -> list[Block]:
+        if n > self.num_free_blocks:
+            raise ValueError(f"asked for {n} blocks, {self.num_free_blocks} free")
+        out = []
+        for _ in range(n):
+            if self._clean:
+                block = self.blocks[self._clean.pop()]
+            else:
+                block_id, _ = self._evictable.popitem(last=False)
+                block = self.blocks[block_id]
+                del self._by_hash[block.block_hash]
+                block.block_hash = None
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def lookup(self, block_hash: BlockHash) -> Block | None:
+        block_id = self._by_hash.get(block_hash)
+        return None if block_id is None else self.blocks[block_id]
+
+    def take(self, blocks: Iterable[Block]) -> None:
+        """Add a reference to cached blocks (a prefix hit), taking them off the eviction list."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self._evictable[block.block_id]
+            block.ref_cnt += 1
+
+    def free(self, blocks: Iterable[Block]) -> None:
+        """Drop one reference from each block. Pass a request's blocks last-first, so its tail
+        blocks (least likely to be shared) are evicted before its head."""
+        for block in blocks:
+            if block.ref_cnt <= 0:
+                raise RuntimeError(f"block {block.block_id} freed more often than taken")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                if block.block_hash is not None:
+                    self._evictable[block.block_id] = None
+                else:
+                    self._clean.append(block.block_id)
+
+    def cache_full_block(self, block: Block, block_hash: BlockHash) -> None:
+        """Index a block that just became full; a block with the same content already indexed wins."""
+        if not self.enable_caching or block.block_hash is not None or block_hash in self._by_hash:
+            return
+        block.block_hash = block_hash
+        self._by_hash[block_hash] = block.block_id
+
+    def reset_prefix_cache(self) -> None:
+        for block_id in list(self._evictable):
+            block = self.blocks[block_id]
+            del self._by_hash[block.block_hash]
+            block.block_hash = None
+            self._clean.append(block_id)
+        self._evictable.clear()
+
+    def check_all_free(self) -> None:
+        """Debug check for an idle engine: every block free, none leaked."""
+        leaked = [b.block_id for b in self.blocks if b.ref_cnt != 0]
+        if leaked or self.num_free_blocks != self.num_blocks:
+            raise AssertionError(f"KV blocks leaked: {leaked[:10]} (free {self.num_free_blocks}/{self.num_blocks})")

@@ -1,0 +1,66 @@
+"""A request as the engine sees it: tokens, progress, blocks, and its place in the lifecycle."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from pdserve.engine.block_pool import Block, BlockHash
+from pdserve.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # back in the waiting queue; its KV will be recomputed
+    PREALLOCATED = "preallocated"  # decode role: blocks held, prompt KV arriving from a prefill instance
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestTimes:
+    """Engine-side timestamps (time.time()); the API reports them per request."""
+
+    arrival: float = field(default_factory=time.time)
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in this request's blocks
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
+    num_preemptions: int = 0
+    blocks: list[Block] = field(default_factory=list)
+    block_hashes: list[BlockHash] = field(default_factory=list)  # of full blocks, kept across preemption
+    num_committed_blocks: int = 0  # leading blocks already offered to the prefix cache
+    times: RequestTimes = field(default_factory=RequestTimes)
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)  # prompt + output, appended in place
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_output(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.token_ids.append(token_id)

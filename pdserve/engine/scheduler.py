@@ -1,0 +1,231 @@
+"""The step scheduler (the seeds' "v1" scheduler): who gets how many tokens computed this step.
+
+Per step there is a token budget (`max_num_batched_tokens`). Running requests go first: each decode
+takes one token, and an unfinished prefill takes the next chunk. Then waiting requests are
+admitted in FCFS order while the budget, `max_num_seqs` and the KV blocks allow; a prompt longer
+than what is left of the budget is cut into chunks (chunked prefill). When blocks run out for a
+running request, the most recently admitted request is preempted: its blocks are freed and it
+goes back to the head of the queue, to be recomputed later, so older requests finish first.
+
+The role changes only the ends of the lifecycle: a `prefill` instance finishes a request after
+its first token; a `decode` instance can hold blocks for a request whose prompt KV is written
+from outside (`preallocate`) and start decoding it when told (`mark_prefilled`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.sampling import check_stop
+
+ROLES = ("mixed", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 8192
+    enable_chunked_prefill: bool = True
+    role: str = "mixed"
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(f"without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens}) "
+                             f"must be at least max_model_len ({self.max_model_len})")
+
+
+@dataclass
+class ScheduledChunk:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def completes_known_tokens(self) -> bool:
+        """True when this chunk reaches the request's last known token, so its logits give a new token."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.preallocated: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # ---- admission and removal -------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        self._check_length(request)
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Stop a request wherever it is and free its blocks at once."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        if request in self.running:
+            self.running.remove(request)
+        elif request.status is RequestStatus.PREALLOCATED:
+            del self.preallocated[request_id]
+        else:
+            try:
+                self.waiting.remove(request)
+            except ValueError:
+                pass
+        self._finish(request, "abort")
+        return request
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.preallocated)
+
+    # ---- decode role: prompt KV filled from outside ------------------------------------------
+
+    def preallocate(self, request: Request) -> bool:
+        """Reserve blocks for the whole prompt (plus the first generated token) of a request whose
+        prompt KV another instance will write. False (and nothing held) when blocks are short."""
+        self._check_length(request)
+        if not self.kv.allocate(request, request.num_prompt_tokens + 1):
+            return False
+        request.status = RequestStatus.PREALLOCATED
+        self.requests[request.request_id] = request
+        self.preallocated[request.request_id] = request
+        return True
+
+    def mark_prefilled(self, request_id: str, first_token: int) -> Request:
+        """The prompt KV has arrived: start decoding from the prefill instance's first token."""
+        request = self.preallocated.pop(request_id)
+        request.num_computed_tokens = request.num_prompt_tokens
+        self.kv.commit_computed(request)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        self._append_token(request, first_token)
+        return request
+
+    # ---- one step ----------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request not in self.running:  # preempted below to make room for an older request
+                continue
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv.allocate(request, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                out.chunks.append(ScheduledChunk(request, n))
+                budget -= n
+
+        while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            cached = self.kv.find_cached_prefix(request) if request.num_computed_tokens == 0 else []
+            todo = request.num_tokens - len(cached) * self.kv.block_size
+            if todo > budget and not self.config.enable_chunked_prefill:
+                break
+            n = min(todo, budget)
+            if not self.kv.allocate(request, n, cached):
+                break
+            self.waiting.popleft()
+            if request.status is RequestStatus.WAITING:  # first admission, not a resume after preemption
+                request.num_cached_tokens = len(cached) * self.kv.block_size
+                self.kv.stats.record(request.num_tokens, request.num_cached_tokens)
+            request.num_computed_tokens = len(cached) * self.kv.block_size
+            request.status = RequestStatus.RUNNING
+            if request.times.first_scheduled is None:
+                request.times.first_scheduled = time.time()
+            self.running.append(request)
+            out.chunks.append(ScheduledChunk(request, n))
+            budget -= n
+        return out
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Apply a finished step: advance computed tokens, append sampled tokens, finish requests.
+
+        `sampled` maps request id -> token for the chunks that completed their known tokens.
+        Returns the requests that got a new token (finished ones included).
+        """
+        changed = []
+        for chunk in out.chunks:
+            request = chunk.request
+            if request.is_finished:  # aborted while the step ran
+                continue
+            request.num_computed_tokens += chunk.num_new_tokens
+            self.kv.commit_computed(request)
+            token = sampled.get(request.request_id)
+            if token is None:
+                continue
+            self._append_token(request, token)
+            changed.append(request)
+        return changed
+
+    # ---- internals -------------------------------------------------------------------------
+
+    def _append_token(self, request: Request, token: int) -> None:
+        now = time.time()
+        request.append_output(token)
+        if request.times.first_token is None:
+            request.times.first_token = now
+        request.times.last_token = now
+        reason = check_stop(request.params, request.output_token_ids, request.eos_token_ids,
+                            self.config.max_model_len - request.num_tokens)
+        if reason is None and self.config.role == "prefill":
+            reason = "prefilled"  # a prefill instance's part ends with the first token
+        if reason is not None:
+            self.running.remove(request)
+            self._finish(request, reason)
+
+    def _finish(self, request: Request, reason: str) -> None:
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.times.finished = time.time()
+        self.kv.free(request)
+        self.requests.pop(request.request_id, None)
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.PREEMPTED
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _check_length(self, request: Request) -> None:
+        limit = self.config.max_model_len
+        if request.num_prompt_tokens == 0:
+            raise ValueError("the prompt is empty")
+        if request.num_prompt_tokens >= limit:
+            raise ValueError(f"the prompt has {request.num_prompt_tokens} tokens, but this model's maximum "
+                             f"context length (--max-model-len) is {limit}, which leaves no room to generate")
