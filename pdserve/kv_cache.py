@@ -7,7 +7,10 @@ layers. The P->D transfer sends exactly those regions, and runs of adjacent bloc
 
 from __future__ import annotations
 
+import os
+import secrets
 from dataclasses import dataclass
+from multiprocessing import shared_memory
 
 import torch
 
@@ -43,14 +46,60 @@ class KVCacheSpec:
 class KVCache:
     """Wraps the cache tensor (however it was allocated) with per-layer K/V views."""
 
-    def __init__(self, spec: KVCacheSpec, tensor: torch.Tensor) -> None:
+    def __init__(self, spec: KVCacheSpec, tensor: torch.Tensor,
+                 shm: shared_memory.SharedMemory | None = None, owner: bool = False) -> None:
         if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
             raise ValueError(f"KV cache tensor {tuple(tensor.shape)} {tensor.dtype} does not match {spec}")
         self.spec = spec
         self.tensor = tensor
+        self.shm = shm
+        self._owns_shm = owner
         # Per layer a [num_blocks, 2 (K, V), block_size, kv_heads, head_dim] strided view.
         self.layers = [tensor[:, layer] for layer in range(spec.num_layers)]
 
     @classmethod
     def allocate(cls, spec: KVCacheSpec, device: torch.device | str) -> KVCache:
         return cls(spec, torch.zeros(spec.shape, dtype=spec.dtype, device=device))
+
+    @property
+    def shm_name(self) -> str | None:
+        return self.shm.name if self.shm is not None else None
+
+    @classmethod
+    def create_shared(cls, spec: KVCacheSpec) -> KVCache:
+        """A CPU cache in a named shared-memory segment that other processes can attach to.
+
+        Pages are not touched here: the kernel zero-fills them on first use, so a large cache costs
+        memory only as far as the load reaches.
+        """
+        name = f"pdserve-kv-{os.getpid()}-{secrets.token_hex(4)}"
+        nbytes = spec.num_blocks * spec.bytes_per_block
+        shm = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
+        return cls(spec, _tensor_over(shm, spec), shm, owner=True)
+
+    @classmethod
+    def attach_shared(cls, spec: KVCacheSpec, name: str) -> KVCache:
+        shm = shared_memory.SharedMemory(name=name)
+        return cls(spec, _tensor_over(shm, spec), shm, owner=False)
+
+    def close(self) -> None:
+        """Drop this process's mapping; the creating process also removes the segment."""
+        self.layers = []
+        self.tensor = None  # type: ignore[assignment]
+        if self.shm is not None:
+            try:
+                self.shm.close()
+            except BufferError:  # a view of the buffer is still alive somewhere; the OS unmaps at exit
+                pass
+            if self._owns_shm:
+                try:
+                    self.shm.unlink()
+                except FileNotFoundError:
+                    pass
+            self.shm = None
+
+
+def _tensor_over(shm: shared_memory.SharedMemory, spec: KVCacheSpec) -> torch.Tensor:
+    nbytes = spec.num_blocks * spec.bytes_per_block
+    flat = torch.frombuffer(shm.buf, dtype=torch.uint8, count=nbytes)
+    return flat.view(spec.dtype).view(spec.shape)

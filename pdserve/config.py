@@ -1,0 +1,54 @@
+"""EngineConfig: every flag an instance's engine and workers need, in one msgspec Struct.
+
+It travels to child processes as msgpack on their command line, so no pickle is involved.
+"""
+
+from __future__ import annotations
+
+import base64
+
+import msgspec
+
+
+class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
+    model: str | None = None  # None: the embedded default model
+    dtype: str = "auto"
+    device: str | None = None
+    block_size: int = 64
+    max_model_len: int | None = None  # None: the model's own limit
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: int | None = None  # bytes; CPU: the "device memory" the cache is sized from
+    num_gpu_blocks_override: int | None = None
+    tensor_parallel_size: int = 1
+    splitwise_role: str = "mixed"
+    startup_timeout: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"--block-size must be a power of two, got {self.block_size}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError("--num-gpu-blocks-override must be at least 1")
+        if self.tensor_parallel_size != 1:
+            raise ValueError("--tensor-parallel-size > 1 is not supported yet")
+
+    def encode(self) -> str:
+        return base64.b64encode(msgspec.msgpack.encode(self)).decode()
+
+    @classmethod
+    def decode(cls, text: str) -> EngineConfig:
+        return msgspec.msgpack.decode(base64.b64decode(text), type=cls)
+
+
+def parse_size(text: str) -> int:
+    """'4G', '512M', '1.5GiB', '1000000' -> bytes (binary units)."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    if t and t[-1] in units:
+        return int(float(t[:-1]) * units[t[-1]])
+    return int(float(t))

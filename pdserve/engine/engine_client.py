@@ -1,0 +1,152 @@
+"""The frontend's handle on an engine process (used by `LLM` and the API server)."""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import msgspec
+import zmq
+
+from pdserve.config import EngineConfig
+from pdserve.engine.messages import (
+    AbortRequests,
+    AddRequest,
+    EngineDead,
+    EngineMessage,
+    EngineOutputs,
+    EngineReady,
+    RequestOutput,
+    Shutdown,
+    UtilityCall,
+    UtilityResult,
+)
+from pdserve.sampling import SamplingParams
+
+
+class EngineError(RuntimeError):
+    """The engine could not start, or died."""
+
+
+class EngineClient:
+    POLL_MS = 200
+
+    def __init__(self, config: EngineConfig, model_name: str = "") -> None:
+        self._dir = tempfile.mkdtemp(prefix="pdserve-")
+        self.ctx = zmq.Context()
+        self.inputs = self.ctx.socket(zmq.PUSH)
+        self.inputs.setsockopt(zmq.LINGER, 0)
+        self.inputs.bind(f"ipc://{Path(self._dir) / 'input'}")
+        self.outputs = self.ctx.socket(zmq.PULL)
+        self.outputs.setsockopt(zmq.LINGER, 0)
+        self.outputs.bind(f"ipc://{Path(self._dir) / 'output'}")
+        self.proc = subprocess.Popen([sys.executable, "-m", "pdserve.engine", "--config", config.encode(),
+                                      "--input", f"ipc://{Path(self._dir) / 'input'}",
+                                      "--output", f"ipc://{Path(self._dir) / 'output'}",
+                                      "--model-name", model_name])
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(EngineMessage)
+        self._call_ids = itertools.count()
+        self._buffered: list[RequestOutput] = []
+        self._closed = False
+        try:
+            msg = self._receive(config.startup_timeout, "start")
+            if isinstance(msg, EngineDead):
+                raise EngineError(msg.error)
+            if not isinstance(msg, EngineReady):
+                raise EngineError(f"unexpected first message from the engine: {type(msg).__name__}")
+        except BaseException:
+            self.close()
+            raise
+        self.ready: EngineReady = msg
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    eos_token_ids: list[int], arrival_time: float | None = None) -> None:
+        self._send(AddRequest(request_id, prompt_token_ids, params, eos_token_ids, arrival_time or time.time()))
+
+    def abort(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self._send(AbortRequests(request_ids))
+
+    def get_outputs(self, timeout: float | None = None) -> list[RequestOutput]:
+        """The next batch of outputs; [] if none came within `timeout` seconds (None: wait)."""
+        if self._buffered:
+            out, self._buffered = self._buffered, []
+            return out
+        try:
+            msg = self._receive(timeout, "answer")
+        except TimeoutError:
+            return []
+        if isinstance(msg, EngineOutputs):
+            return msg.outputs
+        if isinstance(msg, EngineDead):
+            raise EngineError(f"the engine died: {msg.error}")
+        return []
+
+    def call(self, method: str, timeout: float = 60.0) -> dict:
+        """A utility call (stats, check_idle, reset_prefix_cache); outputs that arrive meanwhile are kept."""
+        call_id = next(self._call_ids)
+        self._send(UtilityCall(call_id, method))
+        deadline = time.monotonic() + timeout
+        while True:
+            msg = self._receive(max(deadline - time.monotonic(), 0.0), f"answer {method}")
+            if isinstance(msg, UtilityResult) and msg.call_id == call_id:
+                if msg.error is not None:
+                    raise EngineError(msg.error)
+                return msg.result or {}
+            if isinstance(msg, EngineOutputs):
+                self._buffered.extend(msg.outputs)
+            elif isinstance(msg, EngineDead):
+                raise EngineError(f"the engine died: {msg.error}")
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def close(self, timeout: float = 15.0) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.alive():
+            try:
+                self.inputs.send(self._encoder.encode(Shutdown()), flags=zmq.NOBLOCK)
+                self.proc.wait(timeout)
+            except (zmq.ZMQError, subprocess.TimeoutExpired):
+                self.proc.terminate()
+                try:
+                    self.proc.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
+        self.inputs.close()
+        self.outputs.close()
+        self.ctx.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def _send(self, msg: object) -> None:
+        if self._closed:
+            raise EngineError("the engine is closed")
+        self.inputs.send(self._encoder.encode(msg))
+
+    def _receive(self, timeout: float | None, what: str) -> EngineMessage:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.outputs.poll(self.POLL_MS if deadline is None else
+                                    max(0, min(self.POLL_MS, int((deadline - time.monotonic()) * 1000)))):
+            if not self.alive():
+                # It may have written its last words just before exiting.
+                if self.outputs.poll(0):
+                    break
+                raise EngineError(f"the engine process exited (code {self.proc.returncode}) before it could {what}")
+            if deadline is not None and time.monotonic() >= deadline:
+                if what == "answer":
+                    raise TimeoutError
+                raise EngineError(f"the engine did not {what} within {timeout:.0f} s")
+        return self._decoder.decode(self.outputs.recv())

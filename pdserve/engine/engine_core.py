@@ -1,0 +1,188 @@
+"""The engine loop: take requests from the frontend, schedule a step, run it on the worker, report.
+
+It runs in its own process (see `__main__.py`) so the scheduler never waits on the frontend's
+tokenizing or HTTP work, and the frontend never waits on a forward pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import msgspec
+import zmq
+
+from pdserve.config import EngineConfig
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.messages import (
+    AbortRequests,
+    AddRequest,
+    Chunk,
+    EngineInput,
+    EngineOutputs,
+    ExecuteStep,
+    NewRequest,
+    RequestOutput,
+    RequestTimes,
+    Shutdown,
+    UtilityCall,
+    UtilityResult,
+)
+from pdserve.engine.request import Request
+from pdserve.engine.scheduler import Scheduler, SchedulerConfig
+from pdserve.engine.worker_client import WorkerClient
+
+log = logging.getLogger("pdserve.engine")
+
+
+class EngineCore:
+    IDLE_POLL_MS = 500
+
+    def __init__(self, config: EngineConfig, worker: WorkerClient, num_blocks: int, max_model_len: int) -> None:
+        self.config = config
+        self.worker = worker
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            role=config.splitwise_role,
+        ), self.kv)
+        self._on_worker: set[str] = set()  # request ids whose sampling state the worker holds
+        self._finished_on_worker: list[str] = []
+        self.num_computed_tokens = 0  # all tokens run through the model (prefix hits excluded)
+        self.num_steps = 0
+
+    # ---- the loop ------------------------------------------------------------------------------
+
+    def run(self, inputs: zmq.Socket, outputs: zmq.Socket) -> None:
+        decoder = msgspec.msgpack.Decoder(EngineInput)
+        encoder = msgspec.msgpack.Encoder()
+        while True:
+            timeout = 0 if self.scheduler.num_unfinished else self.IDLE_POLL_MS
+            pending: list[RequestOutput] = []
+            while inputs.poll(timeout):
+                msg = decoder.decode(inputs.recv())
+                timeout = 0
+                if isinstance(msg, Shutdown):
+                    return
+                if isinstance(msg, UtilityCall):
+                    outputs.send(encoder.encode(self._utility(msg)))
+                else:
+                    pending.extend(self._handle(msg))
+            if not self.worker.alive():
+                raise RuntimeError(f"the worker process exited (code {self.worker.proc.returncode})")
+            if self.scheduler.num_unfinished:
+                pending.extend(self.step())
+            if pending:
+                outputs.send(encoder.encode(EngineOutputs(pending)))
+
+    def _handle(self, msg: AddRequest | AbortRequests) -> list[RequestOutput]:
+        if isinstance(msg, AbortRequests):
+            return [self._final_output(r) for rid in msg.request_ids if (r := self.abort(rid)) is not None]
+        request = Request(msg.request_id, msg.prompt_token_ids, msg.params, tuple(msg.eos_token_ids))
+        request.times.arrival = msg.arrival_time
+        try:
+            self.scheduler.add_request(request)
+        except ValueError as e:
+            return [RequestOutput(msg.request_id, [], finish_reason="error", error=str(e),
+                                  num_prompt_tokens=len(msg.prompt_token_ids))]
+        return []
+
+    def abort(self, request_id: str) -> Request | None:
+        request = self.scheduler.abort(request_id)
+        if request is not None:
+            self._forget(request)
+        return request
+
+    # ---- one step ----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if not out.chunks:
+            time.sleep(0.001)  # nothing fits now (blocks held elsewhere); do not spin hot
+            return []
+        new_requests, chunks = [], []
+        for c in out.chunks:
+            r = c.request
+            if r.request_id not in self._on_worker:
+                self._on_worker.add(r.request_id)
+                new_requests.append(NewRequest(r.request_id, r.prompt_token_ids, r.params, list(r.eos_token_ids)))
+            start = r.num_computed_tokens
+            chunks.append(Chunk(r.request_id, r.token_ids[start:start + c.num_new_tokens], start,
+                                [b.block_id for b in r.blocks], c.completes_known_tokens))
+        step = ExecuteStep(new_requests, self._finished_on_worker, chunks)
+        self._finished_on_worker = []
+        try:
+            result = self.worker.execute(step)
+        except RuntimeError as e:
+            if not self.worker.alive():
+                raise
+            return [self._fail(c.request, f"the model step failed: {e}") for c in out.chunks]
+        self.num_steps += 1
+        self.num_computed_tokens += out.num_batched_tokens
+        sampled = {s.request_id: s for s in result.sampled}
+        changed = self.scheduler.update(out, {rid: s.token_id for rid, s in sampled.items()})
+        outputs = []
+        for r in changed:
+            s = sampled[r.request_id]
+            output = self._final_output(r) if r.is_finished else RequestOutput(r.request_id, [])
+            output.new_token_ids = [s.token_id]
+            output.new_logprobs = [s.logprobs] if s.logprobs is not None else None
+            if r.is_finished:
+                self._forget(r)
+            outputs.append(output)
+        return outputs
+
+    # ---- helpers -----------------------------------------------------------------------------
+
+    def _fail(self, request: Request, error: str) -> RequestOutput:
+        self.scheduler.abort(request.request_id)
+        request.finish_reason = "error"
+        self._forget(request)
+        out = self._final_output(request)
+        out.error = error
+        return out
+
+    def _forget(self, request: Request) -> None:
+        if request.request_id in self._on_worker:
+            self._on_worker.discard(request.request_id)
+            self._finished_on_worker.append(request.request_id)
+
+    @staticmethod
+    def _final_output(r: Request) -> RequestOutput:
+        t = r.times
+        return RequestOutput(
+            r.request_id, [], finish_reason=r.finish_reason, num_prompt_tokens=r.num_prompt_tokens,
+            num_cached_tokens=r.num_cached_tokens, num_preemptions=r.num_preemptions,
+            times=RequestTimes(t.arrival, t.first_scheduled, t.first_token, t.last_token, t.finished))
+
+    def stats(self) -> dict:
+        pool, prefix = self.kv.pool, self.kv.stats
+        return {
+            "num_blocks": pool.num_blocks, "free_blocks": pool.num_free_blocks,
+            "cached_blocks": pool.num_cached_blocks, "kv_usage": pool.usage(),
+            "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+            "preallocated": len(self.scheduler.preallocated),
+            "num_preemptions": self.scheduler.num_preemptions, "num_steps": self.num_steps,
+            "num_computed_tokens": self.num_computed_tokens,
+            "prefix_cache_requests": prefix.requests, "prefix_cache_hit_requests": prefix.hit_requests,
+            "prefix_cache_queried_tokens": prefix.queried_tokens, "prefix_cache_hit_tokens": prefix.hit_tokens,
+        }
+
+    def _utility(self, call: UtilityCall) -> UtilityResult:
+        try:
+            if call.method == "stats":
+                return UtilityResult(call.call_id, self.stats())
+            if call.method == "check_idle":
+                if self.scheduler.num_unfinished:
+                    raise AssertionError(f"{self.scheduler.num_unfinished} requests are still unfinished")
+                self.kv.pool.check_all_free()
+                return UtilityResult(call.call_id, self.stats())
+            if call.method == "reset_prefix_cache":
+                self.kv.pool.reset_prefix_cache()
+                return UtilityResult(call.call_id, {})
+            raise ValueError(f"unknown utility method {call.method!r}")
+        except (AssertionError, ValueError) as e:
+            return UtilityResult(call.call_id, error=str(e))

@@ -1,0 +1,62 @@
+"""Worker process entry: `python -m pdserve.worker --config B64 --address ipc://...`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import msgspec
+import zmq
+
+from pdserve.config import EngineConfig
+from pdserve.engine.messages import ExecuteStep, WorkerError, WorkerInput, WorkerShutdown
+from pdserve.loader.errors import ModelLoadError
+from pdserve.utils.process import die_with_parent, exit_on_sigterm
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--address", required=True)
+    args = parser.parse_args(argv)
+    die_with_parent()
+    exit_on_sigterm()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s worker: %(message)s")
+    config = EngineConfig.decode(args.config)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PAIR)
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.connect(args.address)
+    encoder = msgspec.msgpack.Encoder()
+    decoder = msgspec.msgpack.Decoder(WorkerInput)
+    worker = None
+    try:
+        from pdserve.worker.worker import Worker
+
+        try:
+            worker = Worker(config)
+        except (ModelLoadError, ValueError, RuntimeError, MemoryError) as e:
+            sock.send(encoder.encode(WorkerError(error=str(e))))
+            return 1
+        sock.send(encoder.encode(worker.ready_message()))
+        while True:
+            msg = decoder.decode(sock.recv())
+            if isinstance(msg, WorkerShutdown):
+                return 0
+            assert isinstance(msg, ExecuteStep)
+            try:
+                reply = worker.execute(msg)
+            except Exception as e:  # report and keep serving; the engine fails this step's requests
+                logging.exception("step failed")
+                reply = WorkerError(error=f"{type(e).__name__}: {e}")
+            sock.send(encoder.encode(reply))
+    finally:
+        if worker is not None:
+            worker.close()
+        sock.close()
+        ctx.term()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

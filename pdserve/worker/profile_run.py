@@ -1,0 +1,94 @@
+"""The profile run: size the KV cache from what is left after weights and peak activations.
+
+    cache bytes = device memory x --gpu-memory-utilization - weights - peak activations
+
+Device memory is the GPU's on CUDA; on CPU it is --kv-cache-memory when given, else the RAM
+available now plus what this process already holds for weights. Peak activations come from a
+dummy forward at the largest batch the scheduler may build (--max-num-batched-tokens tokens over
+up to --max-num-seqs sequences): the CUDA allocator's peak, or on CPU the resident-set growth,
+sampled while it runs. The dummy run has no KV cache and is flagged `is_dummy_or_profile_run`,
+so it signals nothing to any other component (seed 001, bug 2).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import asdict, dataclass
+
+import psutil
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.kv_cache import KVCacheSpec
+from pdserve.model import SequenceChunk
+from pdserve.model_runner import ModelRunner
+
+log = logging.getLogger("pdserve.profile")
+
+
+@dataclass
+class ProfileResult:
+    device_memory: int
+    weights: int
+    peak_activations: int
+    cache_bytes: int
+    num_blocks: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def dummy_chunks(config: EngineConfig, max_model_len: int) -> list[SequenceChunk]:
+    tokens = config.max_num_batched_tokens
+    seqs = max(1, min(config.max_num_seqs, tokens))
+    base, extra = divmod(tokens, seqs)
+    lengths = [min(base + (i < extra), max_model_len) for i in range(seqs)]
+    blocks = -(-max(lengths) // config.block_size)
+    return [SequenceChunk([0] * n, 0, [0] * blocks) for n in lengths if n > 0]
+
+
+def profile_num_blocks(runner: ModelRunner, config: EngineConfig) -> ProfileResult:
+    weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    chunks = dummy_chunks(config, runner.max_model_len)
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+        torch.cuda.reset_peak_memory_stats(runner.device)
+        before = torch.cuda.memory_allocated(runner.device)
+        runner.logits(chunks, is_dummy_or_profile_run=True)
+        torch.cuda.synchronize(runner.device)
+        peak = torch.cuda.max_memory_allocated(runner.device) - before
+        device_memory = torch.cuda.mem_get_info(runner.device)[1]
+    else:
+        peak = _cpu_peak_growth(lambda: runner.logits(chunks, is_dummy_or_profile_run=True))
+        device_memory = config.kv_cache_memory or (psutil.virtual_memory().available + weights)
+    spec = KVCacheSpec.for_model(runner.config, 1, config.block_size, runner.dtype)
+    cache_bytes = int(device_memory * config.gpu_memory_utilization) - weights - peak
+    num_blocks = max(cache_bytes // spec.bytes_per_block, 0)
+    result = ProfileResult(device_memory, weights, peak, cache_bytes, num_blocks)
+    log.info("profile run: device memory %.2f GiB x %.2f - weights %.2f GiB - peak activations %.3f GiB "
+             "= %.2f GiB for the KV cache", device_memory / 2**30, config.gpu_memory_utilization,
+             weights / 2**30, peak / 2**30, cache_bytes / 2**30)
+    return result
+
+
+def _cpu_peak_growth(run) -> int:  # noqa: ANN001
+    proc = psutil.Process()
+    baseline = proc.memory_info().rss
+    peak = baseline
+    done = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        while not done.wait(0.002):
+            peak = max(peak, proc.memory_info().rss)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        run()
+    finally:
+        done.set()
+        sampler.join()
+    peak = max(peak, proc.memory_info().rss)
+    return max(peak - baseline, 0)

@@ -1,0 +1,97 @@
+"""The worker: one per tensor-parallel rank. Owns weights, the KV cache (in mixed role) and the
+per-request sampling state; executes the steps the engine sends."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.engine.messages import ExecuteStep, Sampled, StepResult, TokenLogprobs, WorkerReady
+from pdserve.kv_cache import KVCache, KVCacheSpec
+from pdserve.model import SequenceChunk
+from pdserve.model_runner import ModelRunner
+from pdserve.sampling import SamplingRow, make_generator
+from pdserve.worker.profile_run import profile_num_blocks
+
+log = logging.getLogger("pdserve.worker")
+
+
+class KVCacheTooSmall(ValueError):
+    pass
+
+
+class Worker:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.runner = ModelRunner(config.model, dtype=config.dtype, device=config.device,
+                                  block_size=config.block_size, max_model_len=config.max_model_len)
+        self.profile: dict = {}
+        if config.num_gpu_blocks_override is not None:
+            num_blocks = config.num_gpu_blocks_override
+        else:
+            result = profile_num_blocks(self.runner, config)
+            self.profile = result.as_dict()
+            num_blocks = result.num_blocks
+        self._check_fits(num_blocks)
+        spec = KVCacheSpec.for_model(self.runner.config, num_blocks, config.block_size, self.runner.dtype)
+        if self.runner.device.type == "cpu":
+            self.runner.kv_cache = KVCache.create_shared(spec)
+        else:
+            self.runner.kv_cache = KVCache.allocate(spec, self.runner.device)
+        per_request = -(-self.runner.max_model_len // config.block_size)
+        log.info("KV cache: %d blocks = %d tokens, room for %d max-length (%d-token) requests",
+                 num_blocks, num_blocks * config.block_size, num_blocks // per_request, self.runner.max_model_len)
+        self.rows: dict[str, SamplingRow] = {}
+
+    def ready_message(self) -> WorkerReady:
+        cache = self.runner.kv_cache
+        return WorkerReady(num_blocks=cache.spec.num_blocks, max_model_len=self.runner.max_model_len,
+                           kv_cache_name=cache.shm_name, profile=self.profile)
+
+    def execute(self, step: ExecuteStep) -> StepResult:
+        for new in step.new_requests:
+            self.rows[new.request_id] = SamplingRow(new.params, new.prompt_token_ids, [], tuple(new.eos_token_ids),
+                                                    make_generator(new.params.seed, self.runner.device))
+        for request_id in step.finished_ids:
+            self.rows.pop(request_id, None)
+        if not step.chunks:
+            return StepResult(sampled=[])
+        chunks = [SequenceChunk(c.token_ids, c.num_computed, c.block_table) for c in step.chunks]
+        logits = self.runner.logits(chunks)
+        to_sample = [i for i, c in enumerate(step.chunks) if c.sample]
+        if not to_sample:
+            return StepResult(sampled=[])
+        ids = [step.chunks[i].request_id for i in to_sample]
+        rows = [self.rows[rid] for rid in ids]
+        if len(to_sample) < len(chunks):
+            logits = logits[torch.tensor(to_sample, device=logits.device)]
+        out = self.runner.sampler(logits, rows)
+        tokens = out.token_ids.tolist()
+        logprobs = out.logprobs.tolist() if out.logprobs is not None else None
+        top_ids = out.top_token_ids.tolist() if out.top_token_ids is not None else None
+        top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        sampled = []
+        for j, (rid, row, token) in enumerate(zip(ids, rows, tokens, strict=True)):
+            row.output_token_ids.append(token)
+            lp = None
+            if row.params.logprobs is not None and logprobs is not None:
+                k = row.params.logprobs
+                lp = TokenLogprobs(logprobs[j], top_ids[j][:k] if top_ids else [], top_lps[j][:k] if top_lps else [])
+            sampled.append(Sampled(rid, token, lp))
+        return StepResult(sampled=sampled)
+
+    def close(self) -> None:
+        if self.runner.kv_cache is not None:
+            self.runner.kv_cache.close()
+            self.runner.kv_cache = None
+
+    def _check_fits(self, num_blocks: int) -> None:
+        needed = -(-self.runner.max_model_len // self.config.block_size)
+        if num_blocks < needed:
+            raise KVCacheTooSmall(
+                f"the KV cache has room for {num_blocks} blocks ({num_blocks * self.config.block_size} tokens), "
+                f"but one request of --max-model-len {self.runner.max_model_len} needs {needed} blocks; "
+                "raise --kv-cache-memory or --gpu-memory-utilization (or --num-gpu-blocks-override), "
+                "or lower --max-model-len or --max-num-batched-tokens")
