@@ -24,7 +24,7 @@ lint: venv
 	$(BIN)/ruff check pdserve tests bench
 
 demo: venv
-	$(BIN)/pdserve generate --chat --max-tokens 64 --prompt "Explain in a few sentences why the sky is blue."
+	$(BIN)/pdserve generate --chat --max-tokens 64 --kv-cache-memory 2G --prompt "Explain in a few sentences why the sky is blue."
 
 bench: venv
 	$(BIN)/python bench/forward.py

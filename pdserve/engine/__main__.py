@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         ready = worker.wait_ready(config.startup_timeout)
         core = EngineCore(config, worker, ready.num_blocks, ready.max_model_len)
         outputs.send(encoder.encode(EngineReady(ready.num_blocks, config.block_size, ready.max_model_len,
-                                                args.model_name)))
+                                                args.model_name, ready.profile)))
         core.run(inputs, outputs)
         return 0
     except Exception as e:  # anything: the frontend must hear why the engine is gone

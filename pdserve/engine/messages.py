@@ -82,6 +82,7 @@ class EngineReady(msgspec.Struct, tag=True):
     block_size: int
     max_model_len: int
     model_name: str
+    profile: dict  # what the worker's profile run measured; empty when the block count was given
 
 
 class EngineDead(msgspec.Struct, tag=True):

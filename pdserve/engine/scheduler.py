@@ -110,6 +110,8 @@ class Scheduler:
         """Reserve blocks for the whole prompt (plus the first generated token) of a request whose
         prompt KV another instance will write. False (and nothing held) when blocks are short."""
         self._check_length(request)
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
         if not self.kv.allocate(request, request.num_prompt_tokens + 1):
             return False
         request.status = RequestStatus.PREALLOCATED

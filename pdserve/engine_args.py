@@ -1,0 +1,42 @@
+"""The engine flags shared by `pdserve generate`, `serve` and `launch`, named as in the seeds."""
+
+from __future__ import annotations
+
+import argparse
+
+from pdserve.config import EngineConfig, parse_size
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    d = EngineConfig()
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="Hugging Face folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default=d.dtype, help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
+    g.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when present)")
+    g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV cache block")
+    g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="most requests running at once")
+    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                   help="token budget of one step")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=d.enable_chunked_prefill,
+                   help="cut long prompts into chunks that fit the step budget")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=d.enable_prefix_caching, help="reuse KV blocks of shared prompt prefixes")
+    g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                   help="fraction of device memory (CPU: of --kv-cache-memory or available RAM) to use")
+    g.add_argument("--kv-cache-memory", type=parse_size, default=None,
+                   help="CPU: the memory the cache is sized from, e.g. 4G (default: available RAM)")
+    g.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                   help="number of KV blocks; skips the profile run")
+    g.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size)
+
+
+def engine_config_from_args(args: argparse.Namespace, **extra: object) -> EngineConfig:
+    return EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, enable_chunked_prefill=args.enable_chunked_prefill,
+        enable_prefix_caching=args.enable_prefix_caching, gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_memory=args.kv_cache_memory, num_gpu_blocks_override=args.num_gpu_blocks_override,
+        tensor_parallel_size=args.tensor_parallel_size, **extra)

@@ -1,0 +1,130 @@
+"""The engine end to end through the offline LLM API: batching, preemption, prefix cache, chunking."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from pdserve import LLM, SamplingParams
+from tests.greedy import assert_same_greedy
+
+PROMPTS = [
+    "The capital of France is", "Water boils at a temperature of", "The largest planet in our solar system is",
+    "To make a cup of tea, you first", "The three primary colors are", "A haiku about autumn:\n",
+    "def fibonacci(n):\n", "The French word for cat is", "In 1969, the first person to walk on the moon was",
+    "Photosynthesis is the process by which", "The opposite of hot is", "A good way to learn a language is",
+    "The speed of light is approximately", "Shakespeare wrote the play", "My favourite fruit is the",
+    "Once upon a time, in a small village,",
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=24, logprobs=2)
+
+
+def _shm_segments() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("*pdserve*")} if os.path.isdir("/dev/shm") else set()
+
+
+@pytest.fixture(scope="module")
+def llm():
+    before = _shm_segments()
+    with LLM(num_gpu_blocks_override=128, block_size=16, max_model_len=1024) as engine:
+        assert len(_shm_segments() - before) == 1, "the worker keeps its KV cache in one shared segment"
+        yield engine
+    assert _shm_segments() - before == set(), "closing the LLM removes its shared-memory segment"
+
+
+def test_batch_equals_each_prompt_alone(llm):
+    batched = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert llm.stats()["num_steps"] < 16 * 24, "the 16 prompts ran batched, not one after another"
+    for prompt, out in zip(PROMPTS, batched, strict=True):
+        alone = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+        assert_same_greedy(alone.outputs[0], out.outputs[0])
+        assert out.outputs[0].text == llm.get_tokenizer().decode(out.outputs[0].token_ids)
+    llm.check_idle()
+
+
+def test_prefix_cache_computes_only_the_rest(llm):
+    tok = llm.get_tokenizer()
+    shared = tok.encode("Here is a long shared instruction that many requests start with. " * 6)[:48]
+    first = shared + tok.encode(" Question one: what is the capital of Italy?")
+    second = shared + tok.encode(" Question two: name a large ocean.")
+    one_token = SamplingParams(temperature=0, max_tokens=1)
+    llm.engine.call("reset_prefix_cache")
+    llm.generate({"prompt_token_ids": first}, one_token, use_tqdm=False)
+    before = llm.stats()
+    out = llm.generate({"prompt_token_ids": second}, SamplingParams(temperature=0, max_tokens=8, logprobs=2),
+                       use_tqdm=False)[0]
+    after = llm.stats()
+    assert out.num_cached_tokens == 48  # three 16-token blocks
+    assert after["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"] == 48
+    # prompt minus the cached prefix, plus 7 decode steps
+    assert after["num_computed_tokens"] - before["num_computed_tokens"] == len(second) - 48 + 7
+    llm.engine.call("reset_prefix_cache")
+    fresh = llm.generate({"prompt_token_ids": second}, SamplingParams(temperature=0, max_tokens=8, logprobs=2),
+                         use_tqdm=False)[0]
+    assert fresh.num_cached_tokens == 0
+    assert_same_greedy(fresh.outputs[0], out.outputs[0])
+    llm.check_idle()
+
+
+def test_n_samples_with_seed_are_reproducible_and_distinct(llm):
+    params = SamplingParams(n=2, temperature=1.0, seed=1234, max_tokens=16)
+    a = llm.generate("Write a sentence about the sea:", params, use_tqdm=False)[0]
+    b = llm.generate("Write a sentence about the sea:", params, use_tqdm=False)[0]
+    assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+    assert a.outputs[0].token_ids != a.outputs[1].token_ids
+
+
+def test_stop_string_ends_the_text_before_it(llm):
+    ref = llm.generate("Count: one, two, three,", SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
+    text = ref.outputs[0].text
+    stop = text.strip().split()[2]  # a word that the greedy continuation surely produces
+    out = llm.generate("Count: one, two, three,", SamplingParams(temperature=0, max_tokens=24, stop=[stop]),
+                       use_tqdm=False)[0]
+    assert out.outputs[0].finish_reason == "stop"
+    assert out.outputs[0].text == text[:text.index(stop)]
+    llm.check_idle()
+
+
+def test_finish_reasons_and_lengths(llm):
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.text == "The capital of France is Paris."
+    out = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 5
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 12
+
+
+def test_prompt_longer_than_max_model_len_is_rejected(llm):
+    with pytest.raises(ValueError, match="--max-model-len"):
+        llm.generate({"prompt_token_ids": [100] * 1024}, GREEDY, use_tqdm=False)
+    llm.check_idle()
+
+
+def test_preemption_under_block_pressure_keeps_outputs(llm):
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=2)
+    reference = llm.generate(PROMPTS[:8], params, use_tqdm=False)
+    # 8 requests x ~4 blocks each do not fit in 12 blocks: the newest get preempted and recomputed.
+    with LLM(num_gpu_blocks_override=12, block_size=16, max_model_len=192) as small:
+        pressured = small.generate(PROMPTS[:8], params, use_tqdm=False)
+        stats = small.check_idle()
+    assert stats["num_preemptions"] > 0
+    for ref, got in zip(reference, pressured, strict=True):
+        assert_same_greedy(ref.outputs[0], got.outputs[0])
+
+
+def test_chunked_prefill_equals_unchunked(llm):
+    tok = llm.get_tokenizer()
+    text = " ".join(f"Item {i}: a note about topic number {i}." for i in range(120))
+    ids = tok.encode(text)[:1000] + tok.encode("\nThe last item was")
+    params = SamplingParams(temperature=0, max_tokens=16, logprobs=2)
+    whole = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
+    with LLM(num_gpu_blocks_override=128, block_size=16, max_model_len=1024, max_num_batched_tokens=128,
+             enable_prefix_caching=False) as chunked_llm:
+        chunked = chunked_llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
+        steps = chunked_llm.stats()["num_steps"]
+    assert steps >= len(ids) // 128 + 15  # the prompt took several steps of at most 128 tokens
+    assert_same_greedy(whole.outputs[0], chunked.outputs[0])
