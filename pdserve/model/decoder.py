@@ -15,7 +15,7 @@ from torch import nn
 from pdserve.kv_cache import KVCache
 from pdserve.loader.errors import ModelLoadError
 from pdserve.model.forward_batch import ForwardBatch
-from pdserve.model.paged_attention import paged_attention
+from pdserve.model.paged_attention import GatherBuffers, paged_attention
 from pdserve.model.rope import RotaryEmbedding
 from pdserve.model_config import ModelConfig
 
@@ -65,6 +65,7 @@ class DecoderModel(nn.Module):
         self.rope = RotaryEmbedding(config.rope, config.head_dim, max_positions or config.max_position_embeddings,
                                     device)
         self.scale = config.head_dim ** -0.5
+        self.gather_buffers = GatherBuffers()
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: KVCache | None) -> torch.Tensor:
@@ -85,7 +86,7 @@ class DecoderModel(nn.Module):
                                 F.rms_norm(qk[:, heads:], (head_dim,), layer.k_norm, eps)), dim=1)
             q, k = self.rope.apply(qk, cos_sin).split((heads, kv_heads), dim=1)
             cache = kv_cache.layers[i] if kv_cache is not None else None
-            attn = paged_attention(q, k, v, cache, batch, self.scale)
+            attn = paged_attention(q, k, v, cache, batch, self.scale, self.gather_buffers)
             h = _add_linear(h, attn, layer.o, layer.o_bias)
             x = F.rms_norm(h, (c.hidden_size,), layer.post_norm, eps)
             gate, up = F.linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)

