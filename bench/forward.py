@@ -38,11 +38,11 @@ def _seconds(fn) -> float:  # noqa: ANN001
     return time.perf_counter() - t
 
 
-def pdserve_engine(prompt: list[int], new_tokens: int, dtype: str) -> Engine:
+def pdserve_engine(prompt: list[int], new_tokens: int, dtype: str, quantization: str | None = None) -> Engine:
     from pdserve.model import SequenceChunk
     from pdserve.model_runner import ModelRunner
 
-    runner = ModelRunner(None, dtype=dtype, device="cpu")
+    runner = ModelRunner(None, dtype=dtype, device="cpu", quantization=quantization)
     blocks = -(-(len(prompt) + new_tokens + 2) // runner.block_size)
     runner.allocate_kv_cache(blocks)
     table = list(range(blocks))
@@ -55,7 +55,7 @@ def pdserve_engine(prompt: list[int], new_tokens: int, dtype: str) -> Engine:
         for i in range(n - 1):
             token = int(runner.logits([SequenceChunk([token], len(prompt) + i, table)]).argmax())
 
-    return Engine("pdserve", prefill, generate)
+    return Engine(f"pdserve {quantization or dtype}", prefill, generate)
 
 
 def transformers_engine(prompt: list[int]) -> Engine:
@@ -86,30 +86,37 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="float32", help="pdserve's dtype (transformers always runs fp32)")
+    parser.add_argument("--no-w8a8", action="store_true", help="skip the opt-in int8 row")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, 49152, (args.prompt_len,), generator=g).tolist()
 
-    ours = pdserve_engine(prompt, args.new_tokens, args.dtype)
+    engines = [pdserve_engine(prompt, args.new_tokens, args.dtype)]
+    if not args.no_w8a8:
+        engines.append(pdserve_engine(prompt, args.new_tokens, args.dtype, "w8a8"))
     theirs = transformers_engine(prompt)
-    for engine in (ours, theirs):  # warm-up
+    engines.append(theirs)
+    for engine in engines:  # warm-up
         engine.run_rep(args.prompt_len, 4)
         engine.prefill_rates.clear()
         engine.decode_rates.clear()
     for _ in range(args.reps):
-        for engine in (ours, theirs):
+        for engine in engines:
             engine.run_rep(args.prompt_len, args.new_tokens)
 
-    print(f"\nSmolLM2-135M-Instruct, {args.threads} threads, pdserve {args.dtype} vs transformers fp32, "
-          f"{args.reps} reps taking turns: median (best)")
-    print(f"{'':26}{'pdserve':>16}{'transformers':>16}{'ratio':>14}")
-    for label, attr in ((f"prefill {args.prompt_len} tok, tok/s", "prefill_rates"),
-                        ("decode batch 1, tok/s", "decode_rates")):
-        a, b = getattr(ours, attr), getattr(theirs, attr)
-        ma, mb = statistics.median(a), statistics.median(b)
-        print(f"{label:26}{f'{ma:.1f} ({max(a):.1f})':>16}{f'{mb:.1f} ({max(b):.1f})':>16}"
-              f"{f'{ma / mb:.2f} ({max(a) / max(b):.2f})':>14}")
+    print(f"\nSmolLM2-135M-Instruct, {args.threads} threads, transformers fp32; {args.reps} reps taking turns: "
+          "median (best); ratio = engine / transformers")
+    prefill_head = f"prefill {args.prompt_len} tok/s"
+    print(f"{'':22}{prefill_head:>22}{'ratio':>14}{'decode b=1 tok/s':>20}{'ratio':>14}")
+    for engine in engines:
+        cells = []
+        for attr in ("prefill_rates", "decode_rates"):
+            a, b = getattr(engine, attr), getattr(theirs, attr)
+            ma, mb = statistics.median(a), statistics.median(b)
+            cells += [f"{ma:.1f} ({max(a):.1f})", f"{ma / mb:.2f} ({max(a) / max(b):.2f})"]
+        print(f"{engine.name:22}{cells[0]:>22}{cells[1]:>14}{cells[2]:>20}{cells[3]:>14}")
+    print("w8a8 is opt-in and not exact (int8 weights, dynamic int8 activations); fp32 is the exact path.")
 
 
 if __name__ == "__main__":

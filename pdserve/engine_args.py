@@ -30,6 +30,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-gpu-blocks-override", type=int, default=None,
                    help="number of KV blocks; skips the profile run")
     g.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size)
+    g.add_argument("--quantization", choices=["w8a8"], default=None,
+                   help="opt-in, not exact: int8 weights and dynamic int8 activations (CPU, fbgemm)")
 
 
 def engine_config_from_args(args: argparse.Namespace, **extra: object) -> EngineConfig:
@@ -39,4 +41,4 @@ def engine_config_from_args(args: argparse.Namespace, **extra: object) -> Engine
         max_num_batched_tokens=args.max_num_batched_tokens, enable_chunked_prefill=args.enable_chunked_prefill,
         enable_prefix_caching=args.enable_prefix_caching, gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory=args.kv_cache_memory, num_gpu_blocks_override=args.num_gpu_blocks_override,
-        tensor_parallel_size=args.tensor_parallel_size, **extra)
+        tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization, **extra)

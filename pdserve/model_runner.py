@@ -24,12 +24,14 @@ class ModelRunner:
         device: str | None = None,
         block_size: int = 64,
         max_model_len: int | None = None,
+        quantization: str | None = None,
     ) -> None:
         self.device = torch.device(device) if device else default_device()
         self.dtype = resolve_dtype(dtype, self.device)
         self.folder = resolve_model_folder(model)
         self.block_size = block_size
-        self.model = load_decoder(self.folder, self.dtype, self.device, max_positions=max_model_len)
+        self.model = load_decoder(self.folder, self.dtype, self.device, max_positions=max_model_len,
+                                  quantization=quantization)
         self.config = self.model.config
         self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
                                  self.config.max_position_embeddings)

@@ -15,6 +15,7 @@ from torch import nn
 from pdserve.kv_cache import KVCache
 from pdserve.loader.errors import ModelLoadError
 from pdserve.model.forward_batch import ForwardBatch
+from pdserve.model.linear import make_linear
 from pdserve.model.paged_attention import GatherBuffers, paged_attention
 from pdserve.model.rope import RotaryEmbedding
 from pdserve.model_config import ModelConfig
@@ -22,13 +23,6 @@ from pdserve.model_config import ModelConfig
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
-
-
-def _add_linear(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-                ) -> torch.Tensor:
-    """residual + x @ weight.T (+ bias), with the add fused into the matmul."""
-    out = torch.addmm(residual, x, weight.t())
-    return out if bias is None else out.add_(bias)
 
 
 class DecoderLayer(nn.Module):
@@ -48,11 +42,22 @@ class DecoderLayer(nn.Module):
         self.gate_up_bias = _param(2 * c.intermediate_size, **kw) if c.mlp_bias else None
         self.down = _param(c.hidden_size, c.intermediate_size, **kw)
         self.down_bias = _param(c.hidden_size, **kw) if c.mlp_bias else None
+        self.build_linears(None)
+
+    def build_linears(self, quantization: str | None) -> None:
+        """The callables the forward pass uses; built again after weights load or change."""
+        self.qkv_proj = make_linear(self.qkv, self.qkv_bias, quantization)
+        self.o_proj = make_linear(self.o, self.o_bias, quantization)
+        self.gate_up_proj = make_linear(self.gate_up, self.gate_up_bias, quantization)
+        # down_proj stays dense: its input (after SwiGLU) has the outliers that per-tensor int8
+        # activations cannot hold; quantizing it changed the embedded model's greedy text by token 4.
+        self.down_proj = make_linear(self.down, self.down_bias, None)
 
 
 class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", max_positions: int | None = None) -> None:
+                 device: torch.device | str = "cpu", max_positions: int | None = None,
+                 quantization: str | None = None) -> None:
         super().__init__()
         device = torch.device(device)
         self.config = config
@@ -66,6 +71,8 @@ class DecoderModel(nn.Module):
                                     device)
         self.scale = config.head_dim ** -0.5
         self.gather_buffers = GatherBuffers()
+        self.quantization = quantization
+        self.lm_head_proj = make_linear(self.lm_head, None, None)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: KVCache | None) -> torch.Tensor:
@@ -77,7 +84,7 @@ class DecoderModel(nn.Module):
         h = F.embedding(batch.input_ids, self.embed)
         for i, layer in enumerate(self.layers):
             x = F.rms_norm(h, (c.hidden_size,), layer.input_norm, eps)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            qkv = layer.qkv_proj(x)
             # q and k heads side by side, so RoPE runs once per layer.
             qk = qkv[:, :c.q_size + c.kv_size].view(-1, heads + kv_heads, head_dim)
             v = qkv[:, c.q_size + c.kv_size:].view(-1, kv_heads, head_dim)
@@ -87,12 +94,12 @@ class DecoderModel(nn.Module):
             q, k = self.rope.apply(qk, cos_sin).split((heads, kv_heads), dim=1)
             cache = kv_cache.layers[i] if kv_cache is not None else None
             attn = paged_attention(q, k, v, cache, batch, self.scale, self.gather_buffers)
-            h = _add_linear(h, attn, layer.o, layer.o_bias)
+            h = layer.o_proj.add_to(h, attn)
             x = F.rms_norm(h, (c.hidden_size,), layer.post_norm, eps)
-            gate, up = F.linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
-            h = _add_linear(h, F.silu(gate) * up, layer.down, layer.down_bias)
+            gate, up = layer.gate_up_proj(x).chunk(2, dim=-1)
+            h = layer.down_proj.add_to(h, F.silu(gate) * up)
         last = F.rms_norm(h[batch.logits_indices], (c.hidden_size,), self.norm, eps)
-        return F.linear(last, self.lm_head).float()
+        return self.lm_head_proj(last).float()
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the fused parameters; every parameter must be filled once."""
@@ -130,6 +137,13 @@ class DecoderModel(nn.Module):
         if missing:
             more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
             raise ModelLoadError(f"checkpoint is missing weights: {', '.join(missing[:3])}{more}")
+        if self.quantization is not None:
+            for layer in self.layers:
+                layer.build_linears(self.quantization)
+                # The fp32 matrices are now only in the int8 copies; free them.
+                for name in ("qkv", "o", "gate_up"):
+                    getattr(layer, name).data = torch.empty(0, dtype=self.dtype)
+            self.lm_head_proj = make_linear(self.lm_head, None, self.quantization)
 
     def _target(self, name: str, parts: dict[str, tuple[str, slice]]) -> tuple[torch.Tensor | None, slice]:
         top = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.norm,

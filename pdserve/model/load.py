@@ -33,10 +33,11 @@ def load_config(folder: Path) -> ModelConfig:
 
 
 def load_decoder(folder: Path, dtype: torch.dtype, device: torch.device,
-                 max_positions: int | None = None) -> DecoderModel:
+                 max_positions: int | None = None, quantization: str | None = None) -> DecoderModel:
     config = load_config(folder)
     try:
-        model = DecoderModel(config, dtype=dtype, device=device, max_positions=max_positions)
+        model = DecoderModel(config, dtype=dtype, device=device, max_positions=max_positions,
+                             quantization=quantization)
     except RuntimeError as e:  # typically out of memory
         raise ModelLoadError(f"cannot allocate the model on {device}: {e}") from None
     model.load_weights(iter_tensors(folder))

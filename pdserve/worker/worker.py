@@ -26,7 +26,8 @@ class Worker:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.runner = ModelRunner(config.model, dtype=config.dtype, device=config.device,
-                                  block_size=config.block_size, max_model_len=config.max_model_len)
+                                  block_size=config.block_size, max_model_len=config.max_model_len,
+                                  quantization=config.quantization)
         self.profile: dict = {}
         if config.num_gpu_blocks_override is not None:
             num_blocks = config.num_gpu_blocks_override
