@@ -28,6 +28,7 @@ demo: venv
 
 bench: venv
 	$(BIN)/python bench/forward.py
+	$(BIN)/python bench/throughput.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
