@@ -136,7 +136,8 @@ class LLM:
                             state.output.finished = True
                             progress.update(1)
         except BaseException:
-            self.engine.abort(list(pending))
+            if self.engine.alive():
+                self.engine.abort(list(pending))
             raise
         finally:
             progress.close()

@@ -27,6 +27,7 @@ from pdserve.engine.messages import (
     UtilityResult,
 )
 from pdserve.sampling import SamplingParams
+from pdserve.utils.process import stop_process
 
 
 class EngineError(RuntimeError):
@@ -41,6 +42,7 @@ class EngineClient:
         self.ctx = zmq.Context()
         self.inputs = self.ctx.socket(zmq.PUSH)
         self.inputs.setsockopt(zmq.LINGER, 0)
+        self.inputs.setsockopt(zmq.SNDTIMEO, 10_000)
         self.inputs.bind(f"ipc://{Path(self._dir) / 'input'}")
         self.outputs = self.ctx.socket(zmq.PULL)
         self.outputs.setsockopt(zmq.LINGER, 0)
@@ -115,17 +117,8 @@ class EngineClient:
         if self._closed:
             return
         self._closed = True
-        if self.alive():
-            try:
-                self.inputs.send(self._encoder.encode(Shutdown()), flags=zmq.NOBLOCK)
-                self.proc.wait(timeout)
-            except (zmq.ZMQError, subprocess.TimeoutExpired):
-                self.proc.terminate()
-                try:
-                    self.proc.wait(timeout)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    self.proc.wait()
+        stop_process(self.proc, lambda: self.inputs.send(self._encoder.encode(Shutdown()), flags=zmq.NOBLOCK),
+                     timeout)
         self.inputs.close()
         self.outputs.close()
         self.ctx.term()
@@ -134,7 +127,12 @@ class EngineClient:
     def _send(self, msg: object) -> None:
         if self._closed:
             raise EngineError("the engine is closed")
-        self.inputs.send(self._encoder.encode(msg))
+        if not self.alive():  # a PUSH socket with no peer would block forever
+            raise EngineError(f"the engine process exited (code {self.proc.returncode})")
+        try:
+            self.inputs.send(self._encoder.encode(msg))
+        except zmq.Again:
+            raise EngineError("the engine is not taking requests (send timed out)") from None
 
     def _receive(self, timeout: float | None, what: str) -> EngineMessage:
         deadline = None if timeout is None else time.monotonic() + timeout

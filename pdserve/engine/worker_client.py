@@ -11,6 +11,7 @@ import zmq
 
 from pdserve.config import EngineConfig
 from pdserve.engine.messages import ExecuteStep, StepResult, WorkerError, WorkerMessage, WorkerReady, WorkerShutdown
+from pdserve.utils.process import stop_process
 
 
 class WorkerDied(RuntimeError):
@@ -49,17 +50,8 @@ class WorkerClient:
         return self.proc.poll() is None
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        if self.alive():
-            try:
-                self.sock.send(self._encoder.encode(WorkerShutdown()), flags=zmq.NOBLOCK)
-                self.proc.wait(timeout)
-            except (zmq.ZMQError, subprocess.TimeoutExpired):
-                self.proc.terminate()
-                try:
-                    self.proc.wait(timeout)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    self.proc.wait()
+        stop_process(self.proc, lambda: self.sock.send(self._encoder.encode(WorkerShutdown()), flags=zmq.NOBLOCK),
+                     timeout)
         self.sock.close()
 
     def _receive(self, timeout: float | None, what: str) -> WorkerMessage:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import ctypes
 import signal
+import subprocess
 import sys
+from collections.abc import Callable
 
 _PR_SET_PDEATHSIG = 1
 
@@ -27,3 +29,21 @@ def exit_on_sigterm() -> None:
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, handler)
+
+
+def stop_process(proc: subprocess.Popen, ask: Callable[[], None], timeout: float) -> None:
+    """Ask a child to stop (`ask` sends it a shutdown message), then SIGTERM, then SIGKILL; reaps it."""
+    if proc.poll() is not None:
+        return
+    try:
+        ask()
+        proc.wait(timeout)
+        return
+    except Exception:  # the message could not be sent, or the child did not exit in time
+        pass
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

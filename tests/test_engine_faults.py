@@ -1,0 +1,47 @@
+"""A dead worker or engine process ends requests with a clear error, never a hang, and leaks no cache."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from pdserve import LLM, SamplingParams
+from pdserve.engine.engine_client import EngineError
+
+
+def _segments() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("*pdserve*")}
+
+
+def _wait_gone(pids: list[int], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.parametrize("victim", ["worker", "engine"])
+def test_killed_process_fails_requests_and_cleans_up(victim):
+    before = _segments()
+    llm = LLM(num_gpu_blocks_override=32, block_size=16, max_model_len=512)
+    try:
+        engine = psutil.Process(llm.engine.proc.pid)
+        (worker,) = engine.children()
+        assert len(_segments() - before) == 1
+        (worker if victim == "worker" else engine).kill()
+        start = time.monotonic()
+        with pytest.raises(EngineError, match="exited|died"):
+            llm.generate("Hello", SamplingParams(max_tokens=8), use_tqdm=False)
+        assert time.monotonic() - start < 10
+        assert _wait_gone([worker.pid, engine.pid]), "a child process outlived the failure"
+        deadline = time.monotonic() + 10
+        while _segments() - before and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _segments() - before == set(), "the KV cache segment was left behind"
+    finally:
+        llm.close()
