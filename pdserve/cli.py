@@ -22,6 +22,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=None)
+
+    srv = sub.add_parser("serve", help="serve the OpenAI API (one instance)")
+    add_engine_args(srv)
+    from pdserve.api.serve import add_serve_args
+
+    add_serve_args(srv)
     return parser
 
 
@@ -32,7 +38,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _generate(args)
-    except (ModelLoadError, ValueError, EngineError) as e:
+        if args.command == "serve":
+            from pdserve.api.serve import serve
+
+            return serve(args)
+    except (ModelLoadError, ValueError, EngineError, OSError) as e:
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

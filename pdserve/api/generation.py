@@ -1,0 +1,108 @@
+"""One API request as n engine requests: text deltas, stop strings, logprobs, usage and timings."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from pdserve.api.async_engine import AsyncEngine
+from pdserve.detokenizer import IncrementalDetokenizer
+from pdserve.engine.messages import RequestTimes, TokenLogprobs
+from pdserve.sampling import SamplingParams
+from pdserve.tokenizer import Tokenizer
+
+
+@dataclass
+class ChoiceDelta:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs]
+    finish_reason: str | None = None
+
+
+@dataclass
+class Generation:
+    """Running totals of one API request across its choices."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    created: float = field(default_factory=time.time)
+    completion_tokens: int = 0
+    num_cached_tokens: int = 0
+    times: dict[int, RequestTimes] = field(default_factory=dict)
+    finish_reasons: dict[int, str] = field(default_factory=dict)
+
+    def usage(self) -> dict:
+        prompt = len(self.prompt_token_ids)
+        return {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,
+                "total_tokens": prompt + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens}}
+
+    def metrics(self) -> dict:
+        """Server timestamps (unix seconds) of the first choice, plus seconds since arrival now."""
+        t = self.times.get(0)
+        out: dict = {"arrival_time": time.time() - self.created}
+        if t is not None:
+            out.update(arrival=t.arrival, queued=t.arrival, prefill_start=t.first_scheduled,
+                       first_token=t.first_token, last_token=t.last_token, finished=t.finished)
+        return out
+
+
+async def generate_choices(engine: AsyncEngine, tokenizer: Tokenizer, gen: Generation, params: SamplingParams,
+                           n: int) -> AsyncIterator[ChoiceDelta]:
+    """Deltas of the n choices, interleaved as they come. Leaving early aborts what still runs."""
+    queue: asyncio.Queue[ChoiceDelta | Exception | None] = asyncio.Queue()
+    eos = list(tokenizer.eos_token_ids)
+
+    async def one(index: int) -> None:
+        sub = params if n == 1 else _with(params, seed=None if params.seed is None else params.seed + index)
+        detok = IncrementalDetokenizer(tokenizer, sub)
+        try:
+            async for out in engine.generate(f"{gen.request_id}-{index}", gen.prompt_token_ids, sub, eos):
+                if out.error is not None:
+                    raise ValueError(out.error)
+                gen.completion_tokens += len(out.new_token_ids)
+                text = detok.add(out.new_token_ids)
+                finish = out.finish_reason
+                if detok.stopped:
+                    finish = "stop"
+                elif finish is not None:
+                    text += detok.finish()
+                if out.times is not None:
+                    gen.times[index] = out.times
+                    if index == 0:
+                        gen.num_cached_tokens = out.num_cached_tokens
+                await queue.put(ChoiceDelta(index, text, out.new_token_ids, out.new_logprobs or [], finish))
+                if finish is not None:
+                    gen.finish_reasons[index] = finish
+                    return
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # handed to the consumer, which raises it
+            await queue.put(e)
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.create_task(one(i)) for i in range(n)]
+    try:
+        running = n
+        while running:
+            item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _with(params: SamplingParams, **changes: object) -> SamplingParams:
+    fields = {f: getattr(params, f) for f in params.__struct_fields__}
+    return SamplingParams(**{**fields, **changes})

@@ -1,0 +1,75 @@
+"""Prometheus metrics of one instance: request outcomes and latencies here, engine state on scrape."""
+
+from __future__ import annotations
+
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from pdserve.api.async_engine import AsyncEngine
+from pdserve.api.generation import Generation
+from pdserve.engine.engine_client import EngineError
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("pdserve_requests", "finished requests by outcome", ["finish_reason"], registry=r)
+        self.in_flight = Gauge("pdserve_requests_in_flight", "requests being served", registry=r)
+        self.prompt_tokens = Counter("pdserve_prompt_tokens", "prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("pdserve_generation_tokens", "generated tokens", registry=r)
+        self.ttft = Histogram("pdserve_time_to_first_token_seconds", "engine arrival to first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("pdserve_time_per_output_token_seconds", "mean gap between generated tokens",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("pdserve_e2e_request_latency_seconds", "engine arrival to finish",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("pdserve_request_queue_time_seconds", "engine arrival to first scheduled",
+                               buckets=LATENCY_BUCKETS, registry=r)
+        self.running = Gauge("pdserve_num_requests_running", "requests in the running batch", registry=r)
+        self.waiting = Gauge("pdserve_num_requests_waiting", "requests waiting for admission", registry=r)
+        self.kv_usage = Gauge("pdserve_kv_cache_usage_ratio", "share of KV blocks in use", registry=r)
+        self.free_blocks = Gauge("pdserve_kv_cache_free_blocks", "free KV blocks", registry=r)
+        self.prefix_queries = Gauge("pdserve_prefix_cache_queried_tokens", "prompt tokens looked up", registry=r)
+        self.prefix_hits = Gauge("pdserve_prefix_cache_hit_tokens", "prompt tokens served from cache", registry=r)
+        self.prefix_hit_rate = Gauge("pdserve_prefix_cache_hit_rate", "hit tokens / queried tokens", registry=r)
+        self.preemptions = Gauge("pdserve_num_preemptions", "requests preempted so far", registry=r)
+
+    def request_started(self) -> None:
+        self.in_flight.inc()
+
+    def request_finished(self, gen: Generation, outcome: str | None = None) -> None:
+        self.in_flight.dec()
+        reason = outcome or gen.finish_reasons.get(0) or "abort"
+        self.requests.labels(finish_reason=reason).inc()
+        self.prompt_tokens.inc(len(gen.prompt_token_ids))
+        self.generation_tokens.inc(gen.completion_tokens)
+        t = gen.times.get(0)
+        if t is None:
+            return
+        if t.first_scheduled is not None:
+            self.queue.observe(t.first_scheduled - t.arrival)
+        if t.first_token is not None:
+            self.ttft.observe(t.first_token - t.arrival)
+        if t.finished is not None:
+            self.e2e.observe(t.finished - t.arrival)
+        if t.first_token is not None and t.last_token is not None and gen.completion_tokens > 1:
+            self.tpot.observe((t.last_token - t.first_token) / (gen.completion_tokens - 1))
+
+    async def render(self, engine: AsyncEngine) -> Response:
+        try:
+            stats = await engine.call("stats")
+        except EngineError:
+            stats = None
+        if stats:
+            self.running.set(stats["running"])
+            self.waiting.set(stats["waiting"])
+            self.kv_usage.set(stats["kv_usage"])
+            self.free_blocks.set(stats["free_blocks"])
+            self.prefix_queries.set(stats["prefix_cache_queried_tokens"])
+            self.prefix_hits.set(stats["prefix_cache_hit_tokens"])
+            q = stats["prefix_cache_queried_tokens"]
+            self.prefix_hit_rate.set(stats["prefix_cache_hit_tokens"] / q if q else 0.0)
+            self.preemptions.set(stats["num_preemptions"])
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,75 @@
+"""OpenAI request bodies (pydantic, so bad input becomes a 400 naming the field) and error bodies."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pdserve.sampling import SamplingParams
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    model_config = ConfigDict(extra="allow")  # unknown OpenAI fields (user, ...) are accepted and ignored
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=16)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    collect_metrics: bool = False  # pdserve: per-request server timestamps in the response
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        return SamplingParams(
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0, min_p=self.min_p or 0.0,
+            presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=self.repetition_penalty or 1.0, seed=self.seed, stop=self.stop,
+            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
+            max_tokens=max_tokens, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]] | None = None
+    prompt_token_ids: list[int] | None = None  # pdserve: the prompt as token ids
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: Literal[False] = False
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+def error_body(message: str, status: int, err_type: str = "invalid_request_error",
+               param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": err_type, "param": param, "code": status}}

@@ -1,0 +1,75 @@
+"""`pdserve serve`: start the engine, then the HTTP server; stop both on Ctrl-C or SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import socket
+
+import uvicorn
+
+from pdserve.api.async_engine import AsyncEngine
+from pdserve.api.metrics import ServerMetrics
+from pdserve.api.server import ServerState, build_app
+from pdserve.engine.engine_client import EngineClient
+from pdserve.engine_args import engine_config_from_args
+from pdserve.loader import model_name, resolve_model_folder
+from pdserve.tokenizer import Tokenizer
+
+log = logging.getLogger("pdserve.serve")
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all interfaces)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (default: a free port, logged)")
+    g.add_argument("--served-model-name", default=None, help="the model name clients send (default: from the path)")
+    g.add_argument("--max-concurrency", type=int, default=256, help="requests in flight before answering 429")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = engine_config_from_args(args)
+    name = args.served_model_name or model_name(args.model)
+    tokenizer = Tokenizer(resolve_model_folder(args.model))
+    client = EngineClient(config, name)
+    try:
+        metrics = ServerMetrics()
+        state = ServerState(AsyncEngine(client), tokenizer, name, client.ready.max_model_len, args.max_concurrency,
+                            metrics)
+        metrics_port = args.metrics_port or free_port(args.host)
+        from prometheus_client import start_http_server
+
+        start_http_server(metrics_port, addr=args.host, registry=metrics.registry)
+        server = uvicorn.Server(uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level="warning"))
+        asyncio.run(_serve_and_announce(server, args.host, args.port, metrics_port, name))
+    finally:
+        client.close()
+    return 0
+
+
+async def _serve_and_announce(server: uvicorn.Server, host: str, port: int, metrics_port: int, name: str) -> None:
+    async def announce() -> None:
+        while not server.started:
+            if server.should_exit:
+                return
+            await asyncio.sleep(0.05)
+        print(f"pdserve: serving {name} on http://{host}:{port} (OpenAI API under /v1, metrics on port "
+              f"{metrics_port})", flush=True)
+        print(f"  curl http://{host}:{port}/v1/chat/completions -H 'Content-Type: application/json' "
+              f"-d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], \"max_tokens\": 32}}'",
+              flush=True)
+
+    task = asyncio.create_task(announce())
+    await server.serve()
+    task.cancel()
+    if not server.started:
+        raise OSError(f"could not listen on {host}:{port} (is the port in use?)")
