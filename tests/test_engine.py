@@ -128,3 +128,18 @@ def test_chunked_prefill_equals_unchunked(llm):
         steps = chunked_llm.stats()["num_steps"]
     assert steps >= len(ids) // 128 + 15  # the prompt took several steps of at most 128 tokens
     assert_same_greedy(whole.outputs[0], chunked.outputs[0])
+
+
+def test_clear_and_reload_weights_gives_the_same_output(llm):
+    prompt = [{"role": "user", "content": "What is the capital of France?"}]
+    params = SamplingParams(temperature=0, max_tokens=16)
+    before = llm.chat(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    segments = _shm_segments()
+    llm.engine.call("clear_weights")
+    assert len(segments - _shm_segments()) == 1, "clearing frees the KV cache segment with the weights"
+    assert llm.stats()["weights_loaded"] is False
+    with pytest.raises(ValueError, match="weights are cleared"):
+        llm.chat(prompt, params, use_tqdm=False)
+    llm.engine.call("load_weights")
+    assert llm.chat(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == before
+    llm.check_idle()

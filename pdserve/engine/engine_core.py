@@ -53,6 +53,7 @@ class EngineCore:
         self._finished_on_worker: list[str] = []
         self.num_computed_tokens = 0  # all tokens run through the model (prefix hits excluded)
         self.num_steps = 0
+        self.weights_loaded = True
 
     # ---- the loop ------------------------------------------------------------------------------
 
@@ -68,7 +69,10 @@ class EngineCore:
                 if isinstance(msg, Shutdown):
                     return
                 if isinstance(msg, UtilityCall):
-                    outputs.send(encoder.encode(self._utility(msg)))
+                    result, aborted = self._utility(msg)
+                    if aborted:
+                        outputs.send(encoder.encode(EngineOutputs(aborted)))
+                    outputs.send(encoder.encode(result))
                 else:
                     pending.extend(self._handle(msg))
             if not self.worker.alive():
@@ -81,6 +85,10 @@ class EngineCore:
     def _handle(self, msg: AddRequest | AbortRequests) -> list[RequestOutput]:
         if isinstance(msg, AbortRequests):
             return [self._final_output(r) for rid in msg.request_ids if (r := self.abort(rid)) is not None]
+        if not self.weights_loaded:
+            return [RequestOutput(msg.request_id, [], finish_reason="error",
+                                  error="the model weights are cleared; POST /update_model_weight loads them",
+                                  num_prompt_tokens=len(msg.prompt_token_ids))]
         request = Request(msg.request_id, msg.prompt_token_ids, msg.params, tuple(msg.eos_token_ids))
         request.times.arrival = msg.arrival_time
         try:
@@ -171,10 +179,28 @@ class EngineCore:
             "prefix_cache_queried_tokens": prefix.queried_tokens, "prefix_cache_hit_tokens": prefix.hit_tokens,
         }
 
-    def _utility(self, call: UtilityCall) -> UtilityResult:
+    def _utility(self, call: UtilityCall) -> tuple[UtilityResult, list[RequestOutput]]:
+        """Answer a utility call; also returns outputs of requests it ended (clear_weights aborts all)."""
+        aborted: list[RequestOutput] = []
+        try:
+            if call.method == "clear_weights":
+                aborted = [self._final_output(r) for rid in list(self.scheduler.requests) if (r := self.abort(rid))]
+                self.kv.pool.reset_prefix_cache()  # cached KV dies with the cache memory
+                self.weights_loaded = False
+                self.worker.weights("clear")
+                return UtilityResult(call.call_id, {"aborted": len(aborted)}), aborted
+            if call.method == "load_weights":
+                self.worker.weights("load")
+                self.weights_loaded = True
+                return UtilityResult(call.call_id, {}), []
+        except RuntimeError as e:  # the worker reported a failure; it is still alive
+            return UtilityResult(call.call_id, error=str(e)), aborted
+        return self._query(call), []
+
+    def _query(self, call: UtilityCall) -> UtilityResult:
         try:
             if call.method == "stats":
-                return UtilityResult(call.call_id, self.stats())
+                return UtilityResult(call.call_id, {**self.stats(), "weights_loaded": self.weights_loaded})
             if call.method == "check_idle":
                 if self.scheduler.num_unfinished:
                     raise AssertionError(f"{self.scheduler.num_unfinished} requests are still unfinished")

@@ -119,7 +119,13 @@ class WorkerShutdown(msgspec.Struct, tag=True):
     pass
 
 
-WorkerInput = ExecuteStep | WorkerShutdown
+class WeightsCommand(msgspec.Struct, tag=True):
+    """Free the weights and the KV cache ("clear"), or load both again from disk ("load")."""
+
+    action: str
+
+
+WorkerInput = ExecuteStep | WeightsCommand | WorkerShutdown
 
 
 # ---- worker -> engine ------------------------------------------------------------------------
@@ -145,4 +151,8 @@ class WorkerError(msgspec.Struct, tag=True):
     error: str
 
 
-WorkerMessage = StepResult | WorkerReady | WorkerError
+class WorkerOk(msgspec.Struct, tag=True):
+    pass
+
+
+WorkerMessage = StepResult | WorkerReady | WorkerError | WorkerOk

@@ -10,7 +10,15 @@ import msgspec
 import zmq
 
 from pdserve.config import EngineConfig
-from pdserve.engine.messages import ExecuteStep, StepResult, WorkerError, WorkerMessage, WorkerReady, WorkerShutdown
+from pdserve.engine.messages import (
+    ExecuteStep,
+    StepResult,
+    WeightsCommand,
+    WorkerError,
+    WorkerMessage,
+    WorkerReady,
+    WorkerShutdown,
+)
 from pdserve.utils.process import stop_process
 
 
@@ -45,6 +53,12 @@ class WorkerClient:
             raise RuntimeError(msg.error)
         assert isinstance(msg, StepResult)
         return msg
+
+    def weights(self, action: str) -> None:
+        self.sock.send(self._encoder.encode(WeightsCommand(action)))
+        msg = self._receive(None, what=f"{action} its weights")
+        if isinstance(msg, WorkerError):
+            raise RuntimeError(msg.error)
 
     def alive(self) -> bool:
         return self.proc.poll() is None

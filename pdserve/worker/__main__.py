@@ -44,9 +44,8 @@ def main(argv: list[str] | None = None) -> int:
             msg = decoder.decode(sock.recv())
             if isinstance(msg, WorkerShutdown):
                 return 0
-            assert isinstance(msg, ExecuteStep)
             try:
-                reply = worker.execute(msg)
+                reply = worker.execute(msg) if isinstance(msg, ExecuteStep) else worker.weights(msg)
             except Exception as e:  # report and keep serving; the engine fails this step's requests
                 logging.exception("step failed")
                 reply = WorkerError(error=f"{type(e).__name__}: {e}")

@@ -8,7 +8,15 @@ import logging
 import torch
 
 from pdserve.config import EngineConfig
-from pdserve.engine.messages import ExecuteStep, Sampled, StepResult, TokenLogprobs, WorkerReady
+from pdserve.engine.messages import (
+    ExecuteStep,
+    Sampled,
+    StepResult,
+    TokenLogprobs,
+    WeightsCommand,
+    WorkerOk,
+    WorkerReady,
+)
 from pdserve.kv_cache import KVCache, KVCacheSpec
 from pdserve.model import SequenceChunk
 from pdserve.model_runner import ModelRunner
@@ -36,15 +44,31 @@ class Worker:
             self.profile = result.as_dict()
             num_blocks = result.num_blocks
         self._check_fits(num_blocks)
-        spec = KVCacheSpec.for_model(self.runner.config, num_blocks, config.block_size, self.runner.dtype)
-        if self.runner.device.type == "cpu":
-            self.runner.kv_cache = KVCache.create_shared(spec)
-        else:
-            self.runner.kv_cache = KVCache.allocate(spec, self.runner.device)
+        self.spec = KVCacheSpec.for_model(self.runner.config, num_blocks, config.block_size, self.runner.dtype)
+        self._create_cache()
         per_request = -(-self.runner.max_model_len // config.block_size)
         log.info("KV cache: %d blocks = %d tokens, room for %d max-length (%d-token) requests",
                  num_blocks, num_blocks * config.block_size, num_blocks // per_request, self.runner.max_model_len)
         self.rows: dict[str, SamplingRow] = {}
+
+    def _create_cache(self) -> None:
+        if self.runner.device.type == "cpu":
+            self.runner.kv_cache = KVCache.create_shared(self.spec)
+        else:
+            self.runner.kv_cache = KVCache.allocate(self.spec, self.runner.device)
+
+    def weights(self, command: WeightsCommand) -> WorkerOk:
+        """Mixed role: the worker owns weights and cache, so both go (and come back) together."""
+        if command.action == "clear":
+            self.rows.clear()
+            self.runner.release()
+        elif command.action == "load":
+            if self.runner.model is None:
+                self.runner.load_model()
+                self._create_cache()
+        else:
+            raise ValueError(f"unknown weights action {command.action!r}")
+        return WorkerOk()
 
     def ready_message(self) -> WorkerReady:
         cache = self.runner.kv_cache
@@ -84,9 +108,7 @@ class Worker:
         return StepResult(sampled=sampled)
 
     def close(self) -> None:
-        if self.runner.kv_cache is not None:
-            self.runner.kv_cache.close()
-            self.runner.kv_cache = None
+        self.runner.release()
 
     def _check_fits(self, num_blocks: int) -> None:
         needed = -(-self.runner.max_model_len // self.config.block_size)
