@@ -44,6 +44,7 @@ class ServerState:
     max_concurrency: int
     metrics: ServerMetrics
     in_flight: int = 0
+    weights_cleared: bool = False
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -77,7 +78,30 @@ def build_app(state: ServerState) -> FastAPI:
         if not state.engine.healthy:
             return JSONResponse(error_body(state.engine.error or "engine is down", 503, "service_unavailable"),
                                 status_code=503)
+        if state.weights_cleared:
+            return JSONResponse(error_body("the model weights are cleared", 503, "service_unavailable"),
+                                status_code=503)
         return Response(status_code=200)
+
+    @app.api_route("/clear_load_weight", methods=["GET", "POST"])
+    async def clear_load_weight() -> dict:
+        """Free the weights and the KV cache (mixed role); requests get 503 until they are loaded again."""
+        state.weights_cleared = True
+        try:
+            result = await state.engine.call("clear_weights", timeout=120)
+        except EngineError as e:
+            raise APIError(str(e), 500, "internal_server_error") from None
+        return {"status": "cleared", **result}
+
+    @app.api_route("/update_model_weight", methods=["GET", "POST"])
+    async def update_model_weight() -> dict:
+        """Load the weights from disk again and recreate the KV cache."""
+        try:
+            await state.engine.call("load_weights", timeout=600)
+        except EngineError as e:
+            raise APIError(str(e), 500, "internal_server_error") from None
+        state.weights_cleared = False
+        return {"status": "loaded"}
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -156,6 +180,9 @@ async def _respond(state: ServerState, raw: Request, body: Any, gen: Generation,
                        f"the maximum context length of {state.max_model_len}", param="max_tokens")
     if not state.engine.healthy:
         raise APIError(state.engine.error or "the engine is down", 503, "service_unavailable")
+    if state.weights_cleared:
+        raise APIError("the model weights are cleared; POST /update_model_weight loads them", 503,
+                       "service_unavailable")
     if state.in_flight >= state.max_concurrency:
         raise APIError(f"too many requests in flight (--max-concurrency {state.max_concurrency}); retry later",
                        429, "rate_limit_exceeded")

@@ -52,7 +52,13 @@ def main(argv: list[str] | None = None) -> int:
         core.run(inputs, outputs)
         return 0
     except Exception as e:  # anything: the frontend must hear why the engine is gone
-        logging.getLogger("pdserve.engine").exception("engine failed")
+        from pdserve.engine.worker_client import WorkerDied
+
+        log = logging.getLogger("pdserve.engine")
+        if isinstance(e, WorkerDied):  # the worker already said why; no traceback of ours helps
+            log.error("%s", e)
+        else:
+            log.exception("engine failed")
         outputs.send(encoder.encode(EngineDead(error=str(e))))
         return 1
     finally:
