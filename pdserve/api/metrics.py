@@ -58,9 +58,14 @@ class ServerMetrics:
             self.tpot.observe((t.last_token - t.first_token) / (gen.completion_tokens - 1))
 
     async def render(self, engine: AsyncEngine) -> Response:
+        await self.refresh(engine)
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def refresh(self, engine: AsyncEngine) -> None:
+        """Set the engine gauges from a fresh `stats` call (left as they were if the engine cannot answer)."""
         try:
             stats = await engine.call("stats")
-        except EngineError:
+        except (EngineError, TimeoutError):
             stats = None
         if stats:
             self.running.set(stats["running"])
@@ -72,4 +77,3 @@ class ServerMetrics:
             q = stats["prefix_cache_queried_tokens"]
             self.prefix_hit_rate.set(stats["prefix_cache_hit_tokens"] / q if q else 0.0)
             self.preemptions.set(stats["num_preemptions"])
-        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)

@@ -16,6 +16,7 @@ from pdserve.engine.engine_client import EngineClient
 from pdserve.engine_args import engine_config_from_args
 from pdserve.loader import model_name, resolve_model_folder
 from pdserve.tokenizer import Tokenizer
+from pdserve.utils.process import exit_on_sigterm
 
 log = logging.getLogger("pdserve.serve")
 
@@ -37,6 +38,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # uvicorn re-raises SIGTERM after its graceful shutdown; as SystemExit it unwinds through the
+    # `finally` below, so the engine is stopped (not orphaned) and its IPC directory removed.
+    exit_on_sigterm()
     config = engine_config_from_args(args)
     name = args.served_model_name or model_name(args.model)
     tokenizer = Tokenizer(resolve_model_folder(args.model))

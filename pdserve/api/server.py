@@ -53,7 +53,9 @@ def build_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.engine.start()
+        refresher = asyncio.create_task(_refresh_metrics(state))
         yield
+        refresher.cancel()
         await state.engine.stop()
 
     app = FastAPI(title="pdserve", lifespan=lifespan)
@@ -65,6 +67,10 @@ def build_app(state: ServerState) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
         first = e.errors()[0] if e.errors() else {}
+        if first.get("type") == "json_invalid":  # its loc is a character offset, not a field
+            reason = (first.get("ctx") or {}).get("error", "JSON decode error")
+            message = f"the request body is not valid JSON: {reason} (at character {first['loc'][-1]})"
+            return JSONResponse(error_body(message, 400), status_code=400)
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
         return JSONResponse(error_body(message, 400, param=".".join(loc) or None), status_code=400)
@@ -138,6 +144,13 @@ def build_app(state: ServerState) -> FastAPI:
         return await _respond(state, raw, body, gen, params, "chat.completion", _chat_choice)
 
     return app
+
+
+async def _refresh_metrics(state: ServerState, period: float = 1.0) -> None:
+    """The --metrics-port exporter (a thread) only reads the registry: keep its engine gauges current."""
+    while True:
+        await asyncio.sleep(period)
+        await state.metrics.refresh(state.engine)
 
 
 # ---- request handling ------------------------------------------------------------------------
@@ -219,6 +232,9 @@ async def _complete(state: ServerState, body: Any, gen: Generation, params: Any,
             texts[d.index] += d.text
             tokens[d.index] += d.token_ids
             logprobs[d.index] += d.logprobs
+    except asyncio.CancelledError:  # the client went away (_until_disconnect); the engine requests are aborted
+        state.metrics.request_finished(gen, "abort")
+        raise
     except EngineError as e:
         state.metrics.request_finished(gen, "error")
         raise APIError(str(e), 500, "internal_server_error") from None
