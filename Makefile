@@ -23,12 +23,14 @@ test: venv
 lint: venv
 	$(BIN)/ruff check pdserve tests bench
 
+# Serves the embedded model on http://127.0.0.1:8000 (OpenAI API) and prints a curl example.
 demo: venv
-	$(BIN)/pdserve generate --chat --max-tokens 64 --kv-cache-memory 2G --prompt "Explain in a few sentences why the sky is blue."
+	$(BIN)/pdserve serve --kv-cache-memory 2G --max-model-len 4096
 
 bench: venv
 	$(BIN)/python bench/forward.py
 	$(BIN)/python bench/throughput.py
+	$(BIN)/python bench/serving_overhead.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
