@@ -553,6 +553,21 @@ def test_non_stream_disconnect_frees_the_request(server, client):
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
 
 
+def test_clear_and_update_weights_over_http(server, client):
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    before = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=16, temperature=0)
+    assert httpx.post(f"{server.url}/clear_load_weight", timeout=60).status_code == 200
+    assert not server.own_segments(), "clearing the weights frees the KV cache segment too"
+    assert httpx.get(f"{server.url}/health", timeout=5).status_code == 503
+    with pytest.raises(openai.APIStatusError) as refused:
+        client.chat.completions.create(model=MODEL, messages=chat, max_tokens=16, temperature=0)
+    assert refused.value.status_code == 503
+    assert httpx.get(f"{server.url}/update_model_weight", timeout=300).status_code == 200  # GET too, as in FastDeploy
+    assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
+    after = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=16, temperature=0)
+    assert after.choices[0].message.content == before.choices[0].message.content
+
+
 # ---- 10. --max-concurrency -----------------------------------------------------------------
 
 SMALL = ("--num-gpu-blocks-override", "64", "--max-model-len", "512", "--kv-cache-memory", "1G")
