@@ -543,6 +543,17 @@ def test_stream_disconnect_frees_the_request(server):
     assert _metrics(server.port)[ABORTS] == aborts + 1
 
 
+def test_stream_abandoned_at_once_gives_back_its_slot(server):
+    """A client that sends a streaming request and hangs up before reading anything."""
+    body = json.dumps({"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 500, "ignore_eos": True,
+                       "stream": True}).encode()
+    for _ in range(3):
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as conn:
+            conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    _wait_for(lambda: _idle(server.port), 15, "an abandoned stream kept its in-flight slot or its blocks")
+
+
 def test_non_stream_disconnect_frees_the_request(server, client):
     body = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 1000, "ignore_eos": True}
     aborts = _metrics(server.port).get(ABORTS, 0)

@@ -17,6 +17,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.api.async_engine import AsyncEngine
@@ -202,8 +203,11 @@ async def _respond(state: ServerState, raw: Request, body: Any, gen: Generation,
     state.in_flight += 1
     state.metrics.request_started()
     if body.stream:
-        return StreamingResponse(_stream(state, body, gen, params, kind, make_choice),
-                                 media_type="text/event-stream")
+        release = _StreamRelease(state, gen)
+        # The generator's `finally` releases the slot; the background task covers a client that left
+        # before the first chunk, when the generator never started and so never reaches `finally`.
+        return StreamingResponse(_stream(state, body, gen, params, kind, make_choice, release),
+                                 media_type="text/event-stream", background=BackgroundTask(release))
     try:
         return await _until_disconnect(raw, _complete(state, body, gen, params, kind, make_choice))
     finally:
@@ -251,8 +255,21 @@ async def _complete(state: ServerState, body: Any, gen: Generation, params: Any,
     return JSONResponse(out)
 
 
-async def _stream(state: ServerState, body: Any, gen: Generation, params: Any, kind: str, make_choice: Any
-                  ) -> AsyncIterator[str]:
+class _StreamRelease:
+    """Gives back a streaming request's in-flight slot and records its outcome, exactly once."""
+
+    def __init__(self, state: ServerState, gen: Generation) -> None:
+        self.state, self.gen, self.done = state, gen, False
+
+    async def __call__(self, outcome: str | None = None) -> None:
+        if not self.done:
+            self.done = True
+            self.state.in_flight -= 1
+            self.state.metrics.request_finished(self.gen, outcome)
+
+
+async def _stream(state: ServerState, body: Any, gen: Generation, params: Any, kind: str, make_choice: Any,
+                  release: _StreamRelease) -> AsyncIterator[str]:
     chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else kind
     include_usage = body.stream_options is not None and body.stream_options.include_usage
 
@@ -282,8 +299,7 @@ async def _stream(state: ServerState, body: Any, gen: Generation, params: Any, k
         status = 500 if isinstance(e, EngineError) else 400
         yield f"data: {json.dumps(error_body(str(e), status))}\n\n"
     finally:  # also reached when the client disconnects: generate_choices then aborted its requests
-        state.in_flight -= 1
-        state.metrics.request_finished(gen, outcome)
+        await release(outcome)
 
 
 def _with_max_tokens(params: Any, max_tokens: int) -> Any:
