@@ -435,6 +435,7 @@ BAD = {
     "wrong type": ("completions", {"prompt": "hi", "max_tokens": "ten"}, "max_tokens"),
     "unknown model": ("completions", {"model": "gpt-nope", "prompt": "hi"}, "model"),
     "max_tokens 0": ("completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    "min_tokens over max_tokens": ("completions", {"prompt": "hi", "max_tokens": 5, "min_tokens": 10}, None),
     "prompt too long": ("completions", {"prompt_token_ids": [42] * (MAX_LEN + 10), "max_tokens": 4}, "prompt"),
     "long text prompt": ("completions", {"prompt": "hello " * (MAX_LEN + 10), "max_tokens": 4}, "prompt"),
     "prompt + max_tokens too long": ("completions", {"prompt_token_ids": [42] * (MAX_LEN - 8), "max_tokens": 32},

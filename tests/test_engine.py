@@ -98,6 +98,14 @@ def test_finish_reasons_and_lengths(llm):
     assert len(out.token_ids) == 12
 
 
+def test_token_ids_outside_the_vocabulary_are_rejected(llm):
+    vocab = llm.get_tokenizer().vocab_size
+    with pytest.raises(ValueError, match="prompt token ids must be in"):
+        llm.generate({"prompt_token_ids": [1, 2, vocab]}, GREEDY, use_tqdm=False)
+    assert llm.generate("Still serving", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+    llm.check_idle()
+
+
 def test_prompt_longer_than_max_model_len_is_rejected(llm):
     with pytest.raises(ValueError, match="--max-model-len"):
         llm.generate({"prompt_token_ids": [100] * 1024}, GREEDY, use_tqdm=False)

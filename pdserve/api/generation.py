@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from pdserve.api.async_engine import AsyncEngine
 from pdserve.detokenizer import IncrementalDetokenizer
+from pdserve.engine.engine_client import EngineError
 from pdserve.engine.messages import RequestTimes, TokenLogprobs
 from pdserve.sampling import SamplingParams
 from pdserve.tokenizer import Tokenizer
@@ -62,8 +63,8 @@ async def generate_choices(engine: AsyncEngine, tokenizer: Tokenizer, gen: Gener
         detok = IncrementalDetokenizer(tokenizer, sub)
         try:
             async for out in engine.generate(f"{gen.request_id}-{index}", gen.prompt_token_ids, sub, eos):
-                if out.error is not None:
-                    raise ValueError(out.error)
+                if out.error is not None:  # 400s are the request's fault; the rest the engine's
+                    raise ValueError(out.error) if out.error_status == 400 else EngineError(out.error)
                 gen.completion_tokens += len(out.new_token_ids)
                 text = detok.add(out.new_token_ids)
                 finish = out.finish_reason

@@ -123,7 +123,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def completions(body: CompletionRequest, raw: Request) -> Any:
         _check_model(state, body.model)
         prompt_ids = _completion_prompt(state, body)
-        params = body.sampling_params(body.max_tokens, body.logprobs)
+        params = _sampling_params(body, body.max_tokens, body.logprobs)
         gen = Generation(f"cmpl-{next(ids)}", prompt_ids)
         return await _respond(state, raw, body, gen, params, "text_completion", _completion_choice)
 
@@ -140,7 +140,7 @@ def build_app(state: ServerState) -> FastAPI:
         _check_length(state, prompt_ids)
         max_tokens = body.max_completion_tokens or body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = body.sampling_params(max_tokens, logprobs)
+        params = _sampling_params(body, max_tokens, logprobs)
         gen = Generation(f"chatcmpl-{next(ids)}", prompt_ids)
         return await _respond(state, raw, body, gen, params, "chat.completion", _chat_choice)
 
@@ -188,7 +188,10 @@ def _completion_prompt(state: ServerState, body: CompletionRequest) -> list[int]
 async def _respond(state: ServerState, raw: Request, body: Any, gen: Generation, params: Any, kind: str,
                    make_choice: Any) -> Any:
     if params.max_tokens is None:
-        params = _with_max_tokens(params, state.max_model_len - len(gen.prompt_token_ids))
+        try:
+            params = _with_max_tokens(params, state.max_model_len - len(gen.prompt_token_ids))
+        except ValueError as e:  # e.g. min_tokens above what the context leaves
+            raise APIError(str(e)) from None
     elif len(gen.prompt_token_ids) + params.max_tokens > state.max_model_len:
         raise APIError(f"prompt ({len(gen.prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                        f"the maximum context length of {state.max_model_len}", param="max_tokens")
@@ -300,6 +303,13 @@ async def _stream(state: ServerState, body: Any, gen: Generation, params: Any, k
         yield f"data: {json.dumps(error_body(str(e), status))}\n\n"
     finally:  # also reached when the client disconnects: generate_choices then aborted its requests
         await release(outcome)
+
+
+def _sampling_params(body: Any, max_tokens: int | None, logprobs: int | None) -> Any:
+    try:
+        return body.sampling_params(max_tokens, logprobs)
+    except ValueError as e:  # a combination the field checks cannot see (min_tokens > max_tokens, ...)
+        raise APIError(str(e)) from None
 
 
 def _with_max_tokens(params: Any, max_tokens: int) -> Any:

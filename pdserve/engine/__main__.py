@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
 
         worker = WorkerClient(config, ctx, f"ipc://{Path(sockdir.name) / 'worker'}")
         ready = worker.wait_ready(config.startup_timeout)
-        core = EngineCore(config, worker, ready.num_blocks, ready.max_model_len)
+        core = EngineCore(config, worker, ready.num_blocks, ready.max_model_len, ready.vocab_size)
         outputs.send(encoder.encode(EngineReady(ready.num_blocks, config.block_size, ready.max_model_len,
                                                 args.model_name, ready.profile)))
         core.run(inputs, outputs)

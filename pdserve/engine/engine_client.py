@@ -27,7 +27,7 @@ from pdserve.engine.messages import (
     UtilityResult,
 )
 from pdserve.sampling import SamplingParams
-from pdserve.utils.process import stop_process
+from pdserve.utils.process import child_env, stop_process
 
 
 class EngineError(RuntimeError):
@@ -50,7 +50,7 @@ class EngineClient:
         self.proc = subprocess.Popen([sys.executable, "-m", "pdserve.engine", "--config", config.encode(),
                                       "--input", f"ipc://{Path(self._dir) / 'input'}",
                                       "--output", f"ipc://{Path(self._dir) / 'output'}",
-                                      "--model-name", model_name])
+                                      "--model-name", model_name], env=child_env())
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(EngineMessage)
         self._call_ids = itertools.count()

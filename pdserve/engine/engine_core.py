@@ -38,7 +38,8 @@ log = logging.getLogger("pdserve.engine")
 class EngineCore:
     IDLE_POLL_MS = 500
 
-    def __init__(self, config: EngineConfig, worker: WorkerClient, num_blocks: int, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, worker: WorkerClient, num_blocks: int, max_model_len: int,
+                 vocab_size: int | None = None) -> None:
         self.config = config
         self.worker = worker
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -46,6 +47,7 @@ class EngineCore:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=max_model_len,
+            vocab_size=vocab_size,
             enable_chunked_prefill=config.enable_chunked_prefill,
             role=config.splitwise_role,
         ), self.kv)
@@ -88,6 +90,7 @@ class EngineCore:
         if not self.weights_loaded:
             return [RequestOutput(msg.request_id, [], finish_reason="error",
                                   error="the model weights are cleared; POST /update_model_weight loads them",
+                                  error_status=503,
                                   num_prompt_tokens=len(msg.prompt_token_ids))]
         request = Request(msg.request_id, msg.prompt_token_ids, msg.params, tuple(msg.eos_token_ids))
         request.times.arrival = msg.arrival_time
@@ -150,7 +153,7 @@ class EngineCore:
         request.finish_reason = "error"
         self._forget(request)
         out = self._final_output(request)
-        out.error = error
+        out.error, out.error_status = error, 500
         return out
 
     def _forget(self, request: Request) -> None:

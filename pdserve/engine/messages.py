@@ -61,6 +61,7 @@ class RequestOutput(msgspec.Struct):
     new_logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | "prefilled"
     error: str | None = None
+    error_status: int = 400  # HTTP status the error maps to: 400 bad request, 500 engine failure, 503 unavailable
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0
@@ -143,6 +144,7 @@ class StepResult(msgspec.Struct, tag=True):
 class WorkerReady(msgspec.Struct, tag=True):
     num_blocks: int
     max_model_len: int
+    vocab_size: int
     kv_cache_name: str | None  # shared-memory segment holding the cache (CPU), None on CUDA
     profile: dict  # what the profile run measured (empty when the block count was given)
 

@@ -32,6 +32,7 @@ class SchedulerConfig:
     max_model_len: int = 8192
     enable_chunked_prefill: bool = True
     role: str = "mixed"
+    vocab_size: int | None = None  # when known, prompt ids are checked against it at admission
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -228,6 +229,9 @@ class Scheduler:
         limit = self.config.max_model_len
         if request.num_prompt_tokens == 0:
             raise ValueError("the prompt is empty")
+        vocab = self.config.vocab_size
+        if vocab is not None and any(not 0 <= t < vocab for t in request.prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if request.num_prompt_tokens >= limit:
             raise ValueError(f"the prompt has {request.num_prompt_tokens} tokens, but this model's maximum "
                              f"context length (--max-model-len) is {limit}, which leaves no room to generate")

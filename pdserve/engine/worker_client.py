@@ -19,7 +19,7 @@ from pdserve.engine.messages import (
     WorkerReady,
     WorkerShutdown,
 )
-from pdserve.utils.process import stop_process
+from pdserve.utils.process import child_env, stop_process
 
 
 class WorkerDied(RuntimeError):
@@ -35,7 +35,7 @@ class WorkerClient:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(address)
         self.proc = subprocess.Popen([sys.executable, "-m", "pdserve.worker", "--config", config.encode(),
-                                      "--address", address])
+                                      "--address", address], env=child_env())
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(WorkerMessage)
 

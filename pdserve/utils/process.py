@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
 import subprocess
 import sys
@@ -12,14 +13,25 @@ _PR_SET_PDEATHSIG = 1
 
 
 def die_with_parent() -> None:
-    """Ask Linux to SIGTERM this process when its parent dies (a no-op elsewhere)."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
+    """Ask Linux to SIGTERM this process when its parent dies (a no-op elsewhere).
+
+    A parent that died before this call sends no signal, so that case is checked by hand: we were
+    reparented, and exit.
+    """
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        except OSError:
+            pass
+    expected = os.environ.get("PDSERVE_PARENT_PID")
+    if expected is not None and int(expected) != os.getppid():  # checked after prctl: no gap
+        sys.exit(1)
+
+
+def child_env() -> dict[str, str]:
+    """The environment for a child that calls die_with_parent()."""
+    return {**os.environ, "PDSERVE_PARENT_PID": str(os.getpid())}
 
 
 def exit_on_sigterm() -> None:

@@ -73,7 +73,8 @@ class Worker:
     def ready_message(self) -> WorkerReady:
         cache = self.runner.kv_cache
         return WorkerReady(num_blocks=cache.spec.num_blocks, max_model_len=self.runner.max_model_len,
-                           kv_cache_name=cache.shm_name, profile=self.profile)
+                           vocab_size=self.runner.config.vocab_size, kv_cache_name=cache.shm_name,
+                           profile=self.profile)
 
     def execute(self, step: ExecuteStep) -> StepResult:
         for new in step.new_requests:
