@@ -15,15 +15,32 @@ class IncrementalDetokenizer:
         self.text = ""  # settled text: safe to show, never part of a stop string
         self.stopped = False  # a stop string was found; `text` ends right before it
         self._emitted = 0
+        # Decoding only a window keeps each step O(new tokens), not O(all tokens) (as vLLM does):
+        # _decoded is the text of token_ids[:_read]; _prefix starts the window that re-decodes context.
+        self._decoded = ""
+        self._prefix = 0
+        self._read = 0
+
+    def _tail(self) -> tuple[str, bool]:
+        """Text of the tokens after _read, and whether it ends inside an unfinished UTF-8 character."""
+        decode = self.tokenizer.decode
+        prefix_text = decode(self.token_ids[self._prefix:self._read], skip_special_tokens=self.skip_special)
+        new_text = decode(self.token_ids[self._prefix:], skip_special_tokens=self.skip_special)
+        return new_text[len(prefix_text):], new_text.endswith("\ufffd")
+
+    def _full_text(self) -> str:
+        tail, incomplete = self._tail()
+        if tail and not incomplete:
+            self._decoded += tail
+            self._prefix, self._read = self._read, len(self.token_ids)
+        return self._decoded
 
     def add(self, token_ids: list[int]) -> str:
         """Append tokens; return the newly settled text (held back while it may start a stop string)."""
         if self.stopped:
             return ""
         self.token_ids.extend(token_ids)
-        full = self.tokenizer.decode(self.token_ids, skip_special_tokens=self.skip_special)
-        if full.endswith("\ufffd"):  # a multi-byte character is not complete yet
-            full = full.rstrip("\ufffd")
+        full = self._full_text()  # without a multi-byte character that is not complete yet
         hold = 0
         if self.stops:
             search_from = max(self._emitted - max(map(len, self.stops)) + 1, 0)
@@ -43,7 +60,7 @@ class IncrementalDetokenizer:
         """At the end of generation the held-back tail is settled too."""
         if self.stopped:
             return ""
-        full = self.tokenizer.decode(self.token_ids, skip_special_tokens=self.skip_special)
+        full = self._decoded + self._tail()[0]
         delta = full[self._emitted:]
         self.text = full
         self._emitted = len(full)

@@ -1,0 +1,34 @@
+"""Incremental detokenization: token-by-token deltas add up to the full decode, stop strings never leak."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.detokenizer import IncrementalDetokenizer
+from pdserve.sampling import SamplingParams
+
+TEXTS = ["Hello world! Unicode: naïve café, 日本語, emoji 🚀🔥 <|im_end|> end.", "a\n\nb  c 12345\tx"]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("skip_special", [True, False])
+def test_deltas_add_up_to_the_full_decode(embedded_tokenizer, text, skip_special):
+    ids = embedded_tokenizer.encode(text) + [2, 5]
+    detok = IncrementalDetokenizer(embedded_tokenizer, SamplingParams(skip_special_tokens=skip_special))
+    deltas = [detok.add([i]) for i in ids]
+    out = "".join(deltas) + detok.finish()
+    assert out == embedded_tokenizer.decode(ids, skip_special_tokens=skip_special) == detok.text
+    assert not any("\ufffd" in d for d in deltas), "half a multi-byte character was emitted"
+
+
+@pytest.mark.parametrize("stop", ["日本", "world", "🔥"])
+def test_stop_string_is_cut_and_never_emitted(embedded_tokenizer, stop):
+    ids = embedded_tokenizer.encode(TEXTS[0])
+    detok = IncrementalDetokenizer(embedded_tokenizer, SamplingParams(stop=[stop, "never there"]))
+    deltas = []
+    for i in ids:
+        deltas.append(detok.add([i]))
+        if detok.stopped:
+            break
+    full = embedded_tokenizer.decode(ids)
+    assert detok.stopped and "".join(deltas) == detok.text == full[:full.index(stop)]
