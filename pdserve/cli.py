@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+import msgspec
+
 from pdserve.engine_args import add_engine_args, engine_config_from_args
 from pdserve.loader.errors import ModelLoadError
 
@@ -57,7 +59,7 @@ def _generate(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             max_tokens=args.max_tokens)
     config = engine_config_from_args(args)
-    with LLM(**{f: getattr(config, f) for f in config.__struct_fields__}) as llm:
+    with LLM(**msgspec.structs.asdict(config)) as llm:
         if args.chat:
             outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
         else:

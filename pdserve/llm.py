@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from pdserve.config import EngineConfig
 from pdserve.detokenizer import IncrementalDetokenizer
 from pdserve.engine.engine_client import EngineClient
@@ -114,8 +116,7 @@ class LLM:
             results.append(out)
             for i in range(params.n):
                 # Each of n samples is its own engine request; a seed is offset so samples differ.
-                sub = SamplingParams(**{**_fields(params), "n": 1,
-                                        "seed": None if params.seed is None else params.seed + i})
+                sub = msgspec.structs.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
                 completion = CompletionOutput(i, "", [], None, 0.0 if params.logprobs is not None else None,
                                               [] if params.logprobs is not None else None)
                 out.outputs.append(completion)
@@ -175,10 +176,6 @@ class LLM:
             state.output.metrics = RequestMetrics(t.arrival, t.first_scheduled, t.first_token, t.last_token,
                                                   t.finished)
         return True
-
-
-def _fields(params: SamplingParams) -> dict[str, Any]:
-    return {f: getattr(params, f) for f in params.__struct_fields__}
 
 
 def _progress(total: int, enabled: bool) -> Any:

@@ -14,7 +14,7 @@ import torch
 from pdserve.kv_cache import KVCache, KVCacheSpec
 from pdserve.loader import resolve_model_folder
 from pdserve.model import DecoderModel, ForwardBatch, SequenceChunk, default_device, load_decoder, resolve_dtype
-from pdserve.sampling import Sampler, SamplerOutput, SamplingRow
+from pdserve.sampling import Sampler
 
 
 class ModelRunner:
@@ -62,7 +62,3 @@ class ModelRunner:
     def logits(self, chunks: list[SequenceChunk], is_dummy_or_profile_run: bool = False) -> torch.Tensor:
         batch = ForwardBatch.build(chunks, self.block_size, self.device, is_dummy_or_profile_run)
         return self.model(batch, None if is_dummy_or_profile_run else self.kv_cache)
-
-    def execute(self, chunks: list[SequenceChunk], rows: list[SamplingRow]) -> SamplerOutput:
-        """Run one step and sample one token per chunk (rows align with chunks)."""
-        return self.sampler(self.logits(chunks), rows)

@@ -35,8 +35,6 @@ class Tokenizer:
             ids.add(eos_id)
         self.eos_token_id = eos_id
         self.eos_token_ids: tuple[int, ...] = tuple(sorted(ids))
-        self.special_token_ids = frozenset(self._tok.token_to_id(t.content)
-                                           for t in self._tok.get_added_tokens_decoder().values() if t.special)
 
     @property
     def vocab_size(self) -> int:

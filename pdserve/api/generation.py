@@ -7,6 +7,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import msgspec
+
 from pdserve.api.async_engine import AsyncEngine
 from pdserve.detokenizer import IncrementalDetokenizer
 from pdserve.engine.engine_client import EngineError
@@ -59,7 +61,8 @@ async def generate_choices(engine: AsyncEngine, tokenizer: Tokenizer, gen: Gener
     eos = list(tokenizer.eos_token_ids)
 
     async def one(index: int) -> None:
-        sub = params if n == 1 else _with(params, seed=None if params.seed is None else params.seed + index)
+        sub = params if n == 1 else msgspec.structs.replace(
+            params, seed=None if params.seed is None else params.seed + index)
         detok = IncrementalDetokenizer(tokenizer, sub)
         try:
             async for out in engine.generate(f"{gen.request_id}-{index}", gen.prompt_token_ids, sub, eos):
@@ -103,7 +106,3 @@ async def generate_choices(engine: AsyncEngine, tokenizer: Tokenizer, gen: Gener
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-
-def _with(params: SamplingParams, **changes: object) -> SamplingParams:
-    fields = {f: getattr(params, f) for f in params.__struct_fields__}
-    return SamplingParams(**{**fields, **changes})

@@ -14,6 +14,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -189,7 +190,7 @@ async def _respond(state: ServerState, raw: Request, body: Any, gen: Generation,
                    make_choice: Any) -> Any:
     if params.max_tokens is None:
         try:
-            params = _with_max_tokens(params, state.max_model_len - len(gen.prompt_token_ids))
+            params = msgspec.structs.replace(params, max_tokens=max(state.max_model_len - len(gen.prompt_token_ids), 1))
         except ValueError as e:  # e.g. min_tokens above what the context leaves
             raise APIError(str(e)) from None
     elif len(gen.prompt_token_ids) + params.max_tokens > state.max_model_len:
@@ -310,11 +311,6 @@ def _sampling_params(body: Any, max_tokens: int | None, logprobs: int | None) ->
         return body.sampling_params(max_tokens, logprobs)
     except ValueError as e:  # a combination the field checks cannot see (min_tokens > max_tokens, ...)
         raise APIError(str(e)) from None
-
-
-def _with_max_tokens(params: Any, max_tokens: int) -> Any:
-    fields = {f: getattr(params, f) for f in params.__struct_fields__}
-    return type(params)(**{**fields, "max_tokens": max(max_tokens, 1)})
 
 
 # ---- response shapes -------------------------------------------------------------------------
