@@ -30,11 +30,25 @@ def build_parser() -> argparse.ArgumentParser:
     from pdserve.api.serve import add_serve_args
 
     add_serve_args(srv)
+
+    rtr = sub.add_parser("router", help="route OpenAI requests to prefill/decode pairs (instances register)")
+    from pdserve.router.serve import add_router_args
+
+    add_router_args(rtr)
+
+    lch = sub.add_parser("launch", help="start a router and prefill/decode (and mixed) instances as one deployment")
+    from pdserve.launch import add_launch_args
+
+    add_launch_args(lch)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.command != "launch":
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.instance_args = rest
     from pdserve.engine.engine_client import EngineError
 
     try:
@@ -44,6 +58,14 @@ def main(argv: list[str] | None = None) -> int:
             from pdserve.api.serve import serve
 
             return serve(args)
+        if args.command == "router":
+            from pdserve.router.serve import serve_router
+
+            return serve_router(args)
+        if args.command == "launch":
+            from pdserve.launch import launch
+
+            return launch(args)
     except (ModelLoadError, ValueError, EngineError, OSError) as e:
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 2

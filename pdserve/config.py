@@ -25,8 +25,14 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     num_gpu_blocks_override: int | None = None
     tensor_parallel_size: int = 1
     quantization: str | None = None  # "w8a8": opt-in int8 weights + dynamic int8 activations (CPU)
-    splitwise_role: str = "mixed"
+    splitwise_role: str = "mixed"  # mixed | prefill | decode
+    pd_comm_port: int | None = None  # control plane (ZMQ); None: a free port, reported at startup
+    pd_host: str = "127.0.0.1"  # the address the control plane and the KV receiver listen on
+    advertise_host: str | None = None  # the address peers are told to use (default: pd_host)
+    cache_transfer_protocol: tuple[str, ...] = ("ipc", "tcp")  # in preference order
+    pd_transfer_timeout: float = 30.0  # seconds D holds blocks for KV that has not arrived
     startup_timeout: float = 600.0
+    startup_log: str | None = None  # JSON-lines file recording the startup order
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -37,6 +43,14 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError("--num-gpu-blocks-override must be at least 1")
         if self.quantization not in (None, "w8a8"):
             raise ValueError(f"--quantization must be w8a8 (or unset), got {self.quantization!r}")
+        if self.splitwise_role not in ("mixed", "prefill", "decode"):
+            raise ValueError(f"--splitwise-role must be mixed, prefill or decode, got {self.splitwise_role!r}")
+        unknown = [p for p in self.cache_transfer_protocol if p not in ("ipc", "tcp")]
+        if unknown or not self.cache_transfer_protocol:
+            raise ValueError(f"--cache-transfer-protocol takes a list of ipc and tcp, got "
+                             f"{','.join(self.cache_transfer_protocol)!r}")
+        if self.pd_transfer_timeout <= 0:
+            raise ValueError("--pd-transfer-timeout must be positive")
         if self.tensor_parallel_size != 1:
             raise ValueError("--tensor-parallel-size > 1 is not supported yet")
 

@@ -32,6 +32,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size)
     g.add_argument("--quantization", choices=["w8a8"], default=None,
                    help="opt-in, not exact: int8 weights and dynamic int8 activations (CPU, fbgemm)")
+    g.add_argument("--startup-log", default=None, help="write the startup order (JSON lines) to this file")
+    pd = p.add_argument_group("prefill/decode disaggregation")
+    pd.add_argument("--splitwise-role", choices=["mixed", "prefill", "decode"], default=d.splitwise_role,
+                    help="mixed: whole requests; prefill: prompts, KV sent to a decode instance; decode: the rest")
+    pd.add_argument("--pd-comm-port", type=int, default=None,
+                    help="control-plane port of a prefill/decode instance (default: a free port)")
+    pd.add_argument("--cache-transfer-protocol", type=_protocols, default=d.cache_transfer_protocol,
+                    help="KV transports in preference order, e.g. ipc,tcp (ipc: same host, tcp: any host)")
+    pd.add_argument("--pd-transfer-timeout", type=float, default=d.pd_transfer_timeout,
+                    help="seconds a decode instance holds blocks for KV that has not arrived")
+
+
+def _protocols(text: str) -> tuple[str, ...]:
+    return tuple(p.strip() for p in text.split(",") if p.strip())
 
 
 def engine_config_from_args(args: argparse.Namespace, **extra: object) -> EngineConfig:
@@ -41,4 +55,7 @@ def engine_config_from_args(args: argparse.Namespace, **extra: object) -> Engine
         max_num_batched_tokens=args.max_num_batched_tokens, enable_chunked_prefill=args.enable_chunked_prefill,
         enable_prefix_caching=args.enable_prefix_caching, gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory=args.kv_cache_memory, num_gpu_blocks_override=args.num_gpu_blocks_override,
-        tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization, **extra)
+        tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
+        splitwise_role=args.splitwise_role, pd_comm_port=args.pd_comm_port,
+        cache_transfer_protocol=args.cache_transfer_protocol, pd_transfer_timeout=args.pd_transfer_timeout,
+        startup_log=args.startup_log, **extra)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import secrets
 from dataclasses import dataclass
-from multiprocessing import shared_memory
+from multiprocessing import resource_tracker, shared_memory
 
 import torch
 
@@ -79,7 +79,11 @@ class KVCache:
 
     @classmethod
     def attach_shared(cls, spec: KVCacheSpec, name: str) -> KVCache:
-        shm = shared_memory.SharedMemory(name=name)
+        shm = attach_segment(name)
+        if shm.size < spec.num_blocks * spec.bytes_per_block:
+            shm.close()
+            raise ValueError(f"shared-memory segment {name} holds {shm.size} bytes, less than the cache's "
+                             f"{spec.num_blocks * spec.bytes_per_block}")
         return cls(spec, _tensor_over(shm, spec), shm, owner=False)
 
     def close(self) -> None:
@@ -97,6 +101,17 @@ class KVCache:
                 except FileNotFoundError:
                     pass
             self.shm = None
+
+
+def attach_segment(name: str) -> shared_memory.SharedMemory:
+    """Map a segment another process owns, without Python 3.11's resource tracker adopting it
+    (it would unlink the segment when this process exits)."""
+    shm = shared_memory.SharedMemory(name=name)
+    try:
+        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+    except Exception:
+        pass
+    return shm
 
 
 def _tensor_over(shm: shared_memory.SharedMemory, spec: KVCacheSpec) -> torch.Tensor:

@@ -7,6 +7,7 @@ only turns `SequenceChunk`s plus their `SamplingRow`s into next tokens.
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -59,6 +60,9 @@ class ModelRunner:
         self.kv_cache = KVCache.allocate(spec, self.device)
         return self.kv_cache
 
-    def logits(self, chunks: list[SequenceChunk], is_dummy_or_profile_run: bool = False) -> torch.Tensor:
+    def logits(self, chunks: list[SequenceChunk], is_dummy_or_profile_run: bool = False,
+               on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
         batch = ForwardBatch.build(chunks, self.block_size, self.device, is_dummy_or_profile_run)
-        return self.model(batch, None if is_dummy_or_profile_run else self.kv_cache)
+        if is_dummy_or_profile_run:  # seed 001, bug 2: a dummy run signals nothing to anyone
+            return self.model(batch, None)
+        return self.model(batch, self.kv_cache, on_layer_done)

@@ -446,26 +446,48 @@ def test_exact_block_multiple_prompt_is_not_fully_hit() -> None:
 # ---- disaggregated roles -------------------------------------------------------------------------
 
 
-def test_prefill_role_finishes_after_one_token() -> None:
+def test_kv_producer_finishes_after_one_token_and_keeps_its_blocks() -> None:
     sched = make_scheduler(role="prefill", max_num_batched_tokens=8)
     short = make_request("short", 5, max_tokens=16)
     long = make_request("long", 19, start=100, max_tokens=16)
-    sched.add_request(short)
-    sched.add_request(long)
-    outs = run_until_idle(sched)
+    for r in (short, long):
+        r.kv_producer = True
+        sched.add_request(r)
+    outs = []
+    while sched.num_unfinished:
+        outs.append(step(sched))
     for r in (short, long):
         assert r.finish_reason == "prefilled"
         assert r.output_token_ids == [TOKEN]
         assert r.num_computed_tokens == r.num_prompt_tokens
     assert sum(out.num_batched_tokens for out in outs) == 5 + 19  # no decode step ever ran
+    # The blocks stay with the requests until the KV is sent; then the connector frees them.
+    assert len(short.blocks) == 2 and len(long.blocks) == 5
+    for r in (short, long):
+        sched.kv.free(r)
+    sched.kv.pool.check_all_free()
 
 
-def test_prefill_role_keeps_stop_reason_of_first_token() -> None:
+def test_kv_producer_keeps_stop_reason_of_first_token() -> None:
     sched = make_scheduler(role="prefill")
     r = make_request("r", 5)
+    r.kv_producer = True
     sched.add_request(r)
-    run_until_idle(sched, lambda r: EOS)
-    assert r.finish_reason == "stop"
+    step(sched, lambda r: EOS)
+    assert r.finish_reason == "stop" and r.blocks
+    sched.kv.free(r)
+    sched.kv.pool.check_all_free()
+
+
+def test_aborted_kv_producer_frees_its_blocks() -> None:
+    sched = make_scheduler(role="prefill", max_num_batched_tokens=4)
+    r = make_request("r", 9)
+    r.kv_producer = True
+    sched.add_request(r)
+    step(sched)
+    sched.abort("r")
+    assert r.blocks == []
+    sched.kv.pool.check_all_free()
 
 
 def test_decode_role_preallocate_and_decode() -> None:

@@ -12,7 +12,7 @@ import msgspec
 from pdserve.api.async_engine import AsyncEngine
 from pdserve.detokenizer import IncrementalDetokenizer
 from pdserve.engine.engine_client import EngineError
-from pdserve.engine.messages import RequestTimes, TokenLogprobs
+from pdserve.engine.messages import PDParams, RequestTimes, TokenLogprobs
 from pdserve.sampling import SamplingParams
 from pdserve.tokenizer import Tokenizer
 
@@ -37,6 +37,7 @@ class Generation:
     num_cached_tokens: int = 0
     times: dict[int, RequestTimes] = field(default_factory=dict)
     finish_reasons: dict[int, str] = field(default_factory=dict)
+    pd: PDParams | None = None  # a PD request: each choice i is transfer `{transfer_id}-{i}`
 
     def usage(self) -> dict:
         prompt = len(self.prompt_token_ids)
@@ -51,6 +52,10 @@ class Generation:
         if t is not None:
             out.update(arrival=t.arrival, queued=t.arrival, prefill_start=t.first_scheduled,
                        first_token=t.first_token, last_token=t.last_token, finished=t.finished)
+            pd_times = {"preallocated": t.preallocated, "cache_info_sent": t.cache_info_sent,
+                        "first_layer_written": t.first_layer_written, "last_layer_written": t.last_layer_written,
+                        "prefill_done_received": t.prefill_done_received}
+            out.update({k: v for k, v in pd_times.items() if v is not None})
         return out
 
 
@@ -64,8 +69,9 @@ async def generate_choices(engine: AsyncEngine, tokenizer: Tokenizer, gen: Gener
         sub = params if n == 1 else msgspec.structs.replace(
             params, seed=None if params.seed is None else params.seed + index)
         detok = IncrementalDetokenizer(tokenizer, sub)
+        pd = None if gen.pd is None else msgspec.structs.replace(gen.pd, transfer_id=f"{gen.pd.transfer_id}-{index}")
         try:
-            async for out in engine.generate(f"{gen.request_id}-{index}", gen.prompt_token_ids, sub, eos):
+            async for out in engine.generate(f"{gen.request_id}-{index}", gen.prompt_token_ids, sub, eos, pd):
                 if out.error is not None:  # 400s are the request's fault; the rest the engine's
                     raise ValueError(out.error) if out.error_status == 400 else EngineError(out.error)
                 gen.completion_tokens += len(out.new_token_ids)

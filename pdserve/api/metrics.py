@@ -35,6 +35,23 @@ class ServerMetrics:
         self.prefix_hits = Gauge("pdserve_prefix_cache_hit_tokens", "prompt tokens served from cache", registry=r)
         self.prefix_hit_rate = Gauge("pdserve_prefix_cache_hit_rate", "hit tokens / queried tokens", registry=r)
         self.preemptions = Gauge("pdserve_num_preemptions", "requests preempted so far", registry=r)
+        self.total_blocks = Gauge("pdserve_kv_cache_total_blocks", "KV blocks in the cache", registry=r)
+        # PD disaggregation (prefill instances send, decode instances receive)
+        self.kv_sent = Gauge("pdserve_kv_transfer_bytes_sent", "KV bytes written into decode instances", registry=r)
+        self.kv_received = Gauge("pdserve_kv_transfer_bytes_received", "KV bytes received from prefill instances",
+                                 registry=r)
+        self.transfers_ok = Gauge("pdserve_kv_transfers_ok", "KV transfers completed", registry=r)
+        self.transfers_failed = Gauge("pdserve_kv_transfers_failed", "KV transfers that failed", registry=r)
+        self.transfer_seconds = Histogram("pdserve_kv_transfer_seconds",
+                                          "prefill: first scheduled to last layer written; decode: cache info "
+                                          "sent to prefill done", buckets=LATENCY_BUCKETS, registry=r)
+        self.transfer_gbps = Gauge("pdserve_kv_transfer_gbps", "KV bytes over transfer seconds, last refresh",
+                                   registry=r)
+        self.preallocated = Gauge("pdserve_num_requests_preallocated",
+                                  "decode: requests holding blocks while their KV arrives", registry=r)
+        self.queued_for_blocks = Gauge("pdserve_num_requests_queued_for_blocks",
+                                       "decode: PD requests waiting for free blocks", registry=r)
+        self._last_bytes = 0
 
     def request_started(self) -> None:
         self.in_flight.inc()
@@ -77,3 +94,21 @@ class ServerMetrics:
             q = stats["prefix_cache_queried_tokens"]
             self.prefix_hit_rate.set(stats["prefix_cache_hit_tokens"] / q if q else 0.0)
             self.preemptions.set(stats["num_preemptions"])
+            self.total_blocks.set(stats["num_blocks"])
+            self.preallocated.set(stats["preallocated"])
+            if "kv_bytes_sent" in stats:
+                self._refresh_pd(stats)
+
+    def _refresh_pd(self, stats: dict) -> None:
+        self.kv_sent.set(stats["kv_bytes_sent"])
+        self.kv_received.set(stats["kv_bytes_received"])
+        self.transfers_ok.set(stats["kv_transfers_ok"])
+        self.transfers_failed.set(stats["kv_transfers_failed"])
+        self.queued_for_blocks.set(stats.get("pd_queued_for_blocks", 0))
+        seconds = stats["kv_transfer_seconds"]
+        for s in seconds:
+            self.transfer_seconds.observe(s)
+        moved = stats["kv_bytes_sent"] + stats["kv_bytes_received"]
+        if seconds and sum(seconds) > 0:
+            self.transfer_gbps.set((moved - self._last_bytes) / sum(seconds) / 1e9)
+        self._last_bytes = moved

@@ -13,6 +13,14 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class PDRequest(BaseModel):
+    """pdserve: the router's instructions to each side of a PD pair."""
+
+    transfer_id: str = Field(min_length=1, max_length=200)
+    role: Literal["prefill", "decode"]
+    prefill_addr: str | None = None  # decode side: host:port of the prefill instance's --pd-comm-port
+
+
 class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="allow")  # unknown OpenAI fields (user, ...) are accepted and ignored
 
@@ -34,6 +42,7 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     collect_metrics: bool = False  # pdserve: per-request server timestamps in the response
+    pd: PDRequest | None = None  # pdserve: set by the router on requests to prefill/decode instances
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         return SamplingParams(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import socket
 
 import uvicorn
@@ -16,7 +17,7 @@ from pdserve.engine.engine_client import EngineClient
 from pdserve.engine_args import engine_config_from_args
 from pdserve.loader import model_name, resolve_model_folder
 from pdserve.tokenizer import Tokenizer
-from pdserve.utils.process import exit_on_sigterm
+from pdserve.utils.process import die_with_parent, exit_on_sigterm
 
 log = logging.getLogger("pdserve.serve")
 
@@ -28,6 +29,23 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (default: a free port, logged)")
     g.add_argument("--served-model-name", default=None, help="the model name clients send (default: from the path)")
     g.add_argument("--max-concurrency", type=int, default=256, help="requests in flight before answering 429")
+    g.add_argument("--router", default=None, help="router URL to register with, e.g. http://127.0.0.1:8000")
+    g.add_argument("--advertise-host", default=None,
+                   help="the address the router and peers should use for this instance (default: --host, or "
+                        "this machine's address when --host is 0.0.0.0)")
+
+
+def advertised_host(host: str, explicit: str | None) -> str:
+    if explicit:
+        return explicit
+    if host not in ("0.0.0.0", "::", ""):
+        return host
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # no packet is sent; this picks the route's address
+        try:
+            s.connect(("10.255.255.255", 1))
+            return s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -41,7 +59,10 @@ def serve(args: argparse.Namespace) -> int:
     # uvicorn re-raises SIGTERM after its graceful shutdown; as SystemExit it unwinds through the
     # `finally` below, so the engine is stopped (not orphaned) and its IPC directory removed.
     exit_on_sigterm()
-    config = engine_config_from_args(args)
+    if "PDSERVE_PARENT_PID" in os.environ:  # started by `pdserve launch`: do not outlive it
+        die_with_parent()
+    advertise = advertised_host(args.host, args.advertise_host)
+    config = engine_config_from_args(args, pd_host=args.host, advertise_host=advertise)
     name = args.served_model_name or model_name(args.model)
     tokenizer = Tokenizer(resolve_model_folder(args.model))
     client = EngineClient(config, name)
@@ -49,25 +70,32 @@ def serve(args: argparse.Namespace) -> int:
         metrics = ServerMetrics()
         state = ServerState(AsyncEngine(client), tokenizer, name, client.ready.max_model_len, args.max_concurrency,
                             metrics)
+        ready = client.ready
+        if args.router:
+            state.router_url = args.router
+            state.instance = {"role": ready.role, "url": f"http://{advertise}:{args.port}", "model": name,
+                              "pd_comm": f"{advertise}:{ready.pd_comm_port}" if ready.pd_comm_port else None,
+                              "transports": ready.transports}
         metrics_port = args.metrics_port or free_port(args.host)
         from prometheus_client import start_http_server
 
         start_http_server(metrics_port, addr=args.host, registry=metrics.registry)
         server = uvicorn.Server(uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level="warning"))
-        asyncio.run(_serve_and_announce(server, args.host, args.port, metrics_port, name))
+        asyncio.run(_serve_and_announce(server, args.host, args.port, metrics_port, name, ready.role))
     finally:
         client.close()
     return 0
 
 
-async def _serve_and_announce(server: uvicorn.Server, host: str, port: int, metrics_port: int, name: str) -> None:
+async def _serve_and_announce(server: uvicorn.Server, host: str, port: int, metrics_port: int, name: str,
+                              role: str) -> None:
     async def announce() -> None:
         while not server.started:
             if server.should_exit:
                 return
             await asyncio.sleep(0.05)
         print(f"pdserve: serving {name} on http://{host}:{port} (OpenAI API under /v1, metrics on port "
-              f"{metrics_port})", flush=True)
+              f"{metrics_port}, role {role})", flush=True)
         print(f"  curl http://{host}:{port}/v1/chat/completions -H 'Content-Type: application/json' "
               f"-d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], \"max_tokens\": 32}}'",
               flush=True)

@@ -25,8 +25,9 @@ from pdserve.api.async_engine import AsyncEngine
 from pdserve.api.generation import Generation, generate_choices
 from pdserve.api.metrics import ServerMetrics
 from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from pdserve.api.registration import register_forever
 from pdserve.engine.engine_client import EngineError
-from pdserve.engine.messages import TokenLogprobs
+from pdserve.engine.messages import PDParams, TokenLogprobs
 from pdserve.tokenizer import Tokenizer
 
 
@@ -47,6 +48,8 @@ class ServerState:
     metrics: ServerMetrics
     in_flight: int = 0
     weights_cleared: bool = False
+    router_url: str | None = None  # --router: register there every few seconds
+    instance: dict | None = None  # what to register: role, url, control-plane address, transports
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -55,9 +58,13 @@ def build_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.engine.start()
-        refresher = asyncio.create_task(_refresh_metrics(state))
+        tasks = [asyncio.create_task(_refresh_metrics(state))]
+        if state.router_url and state.instance:
+            tasks.append(asyncio.create_task(register_forever(state.router_url, state.instance)))
         yield
-        refresher.cancel()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await state.engine.stop()
 
     app = FastAPI(title="pdserve", lifespan=lifespan)
@@ -125,7 +132,7 @@ def build_app(state: ServerState) -> FastAPI:
         _check_model(state, body.model)
         prompt_ids = _completion_prompt(state, body)
         params = _sampling_params(body, body.max_tokens, body.logprobs)
-        gen = Generation(f"cmpl-{next(ids)}", prompt_ids)
+        gen = Generation(f"cmpl-{next(ids)}", prompt_ids, pd=_pd_params(body))
         return await _respond(state, raw, body, gen, params, "text_completion", _completion_choice)
 
     @app.post("/v1/chat/completions")
@@ -142,7 +149,7 @@ def build_app(state: ServerState) -> FastAPI:
         max_tokens = body.max_completion_tokens or body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = _sampling_params(body, max_tokens, logprobs)
-        gen = Generation(f"chatcmpl-{next(ids)}", prompt_ids)
+        gen = Generation(f"chatcmpl-{next(ids)}", prompt_ids, pd=_pd_params(body))
         return await _respond(state, raw, body, gen, params, "chat.completion", _chat_choice)
 
     return app
@@ -304,6 +311,11 @@ async def _stream(state: ServerState, body: Any, gen: Generation, params: Any, k
         yield f"data: {json.dumps(error_body(str(e), status))}\n\n"
     finally:  # also reached when the client disconnects: generate_choices then aborted its requests
         await release(outcome)
+
+
+def _pd_params(body: Any) -> PDParams | None:
+    pd = body.pd
+    return None if pd is None else PDParams(pd.transfer_id, pd.role, pd.prefill_addr)
 
 
 def _sampling_params(body: Any, max_tokens: int | None, logprobs: int | None) -> Any:

@@ -1,7 +1,8 @@
 """Engine process entry: `python -m pdserve.engine --config B64 --input ADDR --output ADDR`.
 
-Starts the worker, waits until it has loaded the model and created the KV cache, then serves the
-frontend. Any failure is reported to the frontend as EngineDead before the process exits.
+Starts the worker (and, per the startup truth table, the cache service), waits until the KV cache
+exists and both are attached, then serves the frontend. Any failure is reported to the frontend as
+EngineDead before the process exits.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ import argparse
 import logging
 import sys
 import tempfile
-from pathlib import Path
 
 import msgspec
 import zmq
@@ -38,32 +38,42 @@ def main(argv: list[str] | None = None) -> int:
     outputs.setsockopt(zmq.LINGER, 2000)
     outputs.connect(args.output)
     encoder = msgspec.msgpack.Encoder()
-    worker = None
+    started = core = None
     sockdir = tempfile.TemporaryDirectory(prefix="pdserve-engine-")
     try:
+        from pdserve.disagg.connector import DecodeConnector, PrefillConnector
+        from pdserve.disagg.startup import start_processes
         from pdserve.engine.engine_core import EngineCore
-        from pdserve.engine.worker_client import WorkerClient
 
-        worker = WorkerClient(config, ctx, f"ipc://{Path(sockdir.name) / 'worker'}")
-        ready = worker.wait_ready(config.startup_timeout)
-        core = EngineCore(config, worker, ready.num_blocks, ready.max_model_len, ready.vocab_size)
-        outputs.send(encoder.encode(EngineReady(ready.num_blocks, config.block_size, ready.max_model_len,
-                                                args.model_name, ready.profile)))
-        core.run(inputs, outputs)
+        started = start_processes(config, ctx, sockdir.name)
+        layout = started.layout
+        core = EngineCore(config, started.worker, layout.num_blocks, started.max_model_len, started.vocab_size)
+        port = None
+        if config.splitwise_role == "prefill":
+            core.connector = PrefillConnector(config, core.scheduler, layout, ctx, started.cache_service)
+            port = core.connector.port
+        elif config.splitwise_role == "decode":
+            core.connector = DecodeConnector(config, core.scheduler, layout, ctx, started.endpoints)
+        outputs.send(encoder.encode(EngineReady(
+            layout.num_blocks, config.block_size, started.max_model_len, args.model_name, started.profile,
+            config.splitwise_role, port, list(config.cache_transfer_protocol), started.log.events)))
+        core.run(inputs, outputs, started.cache_service)
         return 0
     except Exception as e:  # anything: the frontend must hear why the engine is gone
-        from pdserve.engine.worker_client import WorkerDied
+        from pdserve.utils.child_process import ChildDied
 
         log = logging.getLogger("pdserve.engine")
-        if isinstance(e, WorkerDied):  # the worker already said why; no traceback of ours helps
+        if isinstance(e, ChildDied):  # the child already said why; no traceback of ours helps
             log.error("%s", e)
         else:
             log.exception("engine failed")
         outputs.send(encoder.encode(EngineDead(error=str(e))))
         return 1
     finally:
-        if worker is not None:
-            worker.shutdown()
+        if core is not None and core.connector is not None:
+            core.connector.close()
+        if started is not None:
+            started.shutdown()
         inputs.close()
         outputs.close()
         ctx.term()

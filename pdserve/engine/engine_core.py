@@ -13,6 +13,8 @@ import msgspec
 import zmq
 
 from pdserve.config import EngineConfig
+from pdserve.disagg.cache_service_client import CacheServiceClient
+from pdserve.disagg.connector import DecodeConnector, PrefillConnector
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.messages import (
     AbortRequests,
@@ -23,12 +25,12 @@ from pdserve.engine.messages import (
     ExecuteStep,
     NewRequest,
     RequestOutput,
-    RequestTimes,
     Shutdown,
     UtilityCall,
     UtilityResult,
 )
 from pdserve.engine.request import Request
+from pdserve.engine.request_output import error_output, final_output
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 from pdserve.engine.worker_client import WorkerClient
 
@@ -42,6 +44,7 @@ class EngineCore:
                  vocab_size: int | None = None) -> None:
         self.config = config
         self.worker = worker
+        self.connector: PrefillConnector | DecodeConnector | None = None  # PD roles: see attach_connector
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
@@ -59,12 +62,18 @@ class EngineCore:
 
     # ---- the loop ------------------------------------------------------------------------------
 
-    def run(self, inputs: zmq.Socket, outputs: zmq.Socket) -> None:
+    def run(self, inputs: zmq.Socket, outputs: zmq.Socket, cache_service: CacheServiceClient | None = None) -> None:
         decoder = msgspec.msgpack.Decoder(EngineInput)
         encoder = msgspec.msgpack.Encoder()
         while True:
-            timeout = 0 if self.scheduler.num_unfinished else self.IDLE_POLL_MS
             pending: list[RequestOutput] = []
+            timeout = 0 if self.scheduler.has_work else self._idle_timeout_ms()
+            if self.connector is not None:
+                poller = zmq.Poller()
+                for sock in (inputs, *self.connector.sockets):
+                    poller.register(sock, zmq.POLLIN)
+                poller.poll(timeout)
+                timeout = 0
             while inputs.poll(timeout):
                 msg = decoder.decode(inputs.recv())
                 timeout = 0
@@ -79,10 +88,20 @@ class EngineCore:
                     pending.extend(self._handle(msg))
             if not self.worker.alive():
                 raise RuntimeError(f"the worker process exited (code {self.worker.proc.returncode})")
-            if self.scheduler.num_unfinished:
+            if cache_service is not None and not cache_service.alive():
+                raise RuntimeError(f"the cache service process exited (code {cache_service.proc.returncode})")
+            if self.connector is not None:
+                pending.extend(self.connector.poll())
+            if self.scheduler.has_work:
                 pending.extend(self.step())
             if pending:
                 outputs.send(encoder.encode(EngineOutputs(pending)))
+
+    def _idle_timeout_ms(self) -> int:
+        deadline = self.connector.next_deadline() if self.connector is not None else None
+        if deadline is None:
+            return self.IDLE_POLL_MS
+        return max(0, min(self.IDLE_POLL_MS, int((deadline - time.time()) * 1000) + 1))
 
     def _handle(self, msg: AddRequest | AbortRequests) -> list[RequestOutput]:
         if isinstance(msg, AbortRequests):
@@ -95,13 +114,22 @@ class EngineCore:
         request = Request(msg.request_id, msg.prompt_token_ids, msg.params, tuple(msg.eos_token_ids))
         request.times.arrival = msg.arrival_time
         try:
-            self.scheduler.add_request(request)
+            if msg.pd is None:
+                self.scheduler.add_request(request)
+                return []
+            if msg.pd.role != self.config.splitwise_role:
+                raise ValueError(f"PD error: this is a {self.config.splitwise_role} instance; it cannot take the "
+                                 f"{msg.pd.role} side of a PD request")
+            return self.connector.add_request(request, msg.pd)
         except ValueError as e:
             return [RequestOutput(msg.request_id, [], finish_reason="error", error=str(e),
                                   num_prompt_tokens=len(msg.prompt_token_ids))]
         return []
 
     def abort(self, request_id: str) -> Request | None:
+        if self.connector is not None and (request := self.connector.abort(request_id)) is not None:
+            self._forget(request)
+            return request
         request = self.scheduler.abort(request_id)
         if request is not None:
             self._forget(request)
@@ -119,18 +147,20 @@ class EngineCore:
             r = c.request
             if r.request_id not in self._on_worker:
                 self._on_worker.add(r.request_id)
-                new_requests.append(NewRequest(r.request_id, r.prompt_token_ids, r.params, list(r.eos_token_ids)))
+                new_requests.append(NewRequest(r.request_id, r.prompt_token_ids, r.params, list(r.eos_token_ids),
+                                               list(r.output_token_ids)))
             start = r.num_computed_tokens
             chunks.append(Chunk(r.request_id, r.token_ids[start:start + c.num_new_tokens], start,
                                 [b.block_id for b in r.blocks], c.completes_known_tokens))
-        step = ExecuteStep(new_requests, self._finished_on_worker, chunks)
+        transfers = self.connector.transfers(out.chunks) if self.connector is not None else []
+        step = ExecuteStep(new_requests, self._finished_on_worker, chunks, transfers)
         self._finished_on_worker = []
         try:
             result = self.worker.execute(step)
         except RuntimeError as e:
             if not self.worker.alive():
                 raise
-            return [self._fail(c.request, f"the model step failed: {e}") for c in out.chunks]
+            return [o for c in out.chunks if (o := self._fail(c.request, f"the model step failed: {e}"))]
         self.num_steps += 1
         self.num_computed_tokens += out.num_batched_tokens
         sampled = {s.request_id: s for s in result.sampled}
@@ -143,18 +173,18 @@ class EngineCore:
             output.new_logprobs = [s.logprobs] if s.logprobs is not None else None
             if r.is_finished:
                 self._forget(r)
+                if r.kv_producer:
+                    self.connector.on_prefilled(r, s.token_id, s.logprobs)
             outputs.append(output)
         return outputs
 
     # ---- helpers -----------------------------------------------------------------------------
 
-    def _fail(self, request: Request, error: str) -> RequestOutput:
-        self.scheduler.abort(request.request_id)
-        request.finish_reason = "error"
-        self._forget(request)
-        out = self._final_output(request)
-        out.error, out.error_status = error, 500
-        return out
+    def _fail(self, request: Request, error: str) -> RequestOutput | None:
+        if request.is_finished:
+            return None
+        self.abort(request.request_id)
+        return error_output(request, error)
 
     def _forget(self, request: Request) -> None:
         if request.request_id in self._on_worker:
@@ -163,11 +193,7 @@ class EngineCore:
 
     @staticmethod
     def _final_output(r: Request) -> RequestOutput:
-        t = r.times
-        return RequestOutput(
-            r.request_id, [], finish_reason=r.finish_reason, num_prompt_tokens=r.num_prompt_tokens,
-            num_cached_tokens=r.num_cached_tokens, num_preemptions=r.num_preemptions,
-            times=RequestTimes(t.arrival, t.first_scheduled, t.first_token, t.last_token, t.finished))
+        return final_output(r)
 
     def stats(self) -> dict:
         pool, prefix = self.kv.pool, self.kv.stats
@@ -180,6 +206,7 @@ class EngineCore:
             "num_computed_tokens": self.num_computed_tokens,
             "prefix_cache_requests": prefix.requests, "prefix_cache_hit_requests": prefix.hit_requests,
             "prefix_cache_queried_tokens": prefix.queried_tokens, "prefix_cache_hit_tokens": prefix.hit_tokens,
+            **(self.connector.stats_dict() if self.connector is not None else {}),
         }
 
     def _utility(self, call: UtilityCall) -> tuple[UtilityResult, list[RequestOutput]]:

@@ -7,9 +7,19 @@ from __future__ import annotations
 
 import msgspec
 
+from pdserve.disagg.kv_layout import KVLayout
+from pdserve.disagg.transfer_plan import TransferPlan
 from pdserve.sampling import SamplingParams
 
 # ---- frontend -> engine ----------------------------------------------------------------------
+
+class PDParams(msgspec.Struct):
+    """A request's part in a PD pair, as the router sent it to both instances."""
+
+    transfer_id: str  # the same on P and D
+    role: str  # "prefill": compute the prompt, send its KV, stop after the first token; "decode": the rest
+    prefill_addr: str | None = None  # decode side: host:port of P's --pd-comm-port
+
 
 class AddRequest(msgspec.Struct, tag=True):
     request_id: str
@@ -17,6 +27,7 @@ class AddRequest(msgspec.Struct, tag=True):
     params: SamplingParams
     eos_token_ids: list[int]
     arrival_time: float
+    pd: PDParams | None = None
 
 
 class AbortRequests(msgspec.Struct, tag=True):
@@ -51,6 +62,12 @@ class RequestTimes(msgspec.Struct):
     first_token: float | None
     last_token: float | None
     finished: float | None
+    # PD requests, decode side (P's moments come with its *prefill done*)
+    preallocated: float | None = None
+    cache_info_sent: float | None = None
+    first_layer_written: float | None = None
+    last_layer_written: float | None = None
+    prefill_done_received: float | None = None
 
 
 class RequestOutput(msgspec.Struct):
@@ -84,6 +101,10 @@ class EngineReady(msgspec.Struct, tag=True):
     max_model_len: int
     model_name: str
     profile: dict  # what the worker's profile run measured; empty when the block count was given
+    role: str = "mixed"
+    pd_comm_port: int | None = None  # where the control plane listens (PD roles)
+    transports: list[str] = []  # cache transfer protocols this instance offers, in preference order
+    startup: list[dict] = []  # the startup log: which process started when, who created the cache
 
 
 class EngineDead(msgspec.Struct, tag=True):
@@ -100,6 +121,7 @@ class NewRequest(msgspec.Struct, array_like=True):
     prompt_token_ids: list[int]
     params: SamplingParams
     eos_token_ids: list[int]
+    output_token_ids: list[int] = []  # a decode instance starts from the prefill instance's first token
 
 
 class Chunk(msgspec.Struct, array_like=True):
@@ -114,6 +136,15 @@ class ExecuteStep(msgspec.Struct, tag=True):
     new_requests: list[NewRequest]
     finished_ids: list[str]
     chunks: list[Chunk]
+    transfers: list[TransferPlan] = []  # prefill role: KV to stream to decode instances, layer by layer
+
+
+class CacheCommand(msgspec.Struct, tag=True):
+    """After loading: create the KV cache, or attach to the one the cache service created."""
+
+    create: bool
+    segment: str | None = None
+    messager_address: str | None = None  # prefill role: where to send StepTransfers / LayerDone
 
 
 class WorkerShutdown(msgspec.Struct, tag=True):
@@ -126,7 +157,7 @@ class WeightsCommand(msgspec.Struct, tag=True):
     action: str
 
 
-WorkerInput = ExecuteStep | WeightsCommand | WorkerShutdown
+WorkerInput = ExecuteStep | WeightsCommand | CacheCommand | WorkerShutdown
 
 
 # ---- worker -> engine ------------------------------------------------------------------------
@@ -139,6 +170,15 @@ class Sampled(msgspec.Struct, array_like=True):
 
 class StepResult(msgspec.Struct, tag=True):
     sampled: list[Sampled]
+
+
+class WorkerLoaded(msgspec.Struct, tag=True):
+    """Weights are loaded and the block count is known (profiled or given); no cache exists yet."""
+
+    layout: KVLayout
+    max_model_len: int
+    vocab_size: int
+    profile: dict
 
 
 class WorkerReady(msgspec.Struct, tag=True):
@@ -157,4 +197,4 @@ class WorkerOk(msgspec.Struct, tag=True):
     pass
 
 
-WorkerMessage = StepResult | WorkerReady | WorkerError | WorkerOk
+WorkerMessage = StepResult | WorkerLoaded | WorkerReady | WorkerError | WorkerOk

@@ -27,6 +27,12 @@ class RequestTimes:
     first_token: float | None = None
     last_token: float | None = None
     finished: float | None = None
+    # PD requests (decode side; P's moments arrive with its *prefill done*)
+    preallocated: float | None = None
+    cache_info_sent: float | None = None
+    first_layer_written: float | None = None
+    last_layer_written: float | None = None
+    prefill_done_received: float | None = None
 
 
 @dataclass(eq=False)
@@ -36,7 +42,7 @@ class Request:
     params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
     status: RequestStatus = RequestStatus.WAITING
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | "prefilled"
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in this request's blocks
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
@@ -45,6 +51,8 @@ class Request:
     block_hashes: list[BlockHash] = field(default_factory=list)  # of full blocks, kept across preemption
     num_committed_blocks: int = 0  # leading blocks already offered to the prefix cache
     times: RequestTimes = field(default_factory=RequestTimes)
+    # Prefill side of a PD pair: finish after the first token and keep the blocks until the KV is sent.
+    kv_producer: bool = False
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)  # prompt + output, appended in place

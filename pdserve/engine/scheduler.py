@@ -7,9 +7,10 @@ than what is left of the budget is cut into chunks (chunked prefill). When block
 running request, the most recently admitted request is preempted: its blocks are freed and it
 goes back to the head of the queue, to be recomputed later, so older requests finish first.
 
-The role changes only the ends of the lifecycle: a `prefill` instance finishes a request after
-its first token; a `decode` instance can hold blocks for a request whose prompt KV is written
-from outside (`preallocate`) and start decoding it when told (`mark_prefilled`).
+PD requests change only the ends of the lifecycle: on a prefill instance a `kv_producer` request
+finishes after its first token and keeps its blocks (the PD connector frees them once the KV is
+sent); a decode instance holds blocks for a request whose prompt KV is written from outside
+(`preallocate`) and starts decoding it when told (`mark_prefilled`).
 """
 
 from __future__ import annotations
@@ -104,6 +105,11 @@ class Scheduler:
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.preallocated)
+
+    @property
+    def has_work(self) -> bool:
+        """Something to compute (preallocated requests wait for KV from outside, not for a step)."""
+        return bool(self.waiting or self.running)
 
     # ---- decode role: prompt KV filled from outside ------------------------------------------
 
@@ -204,8 +210,8 @@ class Scheduler:
         request.times.last_token = now
         reason = check_stop(request.params, request.output_token_ids, request.eos_token_ids,
                             self.config.max_model_len - request.num_tokens)
-        if reason is None and self.config.role == "prefill":
-            reason = "prefilled"  # a prefill instance's part ends with the first token
+        if reason is None and request.kv_producer:
+            reason = "prefilled"  # the prefill instance's part ends with the first token
         if reason is not None:
             self.running.remove(request)
             self._finish(request, reason)
@@ -214,7 +220,8 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.times.finished = time.time()
-        self.kv.free(request)
+        if not request.kv_producer or reason in ("abort", "error"):
+            self.kv.free(request)  # a finished producer's blocks are the PD connector's to free
         self.requests.pop(request.request_id, None)
 
     def _preempt(self, request: Request) -> None:

@@ -6,7 +6,7 @@ matmuls. Logits are computed only for each sequence's last token of the step.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -75,8 +75,12 @@ class DecoderModel(nn.Module):
         self.lm_head_proj = make_linear(self.lm_head, None, None)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv_cache: KVCache | None) -> torch.Tensor:
-        """Logits [num_seqs, vocab] (fp32) for the last token of each chunk in `batch`."""
+    def forward(self, batch: ForwardBatch, kv_cache: KVCache | None,
+                on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Logits [num_seqs, vocab] (fp32) for the last token of each chunk in `batch`.
+
+        `on_layer_done(i)` is called once layer i's K/V are in the cache (PD: the messager may send them).
+        """
         c = self.config
         eps = c.rms_norm_eps
         cos_sin = self.rope.lookup(batch.positions)
@@ -94,6 +98,8 @@ class DecoderModel(nn.Module):
             q, k = self.rope.apply(qk, cos_sin).split((heads, kv_heads), dim=1)
             cache = kv_cache.layers[i] if kv_cache is not None else None
             attn = paged_attention(q, k, v, cache, batch, self.scale, self.gather_buffers)
+            if on_layer_done is not None:  # this layer's K/V are written: send them while the MLP runs
+                on_layer_done(i)
             h = layer.o_proj.add_to(h, attn)
             x = F.rms_norm(h, (c.hidden_size,), layer.post_norm, eps)
             gate, up = layer.gate_up_proj(x).chunk(2, dim=-1)

@@ -1,4 +1,8 @@
-"""Worker process entry: `python -m pdserve.worker --config B64 --address ipc://...`."""
+"""Worker process entry: `python -m pdserve.worker --config B64 --address ipc://...`.
+
+Messages: -> WorkerLoaded (weights in, block count known); <- CacheCommand (create the cache, or
+attach to the cache service's); -> WorkerReady; then steps until WorkerShutdown.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ import msgspec
 import zmq
 
 from pdserve.config import EngineConfig
-from pdserve.engine.messages import ExecuteStep, WorkerError, WorkerInput, WorkerShutdown
+from pdserve.engine.messages import CacheCommand, ExecuteStep, WorkerError, WorkerInput, WorkerShutdown
 from pdserve.loader.errors import ModelLoadError
 from pdserve.utils.process import die_with_parent, exit_on_sigterm
 
@@ -35,11 +39,17 @@ def main(argv: list[str] | None = None) -> int:
         from pdserve.worker.worker import Worker
 
         try:
-            worker = Worker(config)
-        except (ModelLoadError, ValueError, RuntimeError, MemoryError) as e:
+            worker = Worker(config, ctx)
+            sock.send(encoder.encode(worker.loaded_message()))
+            command = decoder.decode(sock.recv())
+            if isinstance(command, WorkerShutdown):
+                return 0
+            if not isinstance(command, CacheCommand):
+                raise RuntimeError(f"expected a CacheCommand, got {type(command).__name__}")
+            sock.send(encoder.encode(worker.setup_cache(command)))
+        except (ModelLoadError, ValueError, RuntimeError, MemoryError, OSError) as e:
             sock.send(encoder.encode(WorkerError(error=str(e))))
             return 1
-        sock.send(encoder.encode(worker.ready_message()))
         while True:
             msg = decoder.decode(sock.recv())
             if isinstance(msg, WorkerShutdown):

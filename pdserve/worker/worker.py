@@ -1,19 +1,26 @@
-"""The worker: one per tensor-parallel rank. Owns weights, the KV cache (in mixed role) and the
-per-request sampling state; executes the steps the engine sends."""
+"""The worker: one per tensor-parallel rank. Owns weights, the per-request sampling state and, in
+mixed role, the KV cache (in PD roles the cache service creates it and the worker attaches);
+executes the steps the engine sends."""
 
 from __future__ import annotations
 
 import logging
 
+import msgspec
 import torch
+import zmq
 
 from pdserve.config import EngineConfig
+from pdserve.disagg.kv_layout import KVLayout
+from pdserve.disagg.messages import LayerDone, StepTransfers
 from pdserve.engine.messages import (
+    CacheCommand,
     ExecuteStep,
     Sampled,
     StepResult,
     TokenLogprobs,
     WeightsCommand,
+    WorkerLoaded,
     WorkerOk,
     WorkerReady,
 )
@@ -31,11 +38,15 @@ class KVCacheTooSmall(ValueError):
 
 
 class Worker:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, ctx: zmq.Context | None = None) -> None:
         self.config = config
+        self.ctx = ctx
         self.runner = ModelRunner(config.model, dtype=config.dtype, device=config.device,
                                   block_size=config.block_size, max_model_len=config.max_model_len,
                                   quantization=config.quantization)
+        if config.splitwise_role != "mixed" and self.runner.device.type != "cpu":
+            raise ValueError("PD roles need the KV cache in host shared memory; the CUDA IPC cache is not built "
+                             "yet, so run prefill/decode instances with --device cpu")
         self.profile: dict = {}
         if config.num_gpu_blocks_override is not None:
             num_blocks = config.num_gpu_blocks_override
@@ -45,47 +56,69 @@ class Worker:
             num_blocks = result.num_blocks
         self._check_fits(num_blocks)
         self.spec = KVCacheSpec.for_model(self.runner.config, num_blocks, config.block_size, self.runner.dtype)
-        self._create_cache()
-        per_request = -(-self.runner.max_model_len // config.block_size)
-        log.info("KV cache: %d blocks = %d tokens, room for %d max-length (%d-token) requests",
-                 num_blocks, num_blocks * config.block_size, num_blocks // per_request, self.runner.max_model_len)
         self.rows: dict[str, SamplingRow] = {}
+        self._cache_command: CacheCommand | None = None
+        self._messager: zmq.Socket | None = None
+        self._encoder = msgspec.msgpack.Encoder()
+        self._step_id = 0
 
-    def _create_cache(self) -> None:
-        if self.runner.device.type == "cpu":
+    def loaded_message(self) -> WorkerLoaded:
+        return WorkerLoaded(KVLayout.of(self.spec), self.runner.max_model_len, self.runner.config.vocab_size,
+                            self.profile)
+
+    def setup_cache(self, command: CacheCommand) -> WorkerReady:
+        self._cache_command = command
+        self._open_cache()
+        if command.messager_address is not None:
+            assert self.ctx is not None
+            self._messager = self.ctx.socket(zmq.PUSH)
+            self._messager.setsockopt(zmq.LINGER, 0)
+            self._messager.connect(command.messager_address)
+        spec = self.spec
+        per_request = -(-self.runner.max_model_len // self.config.block_size)
+        log.info("KV cache %s: %d blocks = %d tokens, room for %d max-length (%d-token) requests",
+                 "created" if command.create else f"attached ({command.segment})", spec.num_blocks,
+                 spec.num_blocks * self.config.block_size, spec.num_blocks // per_request, self.runner.max_model_len)
+        cache = self.runner.kv_cache
+        return WorkerReady(num_blocks=spec.num_blocks, max_model_len=self.runner.max_model_len,
+                           vocab_size=self.runner.config.vocab_size, kv_cache_name=cache.shm_name,
+                           profile=self.profile)
+
+    def _open_cache(self) -> None:
+        command = self._cache_command
+        assert command is not None
+        if not command.create:
+            self.runner.kv_cache = KVCache.attach_shared(self.spec, command.segment)
+        elif self.runner.device.type == "cpu":
             self.runner.kv_cache = KVCache.create_shared(self.spec)
         else:
             self.runner.kv_cache = KVCache.allocate(self.spec, self.runner.device)
 
     def weights(self, command: WeightsCommand) -> WorkerOk:
-        """Mixed role: the worker owns weights and cache, so both go (and come back) together."""
+        """Free the weights and this worker's cache mapping (the segment itself when the worker owns
+        it, i.e. in mixed role), or load them again."""
         if command.action == "clear":
             self.rows.clear()
             self.runner.release()
         elif command.action == "load":
             if self.runner.model is None:
                 self.runner.load_model()
-                self._create_cache()
+                self._open_cache()
         else:
             raise ValueError(f"unknown weights action {command.action!r}")
         return WorkerOk()
 
-    def ready_message(self) -> WorkerReady:
-        cache = self.runner.kv_cache
-        return WorkerReady(num_blocks=cache.spec.num_blocks, max_model_len=self.runner.max_model_len,
-                           vocab_size=self.runner.config.vocab_size, kv_cache_name=cache.shm_name,
-                           profile=self.profile)
-
     def execute(self, step: ExecuteStep) -> StepResult:
         for new in step.new_requests:
-            self.rows[new.request_id] = SamplingRow(new.params, new.prompt_token_ids, [], tuple(new.eos_token_ids),
+            self.rows[new.request_id] = SamplingRow(new.params, new.prompt_token_ids, list(new.output_token_ids),
+                                                    tuple(new.eos_token_ids),
                                                     make_generator(new.params.seed, self.runner.device))
         for request_id in step.finished_ids:
             self.rows.pop(request_id, None)
         if not step.chunks:
             return StepResult(sampled=[])
         chunks = [SequenceChunk(c.token_ids, c.num_computed, c.block_table) for c in step.chunks]
-        logits = self.runner.logits(chunks)
+        logits = self.runner.logits(chunks, on_layer_done=self._stream_layers(step))
         to_sample = [i for i, c in enumerate(step.chunks) if c.sample]
         if not to_sample:
             return StepResult(sampled=[])
@@ -108,7 +141,18 @@ class Worker:
             sampled.append(Sampled(rid, token, lp))
         return StepResult(sampled=sampled)
 
+    def _stream_layers(self, step: ExecuteStep):  # noqa: ANN202 - Callable[[int], None] | None
+        """Prefill role: tell the cache messager what this step sends, then each layer as it is done."""
+        if not step.transfers or self._messager is None:
+            return None
+        self._step_id += 1
+        step_id, sock, encode = self._step_id, self._messager, self._encoder.encode
+        sock.send(encode(StepTransfers(step_id, step.transfers)))
+        return lambda layer: sock.send(encode(LayerDone(step_id, layer)))
+
     def close(self) -> None:
+        if self._messager is not None:
+            self._messager.close()
         self.runner.release()
 
     def _check_fits(self, num_blocks: int) -> None:

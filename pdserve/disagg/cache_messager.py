@@ -1,0 +1,142 @@
+"""The cache messager, prefill side: writes each finished layer of each chunk into D's blocks.
+
+The worker sends, per step, which blocks go where (`StepTransfers`) and then one `LayerDone` per
+layer as its forward pass finishes it; the messager writes that layer while the worker computes the
+next one (layer-wise streaming). Writes to one decode instance are batched per layer. After the last
+layer of a request's final chunk it flushes (the bytes are in D's memory) and reports `TransferDone`;
+only then does the engine send D *prefill done*.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pdserve.disagg.kv_layout import ByteRange, KVLayout, block_ranges, layer_ranges
+from pdserve.disagg.messages import LayerDone, MessagerInput, StepTransfers, TransferDone, TransferPlan
+from pdserve.disagg.transport import CacheBuffer, Endpoint, KVWriter, TransferError, open_writer
+
+log = logging.getLogger("pdserve.cache_messager")
+
+
+@dataclass
+class _Progress:
+    deadline: float
+    nbytes: int = 0
+    first_write: float | None = None
+    last_write: float | None = None
+    failed: bool = False  # reported already; later chunks of it are skipped
+
+
+class CacheMessager:
+    def __init__(self, source: CacheBuffer, layout: KVLayout, report: Callable[[TransferDone], None],
+                 connect: Callable[[Endpoint, CacheBuffer], KVWriter] = open_writer) -> None:
+        self.source = source
+        self.layout = layout
+        self.report = report
+        self._connect = connect
+        self._writers: dict[Endpoint, KVWriter] = {}
+        self._steps: dict[int, list[TransferPlan]] = {}
+        self._progress: dict[str, _Progress] = {}
+
+    def handle(self, msg: MessagerInput) -> None:
+        if isinstance(msg, StepTransfers):
+            self._steps[msg.step_id] = msg.transfers
+            for plan in msg.transfers:
+                self._progress.setdefault(plan.transfer_id, _Progress(plan.deadline))
+            return
+        plans = self._steps.get(msg.step_id)
+        if plans is None:
+            return
+        self._write_layer(plans, msg)
+        if msg.layer == self.layout.num_layers - 1:
+            del self._steps[msg.step_id]
+            self._finish_step(plans)
+
+    def close(self) -> None:
+        for writer in self._writers.values():
+            writer.close()
+        self._writers.clear()
+
+    # ---- internals -------------------------------------------------------------------------
+
+    def _write_layer(self, plans: list[TransferPlan], msg: LayerDone) -> None:
+        now = time.time()
+        groups: dict[Endpoint, list[tuple[TransferPlan, list[ByteRange]]]] = defaultdict(list)
+        for plan in plans:
+            progress = self._progress[plan.transfer_id]
+            if progress.failed:
+                continue
+            if now > plan.deadline:
+                self._fail(plan.transfer_id, "the decode instance's lease on its blocks ran out before the KV "
+                                             "was written (--pd-transfer-timeout)")
+                continue
+            k = plan.num_whole_blocks
+            ranges = block_ranges(self.layout, plan.src_blocks[:k], plan.dst_blocks[:k]) if msg.layer == 0 else []
+            ranges += layer_ranges(self.layout, plan.src_blocks[k:], plan.dst_blocks[k:], msg.layer)
+            groups[plan.endpoint].append((plan, ranges))
+        for endpoint, items in groups.items():
+            try:
+                self._writer(endpoint).write([r for _, ranges in items for r in ranges])
+            except TransferError as e:
+                self._drop_writer(endpoint)
+                for plan, _ in items:
+                    self._fail(plan.transfer_id, str(e))
+                continue
+            done = time.time()
+            for plan, ranges in items:
+                progress = self._progress[plan.transfer_id]
+                progress.nbytes += sum(n for _, _, n in ranges)
+                progress.first_write = progress.first_write or done
+                progress.last_write = done
+
+    def _finish_step(self, plans: list[TransferPlan]) -> None:
+        ending = [p for p in plans if p.last]
+        flushed: dict[Endpoint, str | None] = {}
+        for plan in ending:
+            progress = self._progress.pop(plan.transfer_id, None)
+            if progress is None or progress.failed:
+                continue
+            if plan.endpoint not in flushed:
+                flushed[plan.endpoint] = self._flush(plan.endpoint)
+            error = flushed[plan.endpoint]
+            if error is not None:
+                self.report(TransferDone(plan.transfer_id, False, error))
+            else:
+                self.report(TransferDone(plan.transfer_id, True, None, progress.nbytes, progress.first_write,
+                                         progress.last_write))
+        # Failed transfers are kept (to skip their later chunks) until their deadline has passed.
+        now = time.time()
+        for tid in [t for t, p in self._progress.items() if p.failed and now > p.deadline]:
+            del self._progress[tid]
+
+    def _flush(self, endpoint: Endpoint) -> str | None:
+        writer = self._writers.get(endpoint)
+        if writer is None:
+            return "the connection to the decode instance was lost"
+        try:
+            writer.flush()
+            return None
+        except TransferError as e:
+            self._drop_writer(endpoint)
+            return str(e)
+
+    def _fail(self, transfer_id: str, error: str) -> None:
+        progress = self._progress[transfer_id]
+        progress.failed = True
+        log.warning("transfer %s failed: %s", transfer_id, error)
+        self.report(TransferDone(transfer_id, False, error))
+
+    def _writer(self, endpoint: Endpoint) -> KVWriter:
+        writer = self._writers.get(endpoint)
+        if writer is None:
+            writer = self._writers[endpoint] = self._connect(endpoint, self.source)
+        return writer
+
+    def _drop_writer(self, endpoint: Endpoint) -> None:
+        writer = self._writers.pop(endpoint, None)
+        if writer is not None:
+            writer.close()

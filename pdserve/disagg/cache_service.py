@@ -1,0 +1,139 @@
+"""The cache service process (one per rank): holds the cache messager.
+
+`python -m pdserve.disagg.cache_service --config B64 --address ipc://... --messager-address ipc://...`
+
+The engine first sends CreateCache (PD roles: this process owns the cache segment) or AttachCache
+(mixed role: the worker owns it). Then, by role:
+- prefill: the cache messager takes StepTransfers / LayerDone from the worker on `--messager-address`
+  and writes the KV into decode instances; it reports TransferDone to the engine;
+- decode: receivers for the transports that need one run here (tcp), writing into this cache;
+- mixed: nothing runs yet; this is where the cache transfer manager (host tier) will live.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import msgspec
+import zmq
+
+from pdserve.config import EngineConfig
+from pdserve.disagg.cache_messager import CacheMessager
+from pdserve.disagg.messages import (
+    AttachCache,
+    CacheServiceReady,
+    CreateCache,
+    MessagerInput,
+    ServiceError,
+    ServiceInput,
+    ServiceShutdown,
+)
+from pdserve.disagg.transport import CacheBuffer, KVReceiver, start_receiver
+from pdserve.disagg.transport.ipc import buffer_address
+from pdserve.kv_cache import KVCache
+from pdserve.utils.process import die_with_parent, exit_on_sigterm
+
+log = logging.getLogger("pdserve.cache_service")
+
+
+class CacheService:
+    def __init__(self, config: EngineConfig, command: CreateCache | AttachCache, ctx: zmq.Context,
+                 messager_address: str, report: object) -> None:
+        spec = command.layout.spec()
+        if isinstance(command, CreateCache):
+            self.cache = KVCache.create_shared(spec)
+        else:
+            self.cache = KVCache.attach_shared(spec, command.segment)
+        self.created = isinstance(command, CreateCache)
+        buffer = CacheBuffer(self.cache.shm.buf, buffer_address(self.cache.shm.buf))
+        self.receivers: list[KVReceiver] = []
+        self.messager: CacheMessager | None = None
+        self.inbox: zmq.Socket | None = None
+        if config.splitwise_role == "decode":
+            self.receivers = [start_receiver(p, buffer, self.cache.shm_name, config.pd_host,
+                                             config.advertise_host or config.pd_host)
+                              for p in config.cache_transfer_protocol]
+        elif config.splitwise_role == "prefill":
+            self.messager = CacheMessager(buffer, command.layout, report)  # type: ignore[arg-type]
+            self.inbox = ctx.socket(zmq.PULL)
+            self.inbox.setsockopt(zmq.LINGER, 0)
+            self.inbox.bind(messager_address)
+        self.messager_address = messager_address if self.messager is not None else None
+
+    def ready_message(self) -> CacheServiceReady:
+        return CacheServiceReady(self.cache.shm_name, self.created, [r.endpoint for r in self.receivers],
+                                 self.messager_address)
+
+    def close(self) -> None:
+        for receiver in self.receivers:
+            receiver.close()
+        if self.messager is not None:
+            self.messager.close()
+            self.messager.source = None  # type: ignore[assignment]
+        if self.inbox is not None:
+            self.inbox.close()
+        self.cache.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--address", required=True)
+    parser.add_argument("--messager-address", required=True)
+    args = parser.parse_args(argv)
+    die_with_parent()
+    exit_on_sigterm()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s cache service: %(message)s")
+    config = EngineConfig.decode(args.config)
+    ctx = zmq.Context()
+    engine = ctx.socket(zmq.PAIR)
+    engine.setsockopt(zmq.LINGER, 1000)
+    engine.connect(args.address)
+    encoder = msgspec.msgpack.Encoder()
+    service = None
+    try:
+        command = msgspec.msgpack.decode(engine.recv(), type=ServiceInput)
+        if isinstance(command, ServiceShutdown):
+            return 0
+        try:
+            service = CacheService(config, command, ctx, args.messager_address,
+                                   lambda msg: engine.send(encoder.encode(msg)))
+        except (OSError, ValueError, RuntimeError) as e:
+            engine.send(encoder.encode(ServiceError(f"the cache service could not set up the KV cache: {e}")))
+            return 1
+        engine.send(encoder.encode(service.ready_message()))
+        _serve(engine, service)
+        return 0
+    finally:
+        if service is not None:
+            service.close()
+        engine.close()
+        ctx.term()
+
+
+def _serve(engine: zmq.Socket, service: CacheService) -> None:
+    poller = zmq.Poller()
+    poller.register(engine, zmq.POLLIN)
+    if service.inbox is not None:
+        poller.register(service.inbox, zmq.POLLIN)
+    inbox_decoder = msgspec.msgpack.Decoder(MessagerInput)
+    while True:
+        events = dict(poller.poll())
+        if service.inbox in events:
+            # Drain the worker's signals first: they are what the decode instances wait on.
+            while True:
+                try:
+                    raw = service.inbox.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                service.messager.handle(inbox_decoder.decode(raw))
+        if engine in events:
+            msg = msgspec.msgpack.decode(engine.recv(), type=ServiceInput)
+            if isinstance(msg, ServiceShutdown):
+                return
+
+
+if __name__ == "__main__":
+    sys.exit(main())

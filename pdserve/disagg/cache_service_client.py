@@ -1,0 +1,51 @@
+"""The engine's handle on its cache service process."""
+
+from __future__ import annotations
+
+import zmq
+
+from pdserve.config import EngineConfig
+from pdserve.disagg.messages import (
+    AttachCache,
+    CacheServiceReady,
+    CreateCache,
+    ServiceError,
+    ServiceMessage,
+    ServiceShutdown,
+    TransferDone,
+)
+from pdserve.utils.child_process import ChildDied, ChildProcess
+
+
+class CacheServiceClient:
+    def __init__(self, config: EngineConfig, ctx: zmq.Context, address: str, messager_address: str) -> None:
+        self.child = ChildProcess("cache service", "pdserve.disagg.cache_service",
+                                  ["--config", config.encode(), "--messager-address", messager_address],
+                                  ctx, address, ServiceMessage)
+        self.proc = self.child.proc
+
+    @property
+    def sock(self) -> zmq.Socket:
+        return self.child.sock
+
+    def setup(self, command: CreateCache | AttachCache, timeout: float) -> CacheServiceReady:
+        self.child.send(command)
+        what = "create the KV cache" if isinstance(command, CreateCache) else "attach to the KV cache"
+        msg = self.child.receive(timeout, what=what)
+        if isinstance(msg, ServiceError):
+            raise ChildDied(msg.error)
+        assert isinstance(msg, CacheServiceReady)
+        return msg
+
+    def transfer_reports(self) -> list[TransferDone]:
+        out = []
+        while (msg := self.child.receive_nowait()) is not None:
+            if isinstance(msg, TransferDone):
+                out.append(msg)
+        return out
+
+    def alive(self) -> bool:
+        return self.child.alive()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self.child.shutdown(ServiceShutdown(), timeout)

@@ -1,0 +1,98 @@
+"""Messages of the PD machinery, all msgspec (no pickle on any socket).
+
+- worker -> cache messager: which blocks of this step go where, then one signal per finished layer;
+- cache messager -> engine: a request's KV is (or failed to get) written;
+- engine <-> cache service: create or attach the cache at startup;
+- control plane between a decode engine (DEALER) and a prefill engine (ROUTER on --pd-comm-port).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from pdserve.disagg.kv_layout import KVLayout
+from pdserve.disagg.transfer_plan import LayerDone, MessagerInput, StepTransfers, TransferPlan
+from pdserve.disagg.transport import Endpoint
+from pdserve.engine.messages import TokenLogprobs
+
+__all__ = ["LayerDone", "MessagerInput", "StepTransfers", "TransferPlan"]  # re-exported: the messager's inputs
+
+# ---- cache service <-> engine ----------------------------------------------------------------
+
+
+class CreateCache(msgspec.Struct, tag=True):
+    layout: KVLayout
+
+
+class AttachCache(msgspec.Struct, tag=True):
+    layout: KVLayout
+    segment: str
+
+
+class ServiceShutdown(msgspec.Struct, tag=True):
+    pass
+
+
+ServiceInput = CreateCache | AttachCache | ServiceShutdown
+
+
+class CacheServiceReady(msgspec.Struct, tag=True):
+    segment: str | None
+    created: bool
+    endpoints: list[Endpoint]  # what a prefill instance can write to (decode role)
+    messager_address: str | None  # where the worker sends StepTransfers / LayerDone (prefill side)
+
+
+class TransferDone(msgspec.Struct, tag=True):
+    transfer_id: str
+    ok: bool
+    error: str | None = None
+    nbytes: int = 0
+    first_write: float | None = None  # unix time the first layer was written
+    last_write: float | None = None
+
+
+class ServiceError(msgspec.Struct, tag=True):
+    error: str
+
+
+ServiceMessage = CacheServiceReady | TransferDone | ServiceError
+
+
+# ---- control plane: decode <-> prefill -------------------------------------------------------
+
+
+class CacheInfo(msgspec.Struct, tag=True):
+    """D -> P: D holds blocks for the request; write its prompt KV there."""
+
+    transfer_id: str
+    prompt_len: int
+    prompt_digest: str  # P checks it tokenized the same prompt
+    dst_blocks: list[int]  # D's own block ids, one per block of the prompt
+    layout: KVLayout
+    endpoints: list[Endpoint]
+    lease: float  # seconds from now until D gives the blocks up
+
+
+class PrefillDone(msgspec.Struct, tag=True):
+    """P -> D: every byte is written; decode from `first_token`."""
+
+    transfer_id: str
+    first_token: int
+    logprobs: TokenLogprobs | None
+    nbytes: int
+    times: dict[str, float]  # prefill_start, first_layer_written, last_layer_written, first_token
+
+
+class PrefillAck(msgspec.Struct, tag=True):
+    """D -> P: D took the KV over; P may free (or prefix-cache) its blocks."""
+
+    transfer_id: str
+
+
+class PDError(msgspec.Struct, tag=True):
+    transfer_id: str
+    error: str
+
+
+ControlMessage = CacheInfo | PrefillDone | PrefillAck | PDError

@@ -1,0 +1,36 @@
+"""What the worker tells the cache messager each step (kept apart so engine messages can embed it)."""
+
+from __future__ import annotations
+
+import msgspec
+
+from pdserve.disagg.transport import Endpoint
+
+
+class TransferPlan(msgspec.Struct, array_like=True):
+    """This step's share of one request's transfer: after each layer, write that layer of
+    `src_blocks` into D's `dst_blocks`; before the first layer, whole blocks for the first
+    `num_whole_blocks` pairs (a prefix-cache hit on P: computed earlier, never by this step)."""
+
+    transfer_id: str
+    endpoint: Endpoint
+    src_blocks: list[int]
+    dst_blocks: list[int]
+    num_whole_blocks: int
+    last: bool  # the request's final chunk: report TransferDone after its last layer
+    deadline: float  # unix time; D frees the blocks after its lease, so nothing may be written later
+
+
+class StepTransfers(msgspec.Struct, tag=True):
+    step_id: int
+    transfers: list[TransferPlan]
+
+
+class LayerDone(msgspec.Struct, tag=True):
+    step_id: int
+    layer: int
+
+
+MessagerInput = StepTransfers | LayerDone
+
+

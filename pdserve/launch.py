@@ -1,0 +1,150 @@
+"""`pdserve launch`: a whole local deployment (router + prefill + decode [+ mixed] instances) from one command.
+
+The deployment is data (a list of `InstanceSpec`); the start order is: router first (instances
+register with it), then every instance at once. It is ready when the router's /health is 200 and
+every instance has registered. Ctrl-C or SIGTERM stops everything; so does any process dying.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import httpx
+
+from pdserve.api.serve import free_port
+from pdserve.utils.process import child_env
+
+
+def add_launch_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prefill", type=int, default=1, help="prefill instances")
+    p.add_argument("--decode", type=int, default=1, help="decode instances")
+    p.add_argument("--mixed", type=int, default=0, help="mixed (non-disaggregated) instances")
+    p.add_argument("--host", default="127.0.0.1", help="where the router listens")
+    p.add_argument("--port", type=int, default=8000, help="the router's port: the deployment's OpenAI endpoint")
+    p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for every instance")
+    p.epilog = "Any other flag (e.g. --cache-transfer-protocol tcp, --kv-cache-memory 2G) goes to every instance."
+
+
+@dataclass(frozen=True)
+class InstanceSpec:
+    name: str
+    role: str
+    port: int
+
+    def command(self, router_url: str, extra: list[str]) -> list[str]:
+        return [sys.executable, "-m", "pdserve.cli", "serve", "--splitwise-role", self.role, "--port", str(self.port),
+                "--router", router_url, *extra]
+
+
+def plan(args: argparse.Namespace) -> list[InstanceSpec]:
+    if (args.prefill > 0) != (args.decode > 0):
+        raise ValueError("a PD deployment needs at least one --prefill and one --decode instance (or neither)")
+    if args.prefill + args.decode + args.mixed == 0:
+        raise ValueError("nothing to launch: give --prefill/--decode and/or --mixed")
+    specs = []
+    for role, count in (("prefill", args.prefill), ("decode", args.decode), ("mixed", args.mixed)):
+        specs += [InstanceSpec(f"{role}-{i}", role, free_port()) for i in range(count)]
+    return specs
+
+
+class Deployment:
+    def __init__(self) -> None:
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, cmd: list[str]) -> None:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child_env())
+        self.procs[name] = proc
+        threading.Thread(target=_prefix_output, args=(name, proc), daemon=True).start()
+
+    def dead(self) -> list[tuple[str, int]]:
+        return [(n, p.returncode) for n, p in self.procs.items() if p.poll() is not None]
+
+    def stop(self, timeout: float = 20.0) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + timeout
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _prefix_output(name: str, proc: subprocess.Popen) -> None:
+    for line in proc.stdout:
+        sys.stdout.write(f"[{name}] {line.decode(errors='replace')}")
+        sys.stdout.flush()
+
+
+def launch(args: argparse.Namespace) -> int:
+    specs = plan(args)
+    router_url = f"http://{args.host}:{args.port}"
+    deployment = Deployment()
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        deployment.start("router", [sys.executable, "-m", "pdserve.cli", "router", "--host", args.host,
+                                    "--port", str(args.port)])
+        for spec in specs:
+            deployment.start(spec.name, spec.command(router_url, args.instance_args))
+        error = _wait_ready(deployment, router_url, len(specs), args.ready_timeout, stop)
+        if error:
+            print(f"pdserve launch: {error}", file=sys.stderr, flush=True)
+            return 1
+        if stop.is_set():
+            return 130
+        roles = ", ".join(f"{n} {r}" for r, n in (("prefill", args.prefill), ("decode", args.decode),
+                                                    ("mixed", args.mixed)) if n)
+        print(f"pdserve launch: ready on {router_url} ({roles}); Ctrl-C stops everything", flush=True)
+        print(f"  curl {router_url}/v1/chat/completions -H 'Content-Type: application/json' "
+              "-d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hello!\"}], \"max_tokens\": 32}'", flush=True)
+        while not stop.wait(0.5):
+            if dead := deployment.dead():
+                name, code = dead[0]
+                print(f"pdserve launch: {name} exited (code {code}); stopping the deployment", file=sys.stderr,
+                      flush=True)
+                return 1
+        return 0
+    finally:
+        deployment.stop()
+
+
+def _wait_ready(deployment: Deployment, router_url: str, expected: int, timeout: float,
+                stop: threading.Event) -> str | None:
+    deadline = time.monotonic() + timeout
+    registered: list = []
+    with httpx.Client(timeout=2.0) as client:
+        while not stop.is_set():
+            if dead := deployment.dead():
+                name, code = dead[0]
+                return f"{name} exited (code {code}) before the deployment was ready (its output is above)"
+            try:
+                registered = client.get(f"{router_url}/instances").json()["instances"]
+                if len(registered) >= expected and client.get(f"{router_url}/health").status_code == 200:
+                    return None
+            except (httpx.HTTPError, ValueError, KeyError):
+                pass
+            if time.monotonic() > deadline:
+                names = sorted(n for n in deployment.procs if n != "router")
+                return (f"not ready within {timeout:.0f} s: {len(registered)} of {expected} instances registered "
+                        f"({', '.join(names)} were started)")
+            stop.wait(0.5)
+    return None
+
+
+if os.name != "posix":  # pragma: no cover
+    raise ImportError("pdserve launch needs a POSIX system")
