@@ -75,6 +75,7 @@ class KVCache:
         name = f"pdserve-kv-{os.getpid()}-{secrets.token_hex(4)}"
         nbytes = spec.num_blocks * spec.bytes_per_block
         shm = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
+        _created_here.add(name)
         return cls(spec, _tensor_over(shm, spec), shm, owner=True)
 
     @classmethod
@@ -103,10 +104,15 @@ class KVCache:
             self.shm = None
 
 
+_created_here: set[str] = set()
+
+
 def attach_segment(name: str) -> shared_memory.SharedMemory:
     """Map a segment another process owns, without Python 3.11's resource tracker adopting it
     (it would unlink the segment when this process exits)."""
     shm = shared_memory.SharedMemory(name=name)
+    if name in _created_here:  # ours: the tracker's one registration is the creator's, keep it
+        return shm
     try:
         resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
     except Exception:

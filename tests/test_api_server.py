@@ -8,130 +8,25 @@ process, shared-memory segment or IPC directory behind.
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import socket
-import subprocess
-import sys
 import time
 import uuid
 import warnings
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import openai
-import psutil
 import pytest
 
 from pdserve import LLM, SamplingParams
+from tests.servers import BLOCK, Server
+from tests.servers import metrics as _metrics
+from tests.servers import wait_for as _wait_for
 
 MODEL = "SmolLM2-135M-Instruct"
-REPO = Path(__file__).resolve().parents[1]
-BLOCK = 16
 MAX_LEN = 2048
-
-
-# ---- running a server ------------------------------------------------------------------------
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _segments() -> set[str]:
-    return {p.name for p in Path("/dev/shm").glob("*pdserve*")}
-
-
-class Server:
-    """`pdserve serve` in a subprocess, with its own TMPDIR so its IPC directories can be checked."""
-
-    def __init__(self, workdir: Path, *extra: str) -> None:
-        self.port, self.metrics_port = _free_port(), _free_port()
-        self.tmpdir = workdir / "tmp"
-        self.tmpdir.mkdir()
-        self.log_path = workdir / "server.log"
-        cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--port", str(self.port),
-               "--metrics-port", str(self.metrics_port), "--block-size", str(BLOCK), *extra]
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                         env={**os.environ, "TMPDIR": str(self.tmpdir)})
-        self.pids: set[int] = set()
-        try:
-            self._wait_healthy(120)
-        except BaseException:
-            self.proc.kill()
-            self.proc.wait()
-            raise
-        self.pids = {self.proc.pid} | {p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)}
-        assert self.own_segments(), "no KV cache segment of this server found in /dev/shm"
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:]
-
-    def _wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"the server exited (code {self.proc.returncode}) while starting:\n{self.log()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        pytest.fail(f"the server was not healthy within {timeout} s:\n{self.log()}")
-
-    def own_segments(self) -> set[str]:
-        """/dev/shm segments named after one of this server's processes (pdserve-kv-PID-...)."""
-        out = set()
-        for name in _segments():
-            m = re.search(r"pdserve-kv-(\d+)-", name)
-            if m and int(m.group(1)) in self.pids:
-                out.add(name)
-        return out
-
-    def engine(self) -> psutil.Process:
-        (engine,) = [p for p in psutil.Process(self.proc.pid).children() if "pdserve.engine" in p.cmdline()]
-        return engine
-
-    def worker(self) -> psutil.Process:
-        (worker,) = [p for p in self.engine().children() if "pdserve.worker" in p.cmdline()]
-        return worker
-
-    def stop(self) -> None:
-        """SIGTERM; it must exit within 20 s and leave nothing behind."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            for p in psutil.Process(self.proc.pid).children(recursive=True):
-                p.kill()
-            self.proc.kill()
-            self.proc.wait()
-            pytest.fail(f"the server did not exit within 20 s of SIGTERM:\n{self.log()}")
-        assert self.proc.returncode in (0, 128 + signal.SIGTERM, -signal.SIGTERM), (
-            f"the server exited with code {self.proc.returncode} on SIGTERM:\n{self.log()}")
-        assert "Traceback" not in self.log(), f"tracebacks while stopping:\n{self.log()}"
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            alive = [p for p in self.pids if psutil.pid_exists(p)
-                     and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-            if not alive and not self.own_segments():
-                break
-            time.sleep(0.1)
-        assert not alive, f"processes of the server outlived it: {alive}\n{self.log()}"
-        assert not self.own_segments(), f"KV cache segments left in /dev/shm: {self.own_segments()}"
-        left = sorted(p.name for p in self.tmpdir.iterdir() if p.name.startswith("pdserve-"))
-        assert not left, f"IPC directories left in TMPDIR: {left}\n{self.log()}"
 
 
 def _start(tmp_path_factory: pytest.TempPathFactory, name: str, *extra: str) -> Server:
@@ -164,29 +59,6 @@ def tokenizer():
     from pdserve.tokenizer import Tokenizer
 
     return Tokenizer(resolve_model_folder(None))
-
-
-def _metrics(port: int) -> dict[str, float]:
-    """Prometheus text -> {sample name: value summed over labels, and 'name{labels}': value}."""
-    r = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10)
-    assert r.status_code == 200
-    out: dict[str, float] = {}
-    for line in r.text.splitlines():
-        if line and not line.startswith("#"):
-            name_labels, value = line.rsplit(" ", 1)
-            name = name_labels.split("{", 1)[0]
-            out[name] = out.get(name, 0.0) + float(value)
-            if name != name_labels:
-                out[name_labels] = float(value)
-    return out
-
-
-def _wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what} within {timeout} s")
-        time.sleep(0.2)
 
 
 def _sse_events(lines: Iterator[str]) -> Iterator[dict | str]:

@@ -25,20 +25,22 @@ def _wait_gone(pids: list[int], timeout: float = 10.0) -> bool:
     return False
 
 
-@pytest.mark.parametrize("victim", ["worker", "engine"])
+@pytest.mark.parametrize("victim", ["worker", "cache_service", "engine"])
 def test_killed_process_fails_requests_and_cleans_up(victim):
     before = _segments()
     llm = LLM(num_gpu_blocks_override=32, block_size=16, max_model_len=512)
     try:
         engine = psutil.Process(llm.engine.proc.pid)
-        (worker,) = engine.children()
+        children = {("worker" if "pdserve.worker" in p.cmdline() else "cache_service"): p for p in engine.children()}
+        assert set(children) == {"worker", "cache_service"}  # mixed role, prefix cache on: both (startup table)
         assert len(_segments() - before) == 1
-        (worker if victim == "worker" else engine).kill()
+        {**children, "engine": engine}[victim].kill()
         start = time.monotonic()
         with pytest.raises(EngineError, match="exited|died"):
             llm.generate("Hello", SamplingParams(max_tokens=8), use_tqdm=False)
         assert time.monotonic() - start < 10
-        assert _wait_gone([worker.pid, engine.pid]), "a child process outlived the failure"
+        pids = [engine.pid, *(p.pid for p in children.values())]
+        assert _wait_gone(pids), "a child process outlived the failure"
         deadline = time.monotonic() + 10
         while _segments() - before and time.monotonic() < deadline:
             time.sleep(0.1)

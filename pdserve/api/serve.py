@@ -56,6 +56,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per router registration
     # uvicorn re-raises SIGTERM after its graceful shutdown; as SystemExit it unwinds through the
     # `finally` below, so the engine is stopped (not orphaned) and its IPC directory removed.
     exit_on_sigterm()
@@ -81,21 +82,23 @@ def serve(args: argparse.Namespace) -> int:
 
         start_http_server(metrics_port, addr=args.host, registry=metrics.registry)
         server = uvicorn.Server(uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level="warning"))
-        asyncio.run(_serve_and_announce(server, args.host, args.port, metrics_port, name, ready.role))
+        asyncio.run(_serve_and_announce(server, args.host, args.port, metrics_port, name, ready.role,
+                                        ready.pd_comm_port))
     finally:
         client.close()
     return 0
 
 
 async def _serve_and_announce(server: uvicorn.Server, host: str, port: int, metrics_port: int, name: str,
-                              role: str) -> None:
+                              role: str, pd_comm_port: int | None) -> None:
     async def announce() -> None:
         while not server.started:
             if server.should_exit:
                 return
             await asyncio.sleep(0.05)
+        pd = f", pd-comm-port {pd_comm_port}" if pd_comm_port else ""
         print(f"pdserve: serving {name} on http://{host}:{port} (OpenAI API under /v1, metrics on port "
-              f"{metrics_port}, role {role})", flush=True)
+              f"{metrics_port}, role {role}{pd})", flush=True)
         print(f"  curl http://{host}:{port}/v1/chat/completions -H 'Content-Type: application/json' "
               f"-d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], \"max_tokens\": 32}}'",
               flush=True)

@@ -25,6 +25,7 @@ from pdserve.disagg.messages import (
     AttachCache,
     CacheServiceReady,
     CreateCache,
+    DetachCache,
     MessagerInput,
     ServiceError,
     ServiceInput,
@@ -74,7 +75,8 @@ class CacheService:
             self.messager.source = None  # type: ignore[assignment]
         if self.inbox is not None:
             self.inbox.close()
-        self.cache.close()
+        if self.cache.shm is not None:
+            self.cache.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,6 +135,10 @@ def _serve(engine: zmq.Socket, service: CacheService) -> None:
             msg = msgspec.msgpack.decode(engine.recv(), type=ServiceInput)
             if isinstance(msg, ServiceShutdown):
                 return
+            if isinstance(msg, DetachCache):  # mixed role only: nothing but the mapping to drop
+                service.cache.close()
+            elif isinstance(msg, AttachCache):
+                service.cache = KVCache.attach_shared(msg.layout.spec(), msg.segment)
 
 
 if __name__ == "__main__":

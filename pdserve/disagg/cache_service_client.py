@@ -5,10 +5,12 @@ from __future__ import annotations
 import zmq
 
 from pdserve.config import EngineConfig
+from pdserve.disagg.kv_layout import KVLayout
 from pdserve.disagg.messages import (
     AttachCache,
     CacheServiceReady,
     CreateCache,
+    DetachCache,
     ServiceError,
     ServiceMessage,
     ServiceShutdown,
@@ -36,6 +38,12 @@ class CacheServiceClient:
             raise ChildDied(msg.error)
         assert isinstance(msg, CacheServiceReady)
         return msg
+
+    def detach(self) -> None:
+        self.child.send(DetachCache())
+
+    def attach(self, layout: KVLayout, segment: str) -> None:
+        self.child.send(AttachCache(layout, segment))
 
     def transfer_reports(self) -> list[TransferDone]:
         out = []

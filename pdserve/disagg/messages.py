@@ -29,11 +29,15 @@ class AttachCache(msgspec.Struct, tag=True):
     segment: str
 
 
+class DetachCache(msgspec.Struct, tag=True):
+    """Mixed role: the worker is freeing the cache (POST /clear_load_weight); let go of it too."""
+
+
 class ServiceShutdown(msgspec.Struct, tag=True):
     pass
 
 
-ServiceInput = CreateCache | AttachCache | ServiceShutdown
+ServiceInput = CreateCache | AttachCache | DetachCache | ServiceShutdown
 
 
 class CacheServiceReady(msgspec.Struct, tag=True):

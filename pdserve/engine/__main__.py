@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         started = start_processes(config, ctx, sockdir.name)
         layout = started.layout
         core = EngineCore(config, started.worker, layout.num_blocks, started.max_model_len, started.vocab_size)
+        core.cache_service, core.layout = started.cache_service, layout
         port = None
         if config.splitwise_role == "prefill":
             core.connector = PrefillConnector(config, core.scheduler, layout, ctx, started.cache_service)
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         outputs.send(encoder.encode(EngineReady(
             layout.num_blocks, config.block_size, started.max_model_len, args.model_name, started.profile,
             config.splitwise_role, port, list(config.cache_transfer_protocol), started.log.events)))
-        core.run(inputs, outputs, started.cache_service)
+        core.run(inputs, outputs)
         return 0
     except Exception as e:  # anything: the frontend must hear why the engine is gone
         from pdserve.utils.child_process import ChildDied

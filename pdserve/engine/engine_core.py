@@ -15,6 +15,7 @@ import zmq
 from pdserve.config import EngineConfig
 from pdserve.disagg.cache_service_client import CacheServiceClient
 from pdserve.disagg.connector import DecodeConnector, PrefillConnector
+from pdserve.disagg.kv_layout import KVLayout
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.messages import (
     AbortRequests,
@@ -44,7 +45,9 @@ class EngineCore:
                  vocab_size: int | None = None) -> None:
         self.config = config
         self.worker = worker
-        self.connector: PrefillConnector | DecodeConnector | None = None  # PD roles: see attach_connector
+        self.connector: PrefillConnector | DecodeConnector | None = None  # PD roles (set by __main__)
+        self.cache_service: CacheServiceClient | None = None  # per the startup table (set by __main__)
+        self.layout: KVLayout | None = None
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
@@ -62,7 +65,7 @@ class EngineCore:
 
     # ---- the loop ------------------------------------------------------------------------------
 
-    def run(self, inputs: zmq.Socket, outputs: zmq.Socket, cache_service: CacheServiceClient | None = None) -> None:
+    def run(self, inputs: zmq.Socket, outputs: zmq.Socket) -> None:
         decoder = msgspec.msgpack.Decoder(EngineInput)
         encoder = msgspec.msgpack.Encoder()
         while True:
@@ -88,8 +91,8 @@ class EngineCore:
                     pending.extend(self._handle(msg))
             if not self.worker.alive():
                 raise RuntimeError(f"the worker process exited (code {self.worker.proc.returncode})")
-            if cache_service is not None and not cache_service.alive():
-                raise RuntimeError(f"the cache service process exited (code {cache_service.proc.returncode})")
+            if self.cache_service is not None and not self.cache_service.alive():
+                raise RuntimeError(f"the cache service process exited (code {self.cache_service.proc.returncode})")
             if self.connector is not None:
                 pending.extend(self.connector.poll())
             if self.scheduler.has_work:
@@ -99,7 +102,7 @@ class EngineCore:
 
     def _idle_timeout_ms(self) -> int:
         deadline = self.connector.next_deadline() if self.connector is not None else None
-        if deadline is None:
+        if deadline is None or deadline == float("inf"):
             return self.IDLE_POLL_MS
         return max(0, min(self.IDLE_POLL_MS, int((deadline - time.time()) * 1000) + 1))
 
@@ -218,9 +221,13 @@ class EngineCore:
                 self.kv.pool.reset_prefix_cache()  # cached KV dies with the cache memory
                 self.weights_loaded = False
                 self.worker.weights("clear")
+                if self.cache_service is not None and self.config.splitwise_role == "mixed":
+                    self.cache_service.detach()  # the worker owns the cache; the memory goes only when both let go
                 return UtilityResult(call.call_id, {"aborted": len(aborted)}), aborted
             if call.method == "load_weights":
-                self.worker.weights("load")
+                ok = self.worker.weights("load")
+                if self.cache_service is not None and self.config.splitwise_role == "mixed" and ok.kv_cache_name:
+                    self.cache_service.attach(self.layout, ok.kv_cache_name)
                 self.weights_loaded = True
                 return UtilityResult(call.call_id, {}), []
         except RuntimeError as e:  # the worker reported a failure; it is still alive

@@ -194,7 +194,7 @@ class WorkerError(msgspec.Struct, tag=True):
 
 
 class WorkerOk(msgspec.Struct, tag=True):
-    pass
+    kv_cache_name: str | None = None  # after loading weights again: the (new) cache segment
 
 
 WorkerMessage = StepResult | WorkerLoaded | WorkerReady | WorkerError | WorkerOk

@@ -13,6 +13,7 @@ from pdserve.engine.messages import (
     WorkerError,
     WorkerLoaded,
     WorkerMessage,
+    WorkerOk,
     WorkerReady,
     WorkerShutdown,
 )
@@ -52,11 +53,13 @@ class WorkerClient:
         assert isinstance(msg, StepResult)
         return msg
 
-    def weights(self, action: str) -> None:
+    def weights(self, action: str) -> WorkerOk:
         self.child.send(WeightsCommand(action))
         msg = self.child.receive(None, what=f"{action} its weights")
         if isinstance(msg, WorkerError):
             raise RuntimeError(msg.error)
+        assert isinstance(msg, WorkerOk)
+        return msg
 
     def alive(self) -> bool:
         return self.child.alive()

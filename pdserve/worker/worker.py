@@ -106,7 +106,7 @@ class Worker:
                 self._open_cache()
         else:
             raise ValueError(f"unknown weights action {command.action!r}")
-        return WorkerOk()
+        return WorkerOk(self.runner.kv_cache.shm_name if self.runner.kv_cache is not None else None)
 
     def execute(self, step: ExecuteStep) -> StepResult:
         for new in step.new_requests:

@@ -1,0 +1,189 @@
+"""pdserve processes for end-to-end tests: `pdserve serve` / `router` in subprocesses, each with its own
+TMPDIR and log, stopped with SIGTERM and checked to leave no process, shared-memory segment or IPC
+directory behind."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BLOCK = 16
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def segments() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("*pdserve*")}
+
+
+class CliProcess:
+    """`python -m pdserve.cli ARGS` in a subprocess; waits until `ready()` is true."""
+
+    def __init__(self, workdir: Path, args: list[str], port: int, start_timeout: float = 120,
+                 wait: bool = True) -> None:
+        self.port = port
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.tmpdir = workdir / "tmp"
+        self.tmpdir.mkdir()
+        self.log_path = workdir / "process.log"
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *args], cwd=REPO, stdout=log,
+                                         stderr=subprocess.STDOUT, env={**os.environ, "TMPDIR": str(self.tmpdir)})
+        self.pids: set[int] = {self.proc.pid}
+        if wait:
+            self.wait_ready(start_timeout)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-6000:]
+
+    def ready(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"{self} exited (code {self.proc.returncode}) while starting:\n{self.log()}")
+            if self.ready():
+                self.pids |= {p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)}
+                return
+            time.sleep(0.25)
+        pytest.fail(f"{self} was not ready within {timeout} s:\n{self.log()}")
+
+    def own_segments(self) -> set[str]:
+        """/dev/shm segments named after one of this process tree's processes (pdserve-kv-PID-...)."""
+        out = set()
+        for name in segments():
+            m = re.search(r"pdserve-kv-(\d+)-", name)
+            if m and int(m.group(1)) in self.pids:
+                out.add(name)
+        return out
+
+    def children(self, module: str) -> list[psutil.Process]:
+        return [p for p in psutil.Process(self.proc.pid).children(recursive=True) if module in " ".join(p.cmdline())]
+
+    def kill(self) -> None:
+        """SIGKILL the top process (its children notice and exit), as a crashed host would."""
+        self.proc.kill()
+        self.proc.wait()
+
+    def wait_gone(self, timeout: float = 20) -> None:
+        """Every process of the tree exits and the segments go."""
+        deadline = time.monotonic() + timeout
+        alive: list[int] = []
+        while time.monotonic() < deadline:
+            alive = [p for p in self.pids if psutil.pid_exists(p)
+                     and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+            if not alive and not self.own_segments():
+                break
+            time.sleep(0.1)
+        assert not alive, f"processes of {self} outlived it: {alive}\n{self.log()}"
+        assert not self.own_segments(), f"KV cache segments left in /dev/shm: {self.own_segments()}"
+
+    def stop(self) -> None:
+        """SIGTERM; it must exit within 20 s and leave nothing behind."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            for p in psutil.Process(self.proc.pid).children(recursive=True):
+                p.kill()
+            self.proc.kill()
+            self.proc.wait()
+            pytest.fail(f"{self} did not exit within 20 s of SIGTERM:\n{self.log()}")
+        assert self.proc.returncode in (0, 128 + signal.SIGTERM, -signal.SIGTERM), (
+            f"{self} exited with code {self.proc.returncode} on SIGTERM:\n{self.log()}")
+        assert "Traceback" not in self.log(), f"tracebacks while stopping {self}:\n{self.log()}"
+        self.wait_gone(10)
+        left = sorted(p.name for p in self.tmpdir.iterdir() if p.name.startswith("pdserve-"))
+        assert not left, f"IPC directories left in TMPDIR: {left}\n{self.log()}"
+
+
+class Server(CliProcess):
+    """`pdserve serve` (any role)."""
+
+    def __init__(self, workdir: Path, *extra: str, wait: bool = True) -> None:
+        self.metrics_port = free_port()
+        port = free_port()
+        super().__init__(workdir, ["serve", "--port", str(port), "--metrics-port", str(self.metrics_port),
+                                   "--block-size", str(BLOCK), *extra], port, wait=wait)
+        if wait:
+            assert self.own_segments(), "no KV cache segment of this server found in /dev/shm"
+
+    def __str__(self) -> str:
+        return f"the server on port {self.port}"
+
+    def engine(self) -> psutil.Process:
+        (engine,) = self.children("pdserve.engine")
+        return engine
+
+    def worker(self) -> psutil.Process:
+        (worker,) = [p for p in self.engine().children() if "pdserve.worker" in p.cmdline()]
+        return worker
+
+
+class Router(CliProcess):
+    def __init__(self, workdir: Path, *extra: str) -> None:
+        port = free_port()
+        super().__init__(workdir, ["router", "--port", str(port), *extra], port)
+
+    def __str__(self) -> str:
+        return f"the router on port {self.port}"
+
+    def ready(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/instances", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def wait_pairs(self, expected: int, timeout: float = 30) -> None:
+        """Until `expected` instances are registered and /health is 200."""
+        wait_for(lambda: len(httpx.get(f"{self.url}/instances", timeout=2).json()["instances"]) >= expected
+                 and httpx.get(f"{self.url}/health", timeout=2).status_code == 200, timeout,
+                 f"{expected} instances did not register with the router")
+
+
+def metrics(port: int) -> dict[str, float]:
+    """Prometheus text -> {sample name: value summed over labels, and 'name{labels}': value}."""
+    r = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10)
+    assert r.status_code == 200
+    out: dict[str, float] = {}
+    for line in r.text.splitlines():
+        if line and not line.startswith("#"):
+            name_labels, value = line.rsplit(" ", 1)
+            name = name_labels.split("{", 1)[0]
+            out[name] = out.get(name, 0.0) + float(value)
+            if name != name_labels:
+                out[name_labels] = float(value)
+    return out
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} within {timeout} s")
+        time.sleep(0.2)

@@ -1,0 +1,171 @@
+"""The PD data plane without a model: byte ranges of the cache layout, the ipc and tcp transports,
+and the cache messager's layer-by-layer writes, checked byte for byte between two real shared-memory caches."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from pdserve.disagg.cache_messager import CacheMessager
+from pdserve.disagg.kv_layout import KVLayout, block_ranges, coalesce, layer_ranges
+from pdserve.disagg.messages import LayerDone, StepTransfers, TransferDone, TransferPlan
+from pdserve.disagg.startup import CACHE_SERVICE, TRUTH_TABLE, WORKER
+from pdserve.disagg.transport import (
+    CacheBuffer,
+    IpcEndpoint,
+    TcpEndpoint,
+    TransferError,
+    choose_endpoint,
+    host_id,
+    open_writer,
+    start_receiver,
+)
+from pdserve.disagg.transport.ipc import buffer_address
+from pdserve.kv_cache import KVCache
+
+LAYOUT = KVLayout(num_blocks=12, num_layers=3, block_size=4, num_kv_heads=2, head_dim=8, dtype="float32")
+
+
+@pytest.fixture
+def caches() -> Iterator[tuple[KVCache, KVCache]]:
+    """P's cache filled with distinct values, D's (fewer blocks) zeroed."""
+    p = KVCache.create_shared(LAYOUT.spec())
+    d = KVCache.create_shared(KVLayout(**{**_fields(LAYOUT), "num_blocks": 9}).spec())
+    p.tensor.copy_(torch.arange(p.tensor.numel(), dtype=torch.float32).view_as(p.tensor))
+    yield p, d
+    p.close()
+    d.close()
+
+
+def _fields(layout: KVLayout) -> dict:
+    return {f: getattr(layout, f) for f in layout.__struct_fields__}
+
+
+def _buffer(cache: KVCache) -> CacheBuffer:
+    return CacheBuffer(cache.shm.buf, buffer_address(cache.shm.buf))
+
+
+def test_ranges_follow_the_block_major_layout() -> None:
+    lb, bb = LAYOUT.layer_block_bytes, LAYOUT.block_bytes
+    assert lb == 2 * 4 * 2 * 8 * 4 and bb == 3 * lb
+    assert layer_ranges(LAYOUT, [5, 6], [0, 2], 1) == [(5 * bb + lb, lb, lb), (6 * bb + lb, 2 * bb + lb, lb)]
+    # adjacent on both sides merge; a gap on either side splits
+    assert block_ranges(LAYOUT, [3, 4, 5, 9], [7, 8, 1, 2]) == [(3 * bb, 7 * bb, 2 * bb), (5 * bb, bb, bb),
+                                                               (9 * bb, 2 * bb, bb)]
+    assert coalesce([(0, 0, 4), (4, 4, 4), (8, 16, 4)]) == [(0, 0, 8), (8, 16, 4)]
+
+
+def test_same_geometry_ignores_the_block_count() -> None:
+    assert LAYOUT.same_geometry(KVLayout(**{**_fields(LAYOUT), "num_blocks": 100}))
+    assert not LAYOUT.same_geometry(KVLayout(**{**_fields(LAYOUT), "head_dim": 16}))
+
+
+@pytest.mark.parametrize("protocol", ["ipc", "tcp"])
+def test_transport_writes_ranges_into_the_peer_cache(caches: tuple[KVCache, KVCache], protocol: str) -> None:
+    p, d = caches
+    receiver = start_receiver(protocol, _buffer(d), d.shm_name, "127.0.0.1")
+    writer = open_writer(receiver.endpoint, _buffer(p))
+    try:
+        ranges = block_ranges(LAYOUT, [2, 3, 7], [0, 1, 5]) + layer_ranges(LAYOUT, [10], [8], 2)
+        assert writer.write(ranges) == 3 * LAYOUT.block_bytes + LAYOUT.layer_block_bytes
+        writer.flush()
+        for src, dst in ((2, 0), (3, 1), (7, 5)):
+            assert torch.equal(d.tensor[dst], p.tensor[src])
+        assert torch.equal(d.tensor[8, 2], p.tensor[10, 2])
+        assert not d.tensor[8, :2].any() and not d.tensor[[2, 3, 4, 6, 7]].any()
+        with pytest.raises(TransferError, match="outside"):  # never past the end of either cache
+            writer.write([(0, 9 * LAYOUT.block_bytes, 8)]) if protocol == "ipc" else \
+                writer.write([(12 * LAYOUT.block_bytes, 0, 8)])
+    finally:
+        writer.close()
+        receiver.close()
+
+
+def test_tcp_writer_reports_a_missing_receiver() -> None:
+    buf = bytearray(64)
+    with pytest.raises(TransferError, match="cannot connect"):
+        open_writer(TcpEndpoint("127.0.0.1", 1), CacheBuffer(memoryview(buf), 0))
+
+
+def test_endpoint_choice_follows_our_preference_and_reach() -> None:
+    ipc_here = IpcEndpoint("seg", 1, host_id())
+    ipc_elsewhere = IpcEndpoint("seg", 1, "other-host/boot")
+    tcp = TcpEndpoint("10.0.0.2", 5000)
+    assert choose_endpoint(["ipc", "tcp"], [tcp, ipc_here]) == ipc_here
+    assert choose_endpoint(["tcp", "ipc"], [tcp, ipc_here]) == tcp
+    assert choose_endpoint(["ipc", "tcp"], [ipc_elsewhere, tcp]) == tcp  # another host's memory is out of reach
+    assert choose_endpoint(["ipc"], [tcp]) is None
+
+
+def _messager(p: KVCache, reports: list[TransferDone]) -> CacheMessager:
+    return CacheMessager(_buffer(p), LAYOUT, reports.append)
+
+
+def test_messager_streams_layer_by_layer_and_reports_after_the_last(caches: tuple[KVCache, KVCache]) -> None:
+    p, d = caches
+    endpoint = IpcEndpoint(d.shm_name, d.shm.size, host_id())
+    reports: list[TransferDone] = []
+    messager = _messager(p, reports)
+    deadline = time.time() + 60
+    # chunk 1: blocks 0-1 were a prefix-cache hit on P (whole blocks), block 2 computed now
+    messager.handle(StepTransfers(1, [TransferPlan("t", endpoint, [4, 5, 6], [0, 1, 2], 2, False, deadline)]))
+    messager.handle(LayerDone(1, 0))
+    assert torch.equal(d.tensor[0], p.tensor[4]) and torch.equal(d.tensor[1], p.tensor[5])
+    assert torch.equal(d.tensor[2, 0], p.tensor[6, 0]) and not d.tensor[2, 1:].any()  # only layer 0 so far
+    for layer in (1, 2):
+        messager.handle(LayerDone(1, layer))
+    assert reports == []  # not the request's last chunk
+    # chunk 2 (last): block 2 again (it was partial) and block 3
+    messager.handle(StepTransfers(2, [TransferPlan("t", endpoint, [6, 8], [2, 3], 0, True, deadline)]))
+    for layer in range(3):
+        messager.handle(LayerDone(2, layer))
+    assert torch.equal(d.tensor[:4], p.tensor[[4, 5, 6, 8]])
+    (report,) = reports
+    assert report.ok and report.transfer_id == "t"
+    assert report.nbytes == 2 * LAYOUT.block_bytes + 3 * LAYOUT.layer_block_bytes + 2 * 3 * LAYOUT.layer_block_bytes
+    assert report.first_write <= report.last_write
+    messager.close()
+
+
+def test_messager_fails_a_transfer_past_its_lease(caches: tuple[KVCache, KVCache]) -> None:
+    p, d = caches
+    endpoint = IpcEndpoint(d.shm_name, d.shm.size, host_id())
+    reports: list[TransferDone] = []
+    messager = _messager(p, reports)
+    messager.handle(StepTransfers(1, [TransferPlan("late", endpoint, [1], [1], 0, True, time.time() - 1)]))
+    for layer in range(3):
+        messager.handle(LayerDone(1, layer))
+    (report,) = reports  # reported once, not again at its last layer
+    assert not report.ok and "lease" in report.error
+    assert not d.tensor.any()  # nothing written after the lease
+    messager.close()
+
+
+def test_messager_reports_a_dead_receiver(caches: tuple[KVCache, KVCache]) -> None:
+    p, _ = caches
+    reports: list[TransferDone] = []
+    messager = _messager(p, reports)
+    messager.handle(StepTransfers(1, [TransferPlan("t", TcpEndpoint("127.0.0.1", 1), [1], [1], 0, True,
+                                                   time.time() + 60)]))
+    for layer in range(3):
+        messager.handle(LayerDone(1, layer))
+    (report,) = reports
+    assert not report.ok and "cannot connect" in report.error
+
+
+def test_truth_table_matches_the_design() -> None:
+    # (profile run, mixed role, prefix cache) -> (order, cache owner), as in DESIGN.md section 2
+    expected = {
+        (True, True, True): ((WORKER, CACHE_SERVICE), WORKER),
+        (True, True, False): ((WORKER,), WORKER),
+        (True, False, True): ((WORKER, CACHE_SERVICE), CACHE_SERVICE),
+        (True, False, False): ((WORKER, CACHE_SERVICE), CACHE_SERVICE),
+        (False, True, True): ((WORKER, CACHE_SERVICE), WORKER),
+        (False, True, False): ((WORKER,), WORKER),
+        (False, False, True): ((CACHE_SERVICE, WORKER), CACHE_SERVICE),
+        (False, False, False): ((CACHE_SERVICE, WORKER), CACHE_SERVICE),
+    }
+    assert {k: (r.order, r.cache_owner) for k, r in TRUTH_TABLE.items()} == expected

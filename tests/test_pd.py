@@ -1,0 +1,308 @@
+"""Prefill/decode disaggregation end to end: a router, a prefill instance and two decode instances
+(one reached over ipc, one over tcp, with different block counts), against a mixed instance.
+
+Greedy output through the router must be the mixed instance's output. The two deployments differ
+in batching (and so in float rounding), so where the texts part, the test requires that the mixed
+instance's top two tokens were a near tie there (margin < 0.02); any other difference fails.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.servers import BLOCK, Router, Server, metrics, segments, wait_for
+
+MODEL = "SmolLM2-135M-Instruct"
+CHUNK = 128  # --max-num-batched-tokens: prompts longer than this are prefilled in chunks
+COMMON = ["--max-model-len", "1024", "--max-num-batched-tokens", str(CHUNK), "--max-num-seqs", "32"]
+MAX_TOKENS = 12
+
+PARAGRAPH = ("The river runs past the old mill, where the miller keeps a ledger of every sack of grain. "
+             "In spring the water rises, and the wheel turns faster than in any other season of the year. ")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from pdserve.loader import resolve_model_folder
+    from pdserve.tokenizer import Tokenizer
+
+    return Tokenizer(resolve_model_folder(None))
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    before = segments()
+    tmp = tmp_path_factory.mktemp("pd")
+    router = Router(tmp / "router")
+    reg = ["--router", router.url]
+    specs = {
+        "prefill": ["--splitwise-role", "prefill", "--cache-transfer-protocol", "ipc,tcp",
+                    "--num-gpu-blocks-override", "400", *reg],
+        "decode_ipc": ["--splitwise-role", "decode", "--cache-transfer-protocol", "ipc",
+                       "--num-gpu-blocks-override", "300", *reg],
+        "decode_tcp": ["--splitwise-role", "decode", "--cache-transfer-protocol", "tcp",
+                       "--num-gpu-blocks-override", "200", *reg],
+        "mixed": ["--num-gpu-blocks-override", "400"],
+    }
+    servers = {name: Server(tmp / name, *flags, *COMMON, wait=False) for name, flags in specs.items()}
+    try:
+        for s in servers.values():
+            s.wait_ready(240)
+        router.wait_pairs(3)
+        yield {"router": router, **servers}
+    finally:
+        for s in [*servers.values(), router]:
+            s.stop()
+    assert segments() <= before, f"shared-memory segments left behind: {segments() - before}"
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=180)
+
+
+def _prompts(tokenizer) -> list[str | list[int]]:
+    """20 prompts: short texts, lengths that are exact multiples of the block size (one of them the
+    chunk budget), and prompts of several chunks."""
+    text = PARAGRAPH * 12
+    ids = tokenizer.encode(text)
+    shorts = ["The capital of France is", "Water boils at a temperature of", "The three primary colors are",
+              "def fibonacci(n):", "Once upon a time, in a small village,", "The largest planet in the solar system is",
+              "To make a cup of tea, first", "1, 2, 3, 4, 5,", "The opposite of hot is", "Monday, Tuesday,"]
+    exact = [ids[:n] for n in (BLOCK, 2 * BLOCK, CHUNK, 2 * CHUNK)]
+    offsets = [ids[i:i + n] for i, n in ((3, 5 * BLOCK + 1), (7, 3 * CHUNK + 5), (11, 700), (13, CHUNK + 1))]
+    longs = [text[:900], text[200:1500]]
+    return [*shorts, *exact, *offsets, *longs]
+
+
+def _complete(client: openai.OpenAI, prompt: str | list[int]) -> openai.types.Completion:
+    return client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, logprobs=2)
+
+
+def _assert_same_greedy(pd_out, mixed_out, what: str) -> int:
+    """Tokens must agree until the first near tie of the mixed run; returns how many were compared."""
+    a, b = pd_out.choices[0].logprobs, mixed_out.choices[0].logprobs
+    for i, (x, y) in enumerate(zip(a.tokens, b.tokens, strict=False)):
+        if x != y:
+            top = sorted(b.top_logprobs[i].values(), reverse=True)
+            margin = top[0] - top[1] if len(top) > 1 else float("inf")
+            assert margin < 0.02, (f"{what}: token {i} differs ({x!r} vs mixed {y!r}) where the mixed run's top "
+                                   f"two differ by {margin:.4f}, not a near tie\nPD:    {a.tokens}\nmixed: {b.tokens}")
+            return i
+    assert len(a.tokens) == len(b.tokens), f"{what}: {len(a.tokens)} vs {len(b.tokens)} tokens"
+    return len(a.tokens)
+
+
+def test_pd_output_equals_mixed_for_20_concurrent_prompts(pd: dict, tokenizer) -> None:
+    prompts = _prompts(tokenizer)
+    assert len(prompts) == 20
+    router, mixed = _client(pd["router"].url), _client(pd["mixed"].url)
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        pd_outs = list(pool.map(lambda p: _complete(router, p), prompts))
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        mixed_outs = list(pool.map(lambda p: _complete(mixed, p), prompts))
+    compared = sum(_assert_same_greedy(a, b, f"prompt {i}")
+                   for i, (a, b) in enumerate(zip(pd_outs, mixed_outs, strict=True)))
+    assert compared >= 0.8 * MAX_TOKENS * len(prompts), f"only {compared} tokens matched before near ties"
+    # Both transports carried KV: each decode instance offers only one.
+    sent = metrics(pd["prefill"].metrics_port)["pdserve_kv_transfer_bytes_sent"]
+    got = {n: metrics(pd[n].metrics_port)["pdserve_kv_transfer_bytes_received"] for n in ("decode_ipc", "decode_tcp")}
+    assert all(v > 0 for v in got.values()), got
+    assert sent == sum(got.values())
+    _assert_all_blocks_free(pd)
+
+
+def test_prefix_cache_hits_on_prefill_are_sent_whole(pd: dict, tokenizer) -> None:
+    """A prompt sharing a long prefix with an earlier one: P serves the prefix from its cache (never
+    computed by this request) and must still send those blocks."""
+    ids = tokenizer.encode(PARAGRAPH * 6)
+    first, second = ids[:300], ids[:300] + tokenizer.encode(" And so the story of the mill ends")
+    router, mixed = _client(pd["router"].url), _client(pd["mixed"].url)
+    hits_before = metrics(pd["prefill"].metrics_port)["pdserve_prefix_cache_hit_tokens"]
+    for prompt in (first, second, second):  # the second `second` goes to the other decode instance
+        _assert_same_greedy(_complete(router, prompt), _complete(mixed, prompt), "prefix prompt")
+    hits = metrics(pd["prefill"].metrics_port)["pdserve_prefix_cache_hit_tokens"] - hits_before
+    assert hits >= 2 * 288  # 18 full blocks of 16, twice at least
+    _assert_all_blocks_free(pd)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_and_completion_through_the_router(pd: dict, stream: bool) -> None:
+    router, mixed = _client(pd["router"].url), _client(pd["mixed"].url)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+
+    def chat(client: openai.OpenAI) -> str:
+        out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
+                                             stream=stream)
+        if not stream:
+            return out.choices[0].message.content
+        return "".join(c.choices[0].delta.content or "" for c in out if c.choices)
+
+    def completion(client: openai.OpenAI) -> str:
+        out = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=10,
+                                        temperature=0, stream=stream)
+        return out.choices[0].text if not stream else "".join(c.choices[0].text for c in out if c.choices)
+
+    for call in (chat, completion):
+        text = call(router)
+        assert text and text == call(mixed)
+
+
+def test_router_models_health_and_bad_input(pd: dict) -> None:
+    router = _client(pd["router"].url)
+    assert [m.id for m in router.models.list().data] == [MODEL]
+    assert httpx.get(f"{pd['router'].url}/health").status_code == 200
+    with pytest.raises(openai.BadRequestError) as e:
+        router.completions.create(model=MODEL, prompt="hi", max_tokens=-1)
+    assert e.value.body["message"]
+    r = httpx.post(f"{pd['router'].url}/v1/completions", content=b"{not json", timeout=30)
+    assert r.status_code == 400 and "error" in r.json()
+
+
+def test_n_choices_and_timings_through_the_router(pd: dict) -> None:
+    r = httpx.post(f"{pd['router'].url}/v1/completions", timeout=120, json={
+        "prompt": "The capital of France is", "max_tokens": 6, "temperature": 0, "n": 2, "collect_metrics": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert len({c["text"] for c in body["choices"]}) == 1  # greedy: both choices the same
+    m = body["metrics"]
+    # D's own moments and P's, in the order they happen
+    order = ["preallocated", "cache_info_sent", "first_layer_written", "last_layer_written", "prefill_done_received",
+             "last_token"]
+    times = [m[k] for k in order]
+    assert times == sorted(times), m
+
+
+def _assert_all_blocks_free(pd: dict, timeout: float = 15) -> None:
+    """Every instance gives all its blocks back (P after D's acknowledgement)."""
+    for name in ("prefill", "decode_ipc", "decode_tcp", "mixed"):
+        port = pd[name].metrics_port
+
+        def free(port: int = port) -> bool:
+            m = metrics(port)
+            return m["pdserve_kv_cache_free_blocks"] == m["pdserve_kv_cache_total_blocks"]
+
+        wait_for(free, timeout, f"{name} did not free all its KV blocks")
+
+
+# ---- faults and small caches -----------------------------------------------------------------
+
+
+def _pair(tmp: Path, protocol: str, d_blocks: int, timeout: float = 4) -> tuple[Router, Server, Server]:
+    router = Router(tmp / "router")
+    flags = [*COMMON, "--max-model-len", "512", "--cache-transfer-protocol", protocol, "--router", router.url,
+             "--pd-transfer-timeout", str(timeout)]
+    p = Server(tmp / "p", "--splitwise-role", "prefill", "--num-gpu-blocks-override", "200", *flags, wait=False)
+    d = Server(tmp / "d", "--splitwise-role", "decode", "--num-gpu-blocks-override", str(d_blocks), *flags, wait=False)
+    try:
+        p.wait_ready(240)
+        d.wait_ready(240)
+        router.wait_pairs(2)
+    except BaseException:
+        for s in (p, d, router):
+            s.proc.kill()
+        raise
+    return router, p, d
+
+
+def _long_prompt(tokenizer, n: int) -> list[int]:
+    return tokenizer.encode(PARAGRAPH * 40)[:n]
+
+
+def _stream_error(url: str, prompt: list[int]) -> tuple[str, float]:
+    """Stream a completion; returns (everything received, seconds until the answer ended)."""
+    start = time.monotonic()
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=60,
+                          json={"prompt": prompt, "max_tokens": 40, "temperature": 0, "stream": True}) as r:
+            text = r.read().decode()
+    except httpx.HTTPError as e:
+        text = f"transport error: {e}"
+    return text, time.monotonic() - start
+
+
+def test_small_decode_cache_queues_then_serves_and_killed_prefill_frees_decode_blocks(tmp_path: Path,
+                                                                                         tokenizer) -> None:
+    before = segments()
+    router, p, d = _pair(tmp_path, "ipc", d_blocks=40)  # one 450-token prompt takes 29 of D's 40 blocks
+    try:
+        prompts = [_long_prompt(tokenizer, 450 + i) for i in range(3)]
+        client = httpx.Client(timeout=120)
+
+        def run(prompt: list[int]) -> dict:
+            r = client.post(f"{router.url}/v1/completions", json={"prompt": prompt, "max_tokens": 4,
+                                                                  "temperature": 0, "collect_metrics": True})
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        with ThreadPoolExecutor(3) as pool:
+            outs = list(pool.map(run, prompts))
+        spans = sorted((o["metrics"]["preallocated"], o["metrics"]["finished"]) for o in outs)
+        for (_, end), (start, _) in zip(spans, spans[1:], strict=False):
+            assert start >= end, f"D held blocks for two 29-block requests at once: {spans}"
+        assert all(o["choices"][0]["finish_reason"] == "length" for o in outs)
+
+        # Kill P during a prefill (its worker is held stopped so the prefill cannot finish first):
+        # the client gets a PD error and D frees its preallocated blocks.
+        (worker,) = p.children("pdserve.worker")
+        worker.suspend()
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(_stream_error, router.url, _long_prompt(tokenizer, 440))
+            wait_for(lambda: metrics(d.metrics_port)["pdserve_num_requests_preallocated"] == 1, 30,
+                     "D did not preallocate")
+            time.sleep(1)  # P's engine takes the cache info and hands the first chunk to its (stopped) worker
+            p.kill()
+            worker.kill()
+            text, seconds = answer.result()
+        assert "PD error" in text, text
+        assert seconds < 30
+        wait_for(lambda: metrics(d.metrics_port)["pdserve_kv_cache_free_blocks"] == 40, 15,
+                 "D did not free its preallocated blocks after P died")
+        p.wait_gone()
+    finally:
+        for s in (d, router):
+            s.stop()
+        if p.proc.poll() is None:
+            for w in p.children("pdserve.worker"):
+                w.resume()
+            p.stop()
+    assert segments() <= before
+
+
+def test_killed_decode_frees_prefill_blocks(tmp_path: Path, tokenizer) -> None:
+    before = segments()
+    router, p, d = _pair(tmp_path, "tcp", d_blocks=100)
+    try:
+        # P's worker is held stopped until D is dead, so the KV has somewhere to fail to go.
+        (worker,) = p.children("pdserve.worker")
+        worker.suspend()
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(_stream_error, router.url, _long_prompt(tokenizer, 440))
+            wait_for(lambda: metrics(d.metrics_port)["pdserve_num_requests_preallocated"] == 1, 30,
+                     "D did not preallocate")
+            time.sleep(1)  # P's engine takes the cache info and hands the first chunk to its (stopped) worker
+            d.kill()
+            worker.resume()
+            text, seconds = answer.result()
+        assert "PD error" in text, text
+        assert seconds < 30
+        d.wait_gone()
+        wait_for(lambda: metrics(p.metrics_port)["pdserve_kv_cache_free_blocks"] == 200, 20,
+                 "P did not free its blocks after D died")
+        # P still serves plain requests
+        r = httpx.post(f"{p.url}/v1/completions", timeout=60, json={"prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 200
+    finally:
+        for w in p.children("pdserve.worker"):
+            w.resume()
+        for s in (p, router):
+            s.stop()
+        if d.proc.poll() is None:
+            d.stop()
+    assert segments() <= before

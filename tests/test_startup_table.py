@@ -1,0 +1,102 @@
+"""The startup truth table (DESIGN section 2), row by row, on real instances: each row starts in the
+order the table gives, the table's process creates the KV cache (the other attaches after cache-ready),
+and the instance then serves a request (PD rows: a prefill and a decode instance serve one together)."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.servers import Server
+
+PROFILE = ["--kv-cache-memory", "384M", "--max-model-len", "512", "--max-num-batched-tokens", "128",
+           "--max-num-seqs", "4"]
+NO_PROFILE = ["--num-gpu-blocks-override", "64", "--max-model-len", "512", "--max-num-batched-tokens", "128"]
+PROMPT = "The capital of France is"
+
+# (profile run, mixed role, prefix cache) -> (start order, cache owner): DESIGN.md section 2
+ROWS = [
+    ((True, True, True), ["worker", "cache_service"], "worker"),
+    ((True, True, False), ["worker"], "worker"),
+    ((True, False, True), ["worker", "cache_service"], "cache_service"),
+    ((True, False, False), ["worker", "cache_service"], "cache_service"),
+    ((False, True, True), ["worker", "cache_service"], "worker"),
+    ((False, True, False), ["worker"], "worker"),
+    ((False, False, True), ["cache_service", "worker"], "cache_service"),
+    ((False, False, False), ["cache_service", "worker"], "cache_service"),
+]
+
+
+def _flags(profile: bool, prefix: bool, log: Path) -> list[str]:
+    prefix_flag = "--enable-prefix-caching" if prefix else "--no-enable-prefix-caching"
+    return [*(PROFILE if profile else NO_PROFILE), prefix_flag, "--startup-log", str(log)]
+
+
+def _check_log(path: Path, order: list[str], owner: str) -> None:
+    events = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [e["process"] for e in events if e["event"] == "start"] == order
+    created = [e for e in events if e["event"] == "cache_created"]
+    assert [e["process"] for e in created] == [owner]
+    attached = [e["process"] for e in events if e["event"] == "cache_attached"]
+    assert attached == [p for p in order if p != owner]
+    kinds = [e["event"] for e in events]
+    # the other process attaches only after cache-ready
+    for i, e in enumerate(events):
+        if e["event"] == "cache_attached":
+            assert "cache_ready" in kinds[:i]
+    assert kinds[-1] == "ready"
+
+
+def _complete(server: Server, **extra: object) -> httpx.Response:
+    return httpx.post(f"{server.url}/v1/completions", timeout=120,
+                      json={"prompt": PROMPT, "max_tokens": 4, "temperature": 0, **extra})
+
+
+@pytest.mark.parametrize(("key", "order", "owner"), ROWS, ids=[f"profile={k[0]}-mixed={k[1]}-prefix={k[2]}"
+                                                               for k, _, _ in ROWS])
+def test_startup_row(tmp_path: Path, key: tuple[bool, bool, bool], order: list[str], owner: str) -> None:
+    profile, mixed, prefix = key
+    if mixed:
+        server = Server(tmp_path / "mixed", *_flags(profile, prefix, tmp_path / "mixed.jsonl"))
+        try:
+            _check_log(tmp_path / "mixed.jsonl", order, owner)
+            r = _complete(server)
+            assert r.status_code == 200 and r.json()["choices"][0]["text"].startswith(" Paris")
+        finally:
+            server.stop()
+        return
+    logs = {role: tmp_path / f"{role}.jsonl" for role in ("prefill", "decode")}
+    with ThreadPoolExecutor(2) as pool:
+        servers = dict(zip(logs, pool.map(
+            lambda role: Server(tmp_path / role, "--splitwise-role", role, *_flags(profile, prefix, logs[role])),
+            logs), strict=True))
+    try:
+        for log in logs.values():
+            _check_log(log, order, owner)
+        p, d = servers["prefill"], servers["decode"]
+        ready = json.loads(logs["prefill"].read_text().splitlines()[0])
+        assert ready["event"] == "plan" and ready["mixed_role"] is False
+        pd_port = _pd_port(p)
+        with ThreadPoolExecutor(2) as pool:
+            p_res = pool.submit(_complete, p, pd={"transfer_id": "row", "role": "prefill"})
+            d_res = pool.submit(_complete, d, pd={"transfer_id": "row", "role": "decode",
+                                                  "prefill_addr": f"127.0.0.1:{pd_port}"})
+            assert p_res.result().status_code == 200
+            answer = d_res.result()
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["text"].startswith(" Paris")
+    finally:
+        for s in servers.values():
+            s.stop()
+
+
+def _pd_port(server: Server) -> int:
+    """The prefill instance's control-plane port (a free one was picked; the log line says which)."""
+    for line in server.log().splitlines():
+        if "role prefill" in line and "pd-comm-port" in line:
+            return int(line.rsplit("pd-comm-port ", 1)[1].split(")")[0])
+    raise AssertionError(f"no pd-comm-port in the log:\n{server.log()}")
