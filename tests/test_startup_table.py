@@ -13,7 +13,7 @@ import pytest
 
 from tests.servers import Server
 
-PROFILE = ["--kv-cache-memory", "384M", "--max-model-len", "512", "--max-num-batched-tokens", "128",
+PROFILE = ["--kv-cache-memory", "1G", "--max-model-len", "512", "--max-num-batched-tokens", "128",
            "--max-num-seqs", "4"]
 NO_PROFILE = ["--num-gpu-blocks-override", "64", "--max-model-len", "512", "--max-num-batched-tokens", "128"]
 PROMPT = "The capital of France is"
@@ -56,7 +56,7 @@ def _complete(server: Server, **extra: object) -> httpx.Response:
                       json={"prompt": PROMPT, "max_tokens": 4, "temperature": 0, **extra})
 
 
-@pytest.mark.parametrize(("key", "order", "owner"), ROWS, ids=[f"profile={k[0]}-mixed={k[1]}-prefix={k[2]}"
+@pytest.mark.parametrize(("key", "order", "owner"), ROWS, ids=["".join(f"{c}{int(v)}" for c, v in zip("pmc", k, strict=True))
                                                                for k, _, _ in ROWS])
 def test_startup_row(tmp_path: Path, key: tuple[bool, bool, bool], order: list[str], owner: str) -> None:
     profile, mixed, prefix = key

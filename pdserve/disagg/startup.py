@@ -115,7 +115,7 @@ def start_processes(config: object, ctx: object, sockdir: str) -> StartedProcess
         for name in row.order:
             slog.record("start", name)
             if name == WORKER:
-                worker = WorkerClient(config, ctx, f"ipc://{sockdir}/worker")
+                worker = WorkerClient(config, ctx, f"ipc://{sockdir}/w")
                 loaded = worker.wait_loaded(timeout)
                 slog.record("loaded", WORKER, num_blocks=loaded.layout.num_blocks, profile_run=bool(loaded.profile))
                 if layout is not None and layout != loaded.layout:
@@ -131,8 +131,8 @@ def start_processes(config: object, ctx: object, sockdir: str) -> StartedProcess
                     worker.setup_cache(CacheCommand(False, segment, messager_address), timeout)
                     slog.record("cache_attached", WORKER, segment=segment)
             else:
-                service = CacheServiceClient(config, ctx, f"ipc://{sockdir}/cache-service",
-                                             f"ipc://{sockdir}/messager")
+                service = CacheServiceClient(config, ctx, f"ipc://{sockdir}/c",
+                                             f"ipc://{sockdir}/m")
                 if row.cache_owner == CACHE_SERVICE:
                     if layout is None:
                         layout = layout_without_profile(config, config.num_gpu_blocks_override)
