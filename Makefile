@@ -23,14 +23,16 @@ test: venv
 lint: venv
 	$(BIN)/ruff check pdserve tests bench
 
-# Serves the embedded model on http://127.0.0.1:8000 (OpenAI API) and prints a curl example.
+# Router + 1 prefill + 1 decode instance on the embedded model: OpenAI API on http://127.0.0.1:8000.
 demo: venv
-	$(BIN)/pdserve serve --kv-cache-memory 2G --max-model-len 4096
+	$(BIN)/pdserve launch --prefill 1 --decode 1 --port 8000 --kv-cache-memory 2G --max-model-len 4096
 
 bench: venv
 	$(BIN)/python bench/forward.py
 	$(BIN)/python bench/throughput.py
 	$(BIN)/python bench/serving_overhead.py
+	$(BIN)/python bench/kv_transfer.py
+	$(BIN)/python bench/pd_vs_mixed.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -56,8 +56,10 @@ def _complete(server: Server, **extra: object) -> httpx.Response:
                       json={"prompt": PROMPT, "max_tokens": 4, "temperature": 0, **extra})
 
 
-@pytest.mark.parametrize(("key", "order", "owner"), ROWS, ids=["".join(f"{c}{int(v)}" for c, v in zip("pmc", k, strict=True))
-                                                               for k, _, _ in ROWS])
+ROW_IDS = ["".join(f"{c}{int(v)}" for c, v in zip("pmc", k, strict=True)) for k, _, _ in ROWS]  # p1m0c1: short paths
+
+
+@pytest.mark.parametrize(("key", "order", "owner"), ROWS, ids=ROW_IDS)
 def test_startup_row(tmp_path: Path, key: tuple[bool, bool, bool], order: list[str], owner: str) -> None:
     profile, mixed, prefix = key
     if mixed:
