@@ -1,6 +1,6 @@
 """One mixed instance against 1P1D on the same two cores, under a prefill-heavy mixed workload.
 
-    .venv/bin/python bench/pd_vs_mixed.py [--seconds 60] [--decoders 8] [--long-every 1.0]
+    .venv/bin/python bench/pd_vs_mixed.py [--seconds 60] [--decoders 8] [--long-every 4.0]
 
 Both deployments sit behind a router. Mixed: one instance on both cores. PD: the prefill instance
 pinned to core 0 and the decode instance to core 1 (taskset, one torch thread each), KV over ipc.
@@ -86,7 +86,7 @@ async def stream(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> tup
 
 async def workload(url: str, seconds: float, decoders: int, long_every: float) -> dict:
     short = " ".join(WORDS[:12])
-    long = " ".join(WORDS[i % len(WORDS)] for i in range(1400))
+    long = " ".join(WORDS[i % len(WORDS)] for i in range(1000))
     gaps: list[float] = []
     ttfts: list[float] = []
     tokens = 0
@@ -108,7 +108,7 @@ async def workload(url: str, seconds: float, decoders: int, long_every: float) -
                 i += 1
                 tasks.append(asyncio.create_task(stream(client, f"{i} {long}", 8)))
                 await asyncio.sleep(long_every)
-            for ttft, _, n in await asyncio.gather(*tasks):
+            for _, _, n in await asyncio.gather(*tasks):
                 tokens += n
 
         start = time.perf_counter()
@@ -123,7 +123,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seconds", type=float, default=60)
     parser.add_argument("--decoders", type=int, default=8)
-    parser.add_argument("--long-every", type=float, default=1.0)
+    parser.add_argument("--long-every", type=float, default=4.0)
     args = parser.parse_args()
     results = {}
     for kind in ("mixed", "pd"):
