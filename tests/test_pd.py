@@ -9,12 +9,13 @@ instance's top two tokens were a near tie there (margin < 0.02); any other diffe
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import openai
+import psutil
 import pytest
 
 from tests.servers import BLOCK, Router, Server, metrics, segments, wait_for
@@ -121,7 +122,7 @@ def test_pd_output_equals_mixed_for_20_concurrent_prompts(pd: dict, tokenizer) -
 def test_prefix_cache_hits_on_prefill_are_sent_whole(pd: dict, tokenizer) -> None:
     """A prompt sharing a long prefix with an earlier one: P serves the prefix from its cache (never
     computed by this request) and must still send those blocks."""
-    ids = tokenizer.encode(PARAGRAPH * 6)
+    ids = tokenizer.encode(PARAGRAPH * 10)
     first, second = ids[:300], ids[:300] + tokenizer.encode(" And so the story of the mill ends")
     router, mixed = _client(pd["router"].url), _client(pd["mixed"].url)
     hits_before = metrics(pd["prefill"].metrics_port)["pdserve_prefix_cache_hit_tokens"]
@@ -215,6 +216,22 @@ def _long_prompt(tokenizer, n: int) -> list[int]:
     return tokenizer.encode(PARAGRAPH * 40)[:n]
 
 
+def _fault_during_prefill(router: Router, p: Server, d: Server, prompt: list[int],
+                          fault: Callable[[psutil.Process], None]) -> tuple[str, float]:
+    """Send a PD request while P's worker is stopped (so the prefill cannot finish first); once D has
+    preallocated and P has handed the first chunk to its worker, inject `fault(p's worker)`.
+    Returns what the client got and how long it took."""
+    (worker,) = p.children("pdserve.worker")
+    worker.suspend()
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(_stream_error, router.url, prompt)
+        wait_for(lambda: metrics(d.metrics_port)["pdserve_num_requests_preallocated"] == 1, 30,
+                 "D did not preallocate")
+        time.sleep(1)  # P's engine takes the cache info and hands the first chunk to its (stopped) worker
+        fault(worker)
+        return answer.result()
+
+
 def _stream_error(url: str, prompt: list[int]) -> tuple[str, float]:
     """Stream a completion; returns (everything received, seconds until the answer ended)."""
     start = time.monotonic()
@@ -248,18 +265,12 @@ def test_small_decode_cache_queues_then_serves_and_killed_prefill_frees_decode_b
             assert start >= end, f"D held blocks for two 29-block requests at once: {spans}"
         assert all(o["choices"][0]["finish_reason"] == "length" for o in outs)
 
-        # Kill P during a prefill (its worker is held stopped so the prefill cannot finish first):
-        # the client gets a PD error and D frees its preallocated blocks.
-        (worker,) = p.children("pdserve.worker")
-        worker.suspend()
-        with ThreadPoolExecutor(1) as pool:
-            answer = pool.submit(_stream_error, router.url, _long_prompt(tokenizer, 440))
-            wait_for(lambda: metrics(d.metrics_port)["pdserve_num_requests_preallocated"] == 1, 30,
-                     "D did not preallocate")
-            time.sleep(1)  # P's engine takes the cache info and hands the first chunk to its (stopped) worker
+        # Kill P during a prefill: the client gets a PD error and D frees its preallocated blocks.
+        def kill_prefill(worker: psutil.Process) -> None:
             p.kill()
             worker.kill()
-            text, seconds = answer.result()
+
+        text, seconds = _fault_during_prefill(router, p, d, _long_prompt(tokenizer, 440), kill_prefill)
         assert "PD error" in text, text
         assert seconds < 30
         wait_for(lambda: metrics(d.metrics_port)["pdserve_kv_cache_free_blocks"] == 40, 15,
@@ -279,17 +290,12 @@ def test_killed_decode_frees_prefill_blocks(tmp_path: Path, tokenizer) -> None:
     before = segments()
     router, p, d = _pair(tmp_path, "tcp", d_blocks=100)
     try:
-        # P's worker is held stopped until D is dead, so the KV has somewhere to fail to go.
-        (worker,) = p.children("pdserve.worker")
-        worker.suspend()
-        with ThreadPoolExecutor(1) as pool:
-            answer = pool.submit(_stream_error, router.url, _long_prompt(tokenizer, 440))
-            wait_for(lambda: metrics(d.metrics_port)["pdserve_num_requests_preallocated"] == 1, 30,
-                     "D did not preallocate")
-            time.sleep(1)  # P's engine takes the cache info and hands the first chunk to its (stopped) worker
+        # P's worker resumes once D is dead, so the KV has nowhere to go.
+        def kill_decode(worker: psutil.Process) -> None:
             d.kill()
             worker.resume()
-            text, seconds = answer.result()
+
+        text, seconds = _fault_during_prefill(router, p, d, _long_prompt(tokenizer, 440), kill_decode)
         assert "PD error" in text, text
         assert seconds < 30
         d.wait_gone()

@@ -18,6 +18,7 @@ from pdserve.engine_args import engine_config_from_args
 from pdserve.loader import model_name, resolve_model_folder
 from pdserve.tokenizer import Tokenizer
 from pdserve.utils.process import die_with_parent, exit_on_sigterm
+from pdserve.utils.uvicorn_run import serve_and_announce
 
 log = logging.getLogger("pdserve.serve")
 
@@ -82,29 +83,16 @@ def serve(args: argparse.Namespace) -> int:
 
         start_http_server(metrics_port, addr=args.host, registry=metrics.registry)
         server = uvicorn.Server(uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level="warning"))
-        asyncio.run(_serve_and_announce(server, args.host, args.port, metrics_port, name, ready.role,
-                                        ready.pd_comm_port))
+        asyncio.run(serve_and_announce(server, _announcement(args.host, args.port, metrics_port, name, ready.role,
+                                                             ready.pd_comm_port)))
     finally:
         client.close()
     return 0
 
 
-async def _serve_and_announce(server: uvicorn.Server, host: str, port: int, metrics_port: int, name: str,
-                              role: str, pd_comm_port: int | None) -> None:
-    async def announce() -> None:
-        while not server.started:
-            if server.should_exit:
-                return
-            await asyncio.sleep(0.05)
-        pd = f", pd-comm-port {pd_comm_port}" if pd_comm_port else ""
-        print(f"pdserve: serving {name} on http://{host}:{port} (OpenAI API under /v1, metrics on port "
-              f"{metrics_port}, role {role}{pd})", flush=True)
-        print(f"  curl http://{host}:{port}/v1/chat/completions -H 'Content-Type: application/json' "
-              f"-d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], \"max_tokens\": 32}}'",
-              flush=True)
-
-    task = asyncio.create_task(announce())
-    await server.serve()
-    task.cancel()
-    if not server.started:
-        raise OSError(f"could not listen on {host}:{port} (is the port in use?)")
+def _announcement(host: str, port: int, metrics_port: int, name: str, role: str, pd_comm_port: int | None) -> str:
+    pd = f", pd-comm-port {pd_comm_port}" if pd_comm_port else ""
+    example = '{"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32}'
+    return (f"pdserve: serving {name} on http://{host}:{port} (OpenAI API under /v1, metrics on port {metrics_port}, "
+            f"role {role}{pd})\n  curl http://{host}:{port}/v1/chat/completions "
+            f"-H 'Content-Type: application/json' -d '{example}'")

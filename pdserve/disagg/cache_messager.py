@@ -32,6 +32,7 @@ class _Progress:
 
 
 class CacheMessager:
+    IDLE_WRITER_SECONDS = 120.0
     def __init__(self, source: CacheBuffer, layout: KVLayout, report: Callable[[TransferDone], None],
                  connect: Callable[[Endpoint, CacheBuffer], KVWriter] = open_writer) -> None:
         self.source = source
@@ -39,6 +40,7 @@ class CacheMessager:
         self.report = report
         self._connect = connect
         self._writers: dict[Endpoint, KVWriter] = {}
+        self._last_used: dict[Endpoint, float] = {}
         self._steps: dict[int, list[TransferPlan]] = {}
         self._progress: dict[str, _Progress] = {}
 
@@ -112,6 +114,10 @@ class CacheMessager:
         now = time.time()
         for tid in [t for t, p in self._progress.items() if p.failed and now > p.deadline]:
             del self._progress[tid]
+        # A decode instance that went away under ipc is never noticed by a write; drop idle writers so
+        # its segment is unmapped (and its memory freed) after a while.
+        for endpoint in [e for e, t in self._last_used.items() if now - t > self.IDLE_WRITER_SECONDS]:
+            self._drop_writer(endpoint)
 
     def _flush(self, endpoint: Endpoint) -> str | None:
         writer = self._writers.get(endpoint)
@@ -134,9 +140,11 @@ class CacheMessager:
         writer = self._writers.get(endpoint)
         if writer is None:
             writer = self._writers[endpoint] = self._connect(endpoint, self.source)
+        self._last_used[endpoint] = time.time()
         return writer
 
     def _drop_writer(self, endpoint: Endpoint) -> None:
+        self._last_used.pop(endpoint, None)
         writer = self._writers.pop(endpoint, None)
         if writer is not None:
             writer.close()

@@ -34,7 +34,7 @@ from pdserve.disagg.messages import (
 from pdserve.disagg.transport import CacheBuffer, KVReceiver, start_receiver
 from pdserve.disagg.transport.ipc import buffer_address
 from pdserve.kv_cache import KVCache
-from pdserve.utils.process import die_with_parent, exit_on_sigterm
+from pdserve.utils.process import child_entry
 
 log = logging.getLogger("pdserve.cache_service")
 
@@ -81,14 +81,9 @@ class CacheService:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--config", required=True)
     parser.add_argument("--address", required=True)
     parser.add_argument("--messager-address", required=True)
-    args = parser.parse_args(argv)
-    die_with_parent()
-    exit_on_sigterm()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s cache service: %(message)s")
-    config = EngineConfig.decode(args.config)
+    args, config = child_entry("cache service", parser, argv)
     ctx = zmq.Context()
     engine = ctx.socket(zmq.PAIR)
     engine.setsockopt(zmq.LINGER, 1000)

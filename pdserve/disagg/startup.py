@@ -12,6 +12,16 @@ import json
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import zmq
+
+    from pdserve.config import EngineConfig
+    from pdserve.disagg.cache_service_client import CacheServiceClient
+    from pdserve.disagg.kv_layout import KVLayout
+    from pdserve.disagg.transport import Endpoint
+    from pdserve.engine.worker_client import WorkerClient
 
 WORKER, CACHE_SERVICE = "worker", "cache_service"
 
@@ -65,13 +75,13 @@ class StartupLog:
 
 @dataclass
 class StartedProcesses:
-    worker: object  # WorkerClient
-    cache_service: object | None  # CacheServiceClient
-    layout: object  # KVLayout
+    worker: WorkerClient
+    cache_service: CacheServiceClient | None
+    layout: KVLayout
     max_model_len: int
     vocab_size: int
     profile: dict
-    endpoints: list  # what a prefill instance may write to (decode role)
+    endpoints: list[Endpoint]  # what a prefill instance may write to (decode role)
     log: StartupLog
 
     def shutdown(self) -> None:
@@ -80,7 +90,7 @@ class StartedProcesses:
                 proc.shutdown()
 
 
-def layout_without_profile(config: object, num_blocks: int) -> object:
+def layout_without_profile(config: EngineConfig, num_blocks: int) -> KVLayout:
     """The cache layout from the model's config.json alone (no weights): for the rows where the
     cache service creates the cache before the worker has started."""
     import torch
@@ -96,7 +106,7 @@ def layout_without_profile(config: object, num_blocks: int) -> object:
     return KVLayout.of(spec)
 
 
-def start_processes(config: object, ctx: object, sockdir: str) -> StartedProcesses:
+def start_processes(config: EngineConfig, ctx: zmq.Context, sockdir: str) -> StartedProcesses:
     """Start the worker and (per the table) the cache service; the cache owner creates the cache, the
     other attaches after *cache-ready*. Every wait has config.startup_timeout and names the process."""
     from pdserve.disagg.cache_service_client import CacheServiceClient
@@ -110,7 +120,7 @@ def start_processes(config: object, ctx: object, sockdir: str) -> StartedProcess
     timeout = config.startup_timeout
     worker = service = loaded = None
     layout = segment = messager_address = None
-    endpoints: list = []
+    endpoints: list[Endpoint] = []
     try:
         for name in row.order:
             slog.record("start", name)

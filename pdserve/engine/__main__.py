@@ -15,22 +15,16 @@ import tempfile
 import msgspec
 import zmq
 
-from pdserve.config import EngineConfig
 from pdserve.engine.messages import EngineDead, EngineReady
-from pdserve.utils.process import die_with_parent, exit_on_sigterm
+from pdserve.utils.process import child_entry
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--config", required=True)
     parser.add_argument("--input", required=True)
     parser.add_argument("--output", required=True)
     parser.add_argument("--model-name", default="")
-    args = parser.parse_args(argv)
-    die_with_parent()
-    exit_on_sigterm()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine: %(message)s")
-    config = EngineConfig.decode(args.config)
+    args, config = child_entry("engine", parser, argv)
     ctx = zmq.Context()
     inputs = ctx.socket(zmq.PULL)
     inputs.connect(args.input)

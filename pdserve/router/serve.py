@@ -11,6 +11,7 @@ import uvicorn
 from pdserve.router.app import build_router_app
 from pdserve.router.registry import Registry
 from pdserve.utils.process import exit_on_sigterm
+from pdserve.utils.uvicorn_run import serve_and_announce
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
@@ -26,20 +27,6 @@ def serve_router(args: argparse.Namespace) -> int:
     exit_on_sigterm()
     app = build_router_app(Registry(args.instance_expiry), args.request_timeout)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
-
-    async def run() -> None:
-        async def announce() -> None:
-            while not server.started and not server.should_exit:
-                await asyncio.sleep(0.05)
-            if server.started:
-                print(f"pdserve: router on http://{args.host}:{args.port} (instances register at /register)",
-                      flush=True)
-
-        task = asyncio.create_task(announce())
-        await server.serve()
-        task.cancel()
-        if not server.started:
-            raise OSError(f"could not listen on {args.host}:{args.port} (is the port in use?)")
-
-    asyncio.run(run())
+    asyncio.run(serve_and_announce(
+        server, f"pdserve: router on http://{args.host}:{args.port} (instances register at /register)"))
     return 0

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import argparse
 import ctypes
+import logging
 import os
 import signal
 import subprocess
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pdserve.config import EngineConfig
 
 _PR_SET_PDEATHSIG = 1
 
@@ -59,3 +65,17 @@ def stop_process(proc: subprocess.Popen, ask: Callable[[], None], timeout: float
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def child_entry(name: str, parser: argparse.ArgumentParser, argv: list[str] | None
+                ) -> tuple[argparse.Namespace, EngineConfig]:
+    """The common start of an engine-side child process: parse `--config B64` (plus the parser's own
+    flags), die with the parent, turn SIGTERM into SystemExit, log as `name`. Returns (args, EngineConfig)."""
+    from pdserve.config import EngineConfig
+
+    parser.add_argument("--config", required=True)
+    args = parser.parse_args(argv)
+    die_with_parent()
+    exit_on_sigterm()
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s {name}: %(message)s")
+    return args, EngineConfig.decode(args.config)

@@ -13,21 +13,15 @@ import sys
 import msgspec
 import zmq
 
-from pdserve.config import EngineConfig
 from pdserve.engine.messages import CacheCommand, ExecuteStep, WorkerError, WorkerInput, WorkerShutdown
 from pdserve.loader.errors import ModelLoadError
-from pdserve.utils.process import die_with_parent, exit_on_sigterm
+from pdserve.utils.process import child_entry
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--config", required=True)
     parser.add_argument("--address", required=True)
-    args = parser.parse_args(argv)
-    die_with_parent()
-    exit_on_sigterm()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s worker: %(message)s")
-    config = EngineConfig.decode(args.config)
+    args, config = child_entry("worker", parser, argv)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PAIR)
     sock.setsockopt(zmq.LINGER, 1000)
