@@ -22,7 +22,8 @@ from tests.servers import BLOCK, Router, Server, metrics, segments, wait_for
 
 MODEL = "SmolLM2-135M-Instruct"
 CHUNK = 128  # --max-num-batched-tokens: prompts longer than this are prefilled in chunks
-COMMON = ["--max-model-len", "1024", "--max-num-batched-tokens", str(CHUNK), "--max-num-seqs", "32"]
+COMMON = ["--max-model-len", "1024", "--max-num-batched-tokens", str(CHUNK), "--max-num-seqs", "32",
+          "--pd-transfer-timeout", "10"]
 MAX_TOKENS = 12
 
 PARAGRAPH = ("The river runs past the old mill, where the miller keeps a ledger of every sack of grain. "
@@ -178,6 +179,30 @@ def test_n_choices_and_timings_through_the_router(pd: dict) -> None:
              "last_token"]
     times = [m[k] for k in order]
     assert times == sorted(times), m
+
+
+def test_unreachable_prefill_fails_fast_and_decode_frees_its_blocks(pd: dict) -> None:
+    """A prefill instance that registered and then vanished: the client hears so at once (not after
+    D's 10 s lease), the pair with the live prefill instance still serves, and D's blocks come back."""
+    router = pd["router"].url
+    ghost = {"role": "prefill", "url": "http://127.0.0.1:9", "pd_comm": "127.0.0.1:9", "transports": ["ipc", "tcp"]}
+    assert httpx.post(f"{router}/register", json=ghost).status_code == 200
+    try:
+        outcomes = []
+        for _ in range(2):  # round robin: one of the two goes to the ghost
+            start = time.monotonic()
+            r = httpx.post(f"{router}/v1/completions", timeout=60,
+                           json={"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0})
+            outcomes.append((r.status_code, r.json(), time.monotonic() - start))
+    finally:
+        httpx.post(f"{router}/unregister", json={"url": ghost["url"]})
+    failed = [o for o in outcomes if o[0] != 200]
+    assert len(failed) == 1, outcomes
+    status, body, seconds = failed[0]
+    assert status == 502 and body["error"]["message"].startswith("PD error:") and "unreachable" in \
+        body["error"]["message"]
+    assert seconds < 5
+    _assert_all_blocks_free(pd, timeout=25)  # the aborted D request's blocks: quarantined for the lease
 
 
 def _assert_all_blocks_free(pd: dict, timeout: float = 15) -> None:

@@ -46,7 +46,9 @@ class CacheMessager:
 
     def handle(self, msg: MessagerInput) -> None:
         if isinstance(msg, StepTransfers):
-            self._steps[msg.step_id] = msg.transfers
+            # A step the worker never finished (it failed mid-forward) leaves an entry; steps run one
+            # at a time, so any older entry is such a leftover.
+            self._steps = {msg.step_id: msg.transfers}
             for plan in msg.transfers:
                 self._progress.setdefault(plan.transfer_id, _Progress(plan.deadline))
             return
@@ -69,8 +71,8 @@ class CacheMessager:
         now = time.time()
         groups: dict[Endpoint, list[tuple[TransferPlan, list[ByteRange]]]] = defaultdict(list)
         for plan in plans:
-            progress = self._progress[plan.transfer_id]
-            if progress.failed:
+            progress = self._progress.get(plan.transfer_id)
+            if progress is None or progress.failed:
                 continue
             if now > plan.deadline:
                 self._fail(plan.transfer_id, "the decode instance's lease on its blocks ran out before the KV "
@@ -110,9 +112,10 @@ class CacheMessager:
             else:
                 self.report(TransferDone(plan.transfer_id, True, None, progress.nbytes, progress.first_write,
                                          progress.last_write))
-        # Failed transfers are kept (to skip their later chunks) until their deadline has passed.
+        # Failed transfers are kept (to skip their later chunks) until their deadline has passed; so are
+        # ones P aborted before their last chunk, which no step will finish.
         now = time.time()
-        for tid in [t for t, p in self._progress.items() if p.failed and now > p.deadline]:
+        for tid in [t for t, p in self._progress.items() if now > p.deadline]:
             del self._progress[tid]
         # A decode instance that went away under ipc is never noticed by a write; drop idle writers so
         # its segment is unmapped (and its memory freed) after a while.

@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import time
+import uuid
 from array import array
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -29,6 +32,7 @@ from pdserve.disagg.kv_layout import KVLayout
 from pdserve.disagg.messages import (
     CacheInfo,
     ControlMessage,
+    LeaseRenew,
     PDError,
     PrefillAck,
     PrefillDone,
@@ -46,6 +50,8 @@ log = logging.getLogger("pdserve.pd")
 
 LEASE_MARGIN = 1.0  # P stops writing this long before D's lease ends (covers message transit)
 QUARANTINE_GRACE = 1.0  # D reuses given-up blocks this long after its lease ended (covers a write in flight)
+QUEUE_TIMEOUT_LEASES = 5  # D waits at most this many --pd-transfer-timeout for free blocks
+AWAIT_INFO_LEASES = 10  # P waits at most this many for cache info (D gives up first and says so)
 
 
 def prompt_digest(token_ids: list[int]) -> str:
@@ -74,6 +80,7 @@ class _Connector:
         self.scheduler = scheduler
         self.layout = layout
         self.stats = TransferStats()
+        self.on_abort: Callable[[Request], None] = lambda request: None  # the engine drops worker state here
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(ControlMessage)
 
@@ -98,7 +105,9 @@ class _Outgoing:
     endpoint: Endpoint | None = None
     dst_blocks: list[int] = field(default_factory=list)
     deadline: float = float("inf")  # D's lease, less the margin
-    started: bool = False
+    lease: float = 0.0  # D's lease length; renewed every third of it
+    renewed: float = 0.0  # when the lease was last renewed (or granted)
+    sent_blocks: int = 0  # leading blocks whose every layer is planned for D (survives preemption)
     first_token: tuple[int, TokenLogprobs | None] | None = None
     transfer: TransferDone | None = None
     done_sent: bool = False
@@ -120,6 +129,7 @@ class PrefillConnector(_Connector):
         self._by_tid: dict[str, _Outgoing] = {}
         self._by_rid: dict[str, _Outgoing] = {}
         self._early: dict[str, tuple[bytes, CacheInfo, float]] = {}  # cache info that beat its request here
+        self._given_up: dict[str, tuple[str, float]] = {}  # transfers D abandoned before their request came
 
     @property
     def sockets(self) -> list[zmq.Socket]:
@@ -129,9 +139,11 @@ class PrefillConnector(_Connector):
         if pd.transfer_id in self._by_tid:
             raise ValueError(f"PD transfer id {pd.transfer_id!r} is already in use")
         self.scheduler._check_length(request)
+        if (gone := self._given_up.pop(pd.transfer_id, None)) is not None:
+            return [self._fail_request(request, f"the decode instance gave up: {gone[0]}")]
         request.kv_producer = True
         # No blocks are held while waiting for D, so this wait may be long (D may be queueing).
-        out = _Outgoing(request, pd.transfer_id, time.time() + 10 * self.config.pd_transfer_timeout)
+        out = _Outgoing(request, pd.transfer_id, time.time() + AWAIT_INFO_LEASES * self.config.pd_transfer_timeout)
         self._by_tid[pd.transfer_id] = out
         self._by_rid[request.request_id] = out
         early = self._early.pop(pd.transfer_id, None)
@@ -146,12 +158,14 @@ class PrefillConnector(_Connector):
                 continue
             r = c.request
             start, end = r.num_computed_tokens, r.num_computed_tokens + c.num_new_tokens
-            first = 0 if not out.started else start // bs  # first chunk: also the prefix-cache hits
+            # Blocks before this chunk that D has not got yet are prefix-cache hits (at the first chunk,
+            # or after a preemption resumed past what was sent): they go whole, before layer 0.
+            first = min(out.sent_blocks, start // bs)
             last = (end - 1) // bs
             plans.append(TransferPlan(out.transfer_id, out.endpoint, [b.block_id for b in r.blocks[first:last + 1]],
-                                      out.dst_blocks[first:last + 1], start // bs - first if not out.started else 0,
+                                      out.dst_blocks[first:last + 1], start // bs - first,
                                       c.completes_known_tokens, out.deadline))
-            out.started = True
+            out.sent_blocks = max(out.sent_blocks, end // bs)
         return plans
 
     def on_prefilled(self, request: Request, token: int, logprobs: TokenLogprobs | None) -> None:
@@ -180,6 +194,9 @@ class PrefillConnector(_Connector):
             elif isinstance(msg, PDError):
                 if (out := self._by_tid.get(msg.transfer_id)) is not None:
                     outputs += self._drop(out, f"the decode instance gave up: {msg.error}", tell_decode=False)
+                else:  # D gave up before this request reached P: refuse it when it comes
+                    self._early.pop(msg.transfer_id, None)
+                    self._given_up[msg.transfer_id] = (msg.error, time.time())
         for report in self.service.transfer_reports():
             outputs += self._on_transfer_done(report)
         outputs += self._expire()
@@ -203,7 +220,8 @@ class PrefillConnector(_Connector):
         return None
 
     def next_deadline(self) -> float | None:
-        return min((min(o.wait_deadline, o.deadline) for o in self._by_tid.values()), default=None)
+        return min((min(o.wait_deadline, o.deadline, o.renewed + o.lease / 3 if o.lease else o.deadline)
+                    for o in self._by_tid.values()), default=None)
 
     def close(self) -> None:
         self.router.close()
@@ -234,7 +252,9 @@ class PrefillConnector(_Connector):
                      f", decode offers {','.join(e.protocol for e in info.endpoints) or 'none'}")
         if error is None:
             out.endpoint, out.dst_blocks = endpoint, info.dst_blocks
-            out.deadline = received + info.lease - LEASE_MARGIN
+            # D's own clock says when it gives the blocks up; the receipt time covers clock skew between hosts.
+            out.deadline = min(received + info.lease, info.lease_until) - LEASE_MARGIN
+            out.lease, out.renewed = info.lease, received
             try:
                 self.scheduler.add_request(r)
                 return []
@@ -270,6 +290,11 @@ class PrefillConnector(_Connector):
     def _expire(self) -> list[RequestOutput]:
         now = time.time()
         outputs = []
+        for out in self._by_tid.values():
+            if out.identity is not None and not out.done_sent and now - out.renewed > out.lease / 3:
+                # Counted from the send: D extends from receipt, so P's deadline never passes D's.
+                self._send(out, LeaseRenew(out.transfer_id))
+                out.renewed, out.deadline = now, now + out.lease - LEASE_MARGIN
         for out in list(self._by_tid.values()):
             if out.identity is None and now > out.wait_deadline:
                 outputs += self._drop(out, "the decode instance never sent its cache info", tell_decode=False)
@@ -279,8 +304,11 @@ class PrefillConnector(_Connector):
                 else:
                     outputs += self._drop(out, "the KV cache was not sent within --pd-transfer-timeout")
         for tid, (_, _, received) in list(self._early.items()):
-            if now > received + 10 * self.config.pd_transfer_timeout:
+            if now > received + AWAIT_INFO_LEASES * self.config.pd_transfer_timeout:
                 del self._early[tid]
+        for tid, (_, when) in list(self._given_up.items()):
+            if now > when + AWAIT_INFO_LEASES * self.config.pd_transfer_timeout:
+                del self._given_up[tid]
         return outputs
 
     def _drop(self, out: _Outgoing, error: str, tell_decode: bool = True) -> list[RequestOutput]:
@@ -294,6 +322,7 @@ class PrefillConnector(_Connector):
             self.stats.transfers_failed += 1
             return []
         self.scheduler.abort(r.request_id)
+        self.on_abort(r)
         return [self._fail_request(r, error)]
 
     def _release(self, out: _Outgoing) -> None:
@@ -320,6 +349,7 @@ class _Incoming:
     request: Request
     transfer_id: str
     prefill_addr: str
+    queue_deadline: float  # D gives up waiting for free blocks (and tells P) at this time
     lease_deadline: float = float("inf")
 
 
@@ -349,7 +379,8 @@ class DecodeConnector(_Connector):
         if pd.transfer_id in self._by_tid:
             raise ValueError(f"PD transfer id {pd.transfer_id!r} is already in use")
         self.scheduler._check_length(request)
-        inc = _Incoming(request, pd.transfer_id, pd.prefill_addr)
+        inc = _Incoming(request, pd.transfer_id, pd.prefill_addr,
+                        queue_deadline=time.time() + QUEUE_TIMEOUT_LEASES * self.config.pd_transfer_timeout)
         self._by_tid[pd.transfer_id] = inc
         self._by_rid[request.request_id] = inc
         self._queue.append(inc)
@@ -377,6 +408,9 @@ class DecodeConnector(_Connector):
                     continue  # late: the lease ended or the request was aborted
                 if isinstance(msg, PrefillDone):
                     outputs += self._on_prefill_done(inc, msg)
+                elif isinstance(msg, LeaseRenew):
+                    if inc.request.status is RequestStatus.PREALLOCATED:
+                        inc.lease_deadline = time.time() + self.config.pd_transfer_timeout
                 elif isinstance(msg, PDError):
                     outputs.append(self._give_up(inc, f"the prefill instance failed: {msg.error}", tell_prefill=False))
         now = time.time()
@@ -384,6 +418,9 @@ class DecodeConnector(_Connector):
             outputs.append(self._give_up(inc, f"the prefill instance at {inc.prefill_addr} did not deliver the KV "
                                               f"cache within {self.config.pd_transfer_timeout:g} s "
                                               "(--pd-transfer-timeout)"))
+        for inc in [i for i in self._queue if now > i.queue_deadline]:
+            outputs.append(self._give_up(inc, "the decode instance had no free KV blocks for "
+                                              f"{now - inc.request.times.arrival:.0f} s"))
         self._release_quarantine(now)
         self._admit()
         return outputs
@@ -418,8 +455,9 @@ class DecodeConnector(_Connector):
     # ---- internals ---------------------------------------------------------------------------
 
     def _admit(self) -> None:
-        """Preallocate for queued requests in order while blocks allow; send P their cache info."""
-        while self._queue:
+        """Preallocate for queued requests in order while blocks allow; send P their cache info.
+        D's own preempted requests (back in the scheduler's queue) get freed blocks first."""
+        while self._queue and not self.scheduler.waiting:
             inc = self._queue[0]
             if not self.scheduler.preallocate(inc.request):
                 return
@@ -427,12 +465,12 @@ class DecodeConnector(_Connector):
             r = inc.request
             now = time.time()
             r.times.preallocated = now
+            inc.lease_deadline = now + self.config.pd_transfer_timeout
             info = CacheInfo(inc.transfer_id, r.num_prompt_tokens, prompt_digest(r.prompt_token_ids),
                              [b.block_id for b in r.blocks], self.layout, self.endpoints,
-                             self.config.pd_transfer_timeout)
+                             self.config.pd_transfer_timeout, inc.lease_deadline)
             self._send(inc, info)
             r.times.cache_info_sent = time.time()
-            inc.lease_deadline = now + self.config.pd_transfer_timeout
 
     def _on_prefill_done(self, inc: _Incoming, msg: PrefillDone) -> list[RequestOutput]:
         self._forget(inc)
@@ -463,6 +501,7 @@ class DecodeConnector(_Connector):
             self.scheduler.abort(r.request_id)
         elif inc in self._queue:
             self._queue.remove(inc)
+            self._send(inc, PDError(inc.transfer_id, error))  # P may be waiting for cache info
         return self._fail_request(r, error)
 
     def _quarantine_blocks(self, inc: _Incoming) -> None:
@@ -490,6 +529,8 @@ class DecodeConnector(_Connector):
             dealer = self._dealers[inc.prefill_addr] = self.ctx.socket(zmq.DEALER)
             dealer.setsockopt(zmq.LINGER, 0)
             dealer.setsockopt(zmq.SNDHWM, 10_000)
+            # A fixed identity: after a reconnect P's replies still find this socket.
+            dealer.setsockopt(zmq.ROUTING_ID, f"d-{os.getpid()}-{uuid.uuid4().hex[:8]}".encode())
             dealer.connect(f"tcp://{inc.prefill_addr}")
         try:
             dealer.send(self._encoder.encode(msg), zmq.NOBLOCK)

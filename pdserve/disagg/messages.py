@@ -76,6 +76,7 @@ class CacheInfo(msgspec.Struct, tag=True):
     layout: KVLayout
     endpoints: list[Endpoint]
     lease: float  # seconds from now until D gives the blocks up
+    lease_until: float  # the same moment on D's clock (unix time)
 
 
 class PrefillDone(msgspec.Struct, tag=True):
@@ -86,6 +87,13 @@ class PrefillDone(msgspec.Struct, tag=True):
     logprobs: TokenLogprobs | None
     nbytes: int
     times: dict[str, float]  # prefill_start, first_layer_written, last_layer_written, first_token
+
+
+class LeaseRenew(msgspec.Struct, tag=True):
+    """P -> D, every third of the lease while P holds the request: still on it (it may be queued behind
+    other prompts); keep the blocks. D's timeout thus measures P's silence, not P's queue."""
+
+    transfer_id: str
 
 
 class PrefillAck(msgspec.Struct, tag=True):
@@ -99,4 +107,4 @@ class PDError(msgspec.Struct, tag=True):
     error: str
 
 
-ControlMessage = CacheInfo | PrefillDone | PrefillAck | PDError
+ControlMessage = CacheInfo | PrefillDone | LeaseRenew | PrefillAck | PDError

@@ -49,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
             port = core.connector.port
         elif config.splitwise_role == "decode":
             core.connector = DecodeConnector(config, core.scheduler, layout, ctx, started.endpoints)
+        if core.connector is not None:
+            core.connector.on_abort = core.forget
         outputs.send(encoder.encode(EngineReady(
             layout.num_blocks, config.block_size, started.max_model_len, args.model_name, started.profile,
             config.splitwise_role, port, list(config.cache_transfer_protocol), started.log.events)))

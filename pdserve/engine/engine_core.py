@@ -131,11 +131,11 @@ class EngineCore:
 
     def abort(self, request_id: str) -> Request | None:
         if self.connector is not None and (request := self.connector.abort(request_id)) is not None:
-            self._forget(request)
+            self.forget(request)
             return request
         request = self.scheduler.abort(request_id)
         if request is not None:
-            self._forget(request)
+            self.forget(request)
         return request
 
     # ---- one step ----------------------------------------------------------------------------
@@ -175,7 +175,7 @@ class EngineCore:
             output.new_token_ids = [s.token_id]
             output.new_logprobs = [s.logprobs] if s.logprobs is not None else None
             if r.is_finished:
-                self._forget(r)
+                self.forget(r)
                 if r.kv_producer:
                     self.connector.on_prefilled(r, s.token_id, s.logprobs)
             outputs.append(output)
@@ -189,7 +189,7 @@ class EngineCore:
         self.abort(request.request_id)
         return error_output(request, error)
 
-    def _forget(self, request: Request) -> None:
+    def forget(self, request: Request) -> None:
         if request.request_id in self._on_worker:
             self._on_worker.discard(request.request_id)
             self._finished_on_worker.append(request.request_id)

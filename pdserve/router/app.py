@@ -143,40 +143,70 @@ async def _pass_through(upstream: httpx.Response, body: AsyncIterator[bytes], st
 
 async def _forward_pd(client: httpx.AsyncClient, prefill: Registration, decode: Registration, path: str,
                       body: dict) -> Response:
+    """Send the request to P and D at once; relay D's answer.
+
+    P answers its own request right after its first token, before D can have a token of its own, so
+    D's bytes are held until P has answered: if P failed (overloaded, bad request, gone), the client
+    gets P's error at once and D's request is cancelled, instead of waiting out D's lease.
+    """
     transfer_id = uuid.uuid4().hex
     p_body = {**body, "stream": False, "pd": {"transfer_id": transfer_id, "role": "prefill"}}
     d_body = {**body, "pd": {"transfer_id": transfer_id, "role": "decode", "prefill_addr": prefill.pd_comm}}
     p_task = asyncio.create_task(client.post(f"{prefill.url}{path}", json=p_body))
+    d_task = asyncio.create_task(
+        client.send(client.build_request("POST", f"{decode.url}{path}", json=d_body), stream=True))
+    done, _ = await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
+    if p_task in done and (p_error := _prefill_error(p_task, prefill.url)) is not None:
+        await _cancel_response(d_task)
+        return p_error
     try:
-        upstream = await client.send(client.build_request("POST", f"{decode.url}{path}", json=d_body), stream=True)
+        upstream = await d_task
     except httpx.HTTPError as e:
         p_task.cancel()
         return _error(f"PD error: the decode instance {decode.url} is unreachable: {e}", 502)
-    # Wait for D's first bytes, unless P fails first (then D would only wait out its lease).
-    d_body_iter = upstream.aiter_raw()
-    first_task = asyncio.create_task(_first_chunk(d_body_iter))
-    done, _ = await asyncio.wait({p_task, first_task}, return_when=asyncio.FIRST_COMPLETED)
-    if first_task not in done:
-        p_error = _prefill_error(p_task, prefill.url)
-        if p_error is not None:
-            first_task.cancel()
-            await upstream.aclose()
-            return p_error
-    try:
-        first = await first_task
-    except httpx.HTTPError as e:
-        await upstream.aclose()
+    if upstream.status_code != 200:  # D refused it (bad request, overloaded): P must not wait for it
         p_task.cancel()
-        return _error(f"PD error: the decode instance {decode.url} failed: {e}", 502)
+        return await _pass_through(upstream, upstream.aiter_raw(), False)
+    queue: asyncio.Queue[bytes | Exception | None] = asyncio.Queue()
+    reader = asyncio.create_task(_pump(upstream.aiter_raw(), queue))
+    if not p_task.done():
+        await asyncio.wait({p_task, reader}, return_when=asyncio.FIRST_COMPLETED)
+    if p_task.done() and (p_error := _prefill_error(p_task, prefill.url)) is not None:
+        reader.cancel()
+        await upstream.aclose()
+        return p_error
     p_task.add_done_callback(_log_prefill_outcome(prefill.url))
-    return await _pass_through(upstream, d_body_iter, body.get("stream", False), first)
+    return await _pass_through(upstream, _drain(queue, reader), body.get("stream", False))
 
 
-async def _first_chunk(body: AsyncIterator[bytes]) -> bytes:
-    async for chunk in body:
-        if chunk:
-            return chunk
-    return b""
+async def _pump(body: AsyncIterator[bytes], queue: asyncio.Queue) -> None:
+    try:
+        async for chunk in body:
+            await queue.put(chunk)
+    except httpx.HTTPError as e:
+        await queue.put(e)
+    finally:
+        await queue.put(None)
+
+
+async def _drain(queue: asyncio.Queue, reader: asyncio.Task) -> AsyncIterator[bytes]:
+    try:
+        while (item := await queue.get()) is not None:
+            if isinstance(item, Exception):
+                raise item
+            yield item
+    finally:
+        reader.cancel()
+
+
+async def _cancel_response(task: asyncio.Task) -> None:
+    """Cancel a pending `client.send`, or close the response it already produced."""
+    task.cancel()
+    try:
+        response = await task
+    except (asyncio.CancelledError, httpx.HTTPError):
+        return
+    await response.aclose()
 
 
 def _prefill_error(task: asyncio.Task, url: str) -> Response | None:
