@@ -40,6 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
     from pdserve.launch import add_launch_args
 
     add_launch_args(lch)
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    bench_serve = bench_sub.add_parser("serve", help="measure a running server (or router): the seed 003 table")
+    from pdserve.benchmark.run import add_bench_args
+
+    add_bench_args(bench_serve)
     return parser
 
 
@@ -66,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
             from pdserve.launch import launch
 
             return launch(args)
+        if args.command == "bench":
+            from pdserve.benchmark.run import bench_serve
+
+            return bench_serve(args)
     except (ModelLoadError, ValueError, EngineError, OSError) as e:
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 2

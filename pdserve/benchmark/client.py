@@ -1,0 +1,102 @@
+"""One streamed request as the benchmark sees it: client timestamps of every chunk, plus whatever
+per-request timings the server sends (pdserve: `"collect_metrics": true`)."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+
+import httpx
+
+from pdserve.benchmark.datasets import BenchRequest
+
+
+@dataclass
+class RequestRecord:
+    ok: bool = False
+    error: str | None = None
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    start: float = 0.0  # client clock (perf_counter), the moment the request was sent
+    ttft: float | None = None  # seconds, client: send -> first token
+    itl: list[float] = field(default_factory=list)  # seconds between streamed chunks that carried tokens
+    e2el: float | None = None
+    chunk_times: list[float] = field(default_factory=list)  # offsets from start of the token chunks
+    server: dict | None = None  # the server's per-request timings (last chunk's), when it sends them
+    server_first: float | None = None  # the server's "arrival_time" (s since arrival) at the first token
+    server_last: float | None = None  # ... and at the last
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def request_body(req: BenchRequest, backend: str, model: str | None, ignore_eos: bool) -> dict:
+    body: dict = {"max_tokens": req.max_tokens, "stream": True, "stream_options": {"include_usage": True},
+                  "temperature": 0, "collect_metrics": True}
+    if model:
+        body["model"] = model
+    if ignore_eos:
+        body["ignore_eos"] = True
+    if backend == "openai-chat":
+        body["messages"] = req.messages or [{"role": "user", "content": req.prompt}]
+    else:
+        body["prompt"] = req.prompt
+    return body
+
+
+async def send(client: httpx.AsyncClient, path: str, body: dict, prompt_len: int) -> RequestRecord:
+    rec = RequestRecord(prompt_tokens=prompt_len, start=time.perf_counter())
+    last = rec.start
+    try:
+        async with client.stream("POST", path, json=body) as r:
+            if r.status_code != 200:
+                text = (await r.aread()).decode(errors="replace")
+                rec.error = f"HTTP {r.status_code}: {_message(text)}"
+                return rec
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                data = json.loads(line[6:])
+                if "error" in data:
+                    rec.error = _message(json.dumps(data))
+                    return rec
+                now = time.perf_counter()
+                if data.get("usage"):
+                    rec.prompt_tokens = data["usage"].get("prompt_tokens") or rec.prompt_tokens
+                    rec.output_tokens = data["usage"].get("completion_tokens") or rec.output_tokens
+                if data.get("metrics"):
+                    rec.server = data["metrics"]
+                if not _has_token(data):
+                    continue
+                if rec.ttft is None:
+                    rec.ttft = now - rec.start
+                    rec.server_first = (data.get("metrics") or {}).get("arrival_time")
+                else:
+                    rec.itl.append(now - last)
+                rec.server_last = (data.get("metrics") or {}).get("arrival_time", rec.server_last)
+                rec.chunk_times.append(now - rec.start)
+                last = now
+        rec.e2el = time.perf_counter() - rec.start
+        if not rec.output_tokens:
+            rec.output_tokens = len(rec.chunk_times)
+        rec.ok = rec.ttft is not None
+        if not rec.ok:
+            rec.error = "the stream ended without a token"
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        rec.error = f"{type(e).__name__}: {e}"
+    return rec
+
+
+def _has_token(data: dict) -> bool:
+    for choice in data.get("choices") or []:
+        if choice.get("text") or (choice.get("delta") or {}).get("content"):
+            return True
+    return False
+
+
+def _message(text: str) -> str:
+    try:
+        return json.loads(text)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return text.strip()[:300]
