@@ -33,6 +33,7 @@ bench: venv
 	$(BIN)/python bench/serving_overhead.py
 	$(BIN)/python bench/kv_transfer.py
 	$(BIN)/python bench/pd_vs_mixed.py
+	$(BIN)/python bench/pd_sweep.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
