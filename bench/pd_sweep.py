@@ -1,6 +1,6 @@
 """The same random workload against three deployments on this machine, one comparison table and plot.
 
-    .venv/bin/python bench/pd_sweep.py [--num-prompts 40] [--request-rate 2] [--input-len 512] [--output-len 64]
+    .venv/bin/python bench/pd_sweep.py [--num-prompts 30] [--request-rate 0.5] [--input-len 512] [--output-len 64]
                                        [--out bench-results/pd_sweep]
 
 Deployments: a mixed instance (direct), the router in front of a mixed instance, and router + 1 prefill
@@ -63,8 +63,8 @@ def run_one(name: str, args: argparse.Namespace, out: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--num-prompts", type=int, default=40)
-    parser.add_argument("--request-rate", type=float, default=2.0)
+    parser.add_argument("--num-prompts", type=int, default=30)
+    parser.add_argument("--request-rate", type=float, default=0.5)
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--out", type=Path, default=Path("bench-results/pd_sweep"))

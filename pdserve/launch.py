@@ -29,6 +29,9 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="where the router listens")
     p.add_argument("--port", type=int, default=8000, help="the router's port: the deployment's OpenAI endpoint")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for every instance")
+    p.add_argument("--cpu-binding", choices=["auto", "none"], default="auto",
+                   help="auto (on a CPU-only machine): give each instance its own cores and as many torch "
+                        "threads; none: let them share every core")
     p.epilog = "Any other flag (e.g. --cache-transfer-protocol tcp, --kv-cache-memory 2G) goes to every instance."
 
 
@@ -58,8 +61,12 @@ class Deployment:
     def __init__(self) -> None:
         self.procs: dict[str, subprocess.Popen] = {}
 
-    def start(self, name: str, cmd: list[str]) -> None:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child_env())
+    def start(self, name: str, cmd: list[str], cpus: set[int] | None = None) -> None:
+        env = child_env()
+        if cpus:
+            env["OMP_NUM_THREADS"] = str(len(cpus))
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                                preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
         self.procs[name] = proc
         threading.Thread(target=_prefix_output, args=(name, proc), daemon=True).start()
 
@@ -77,6 +84,34 @@ class Deployment:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def split_cpus(n: int) -> list[set[int] | None]:
+    """Cores for n instances: contiguous shares of this process's cores (one core each, shared round
+    robin, when there are more instances than cores). Torch threads of co-located instances that all
+    spin on every core slow each other down several-fold; pinned, each runs at its share's speed."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if not cores or n <= 1:
+        return [None] * n
+    if n >= len(cores):
+        return [{cores[i % len(cores)]} for i in range(n)]
+    per, extra = divmod(len(cores), n)
+    out, start = [], 0
+    for i in range(n):
+        size = per + (i < extra)
+        out.append(set(cores[start:start + size]))
+        start += size
+    return out
+
+
+def _cpu_only() -> bool:
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        return True
+    import torch
+
+    return not torch.cuda.is_available()
 
 
 def _prefix_output(name: str, proc: subprocess.Popen) -> None:
@@ -99,8 +134,11 @@ def launch(args: argparse.Namespace) -> int:
     try:
         deployment.start("router", [sys.executable, "-m", "pdserve.cli", "router", "--host", args.host,
                                     "--port", str(args.port)])
-        for spec in specs:
-            deployment.start(spec.name, spec.command(router_url, args.instance_args))
+        cpu_sets = split_cpus(len(specs)) if args.cpu_binding == "auto" and _cpu_only() else [None] * len(specs)
+        for spec, cpus in zip(specs, cpu_sets, strict=True):
+            if cpus:
+                print(f"pdserve launch: {spec.name} on cores {','.join(map(str, sorted(cpus)))}", flush=True)
+            deployment.start(spec.name, spec.command(router_url, args.instance_args), cpus)
         error = _wait_ready(deployment, router_url, len(specs), args.ready_timeout, stop)
         if error:
             print(f"pdserve launch: {error}", file=sys.stderr, flush=True)
