@@ -129,3 +129,24 @@ def test_live_pdserve_table_records_and_plot(tmp_path: Path) -> None:
             assert image.size[0] > 100
     finally:
         server.stop()
+
+
+def test_jsonl_dataset_takes_chat_and_prompt_lines(tmp_path: Path, stub_url: str,
+                                                   capsys: pytest.CaptureFixture) -> None:
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}\n\n'
+                    '{"prompt": "Once upon a time"}\n')
+    from pdserve.benchmark.datasets import jsonl_requests
+    from pdserve.loader import resolve_model_folder
+    from pdserve.tokenizer import Tokenizer
+
+    reqs = jsonl_requests(data, 4, 7, seed=0, tokenizer=Tokenizer(resolve_model_folder(None)))
+    assert len(reqs) == 4  # cycles through the file
+    chat = [r for r in reqs if r.messages is not None]
+    plain = [r for r in reqs if r.prompt is not None]
+    assert chat and plain and all(r.max_tokens == 3 for r in chat) and all(r.max_tokens == 7 for r in plain)
+    assert all(r.prompt_len > 0 for r in reqs)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "no prompt here"}\n')
+    code = cli_main(["bench", "serve", "--base-url", stub_url, "--dataset", "jsonl", str(bad), "--no-progress"])
+    assert code == 2 and "needs \"messages\" or \"prompt\"" in capsys.readouterr().err
