@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -83,11 +85,19 @@ class StartedProcesses:
     profile: dict
     endpoints: list[Endpoint]  # what a prefill instance may write to (decode role)
     log: StartupLog
+    segment: str | None = None  # the cache's shared-memory segment (CPU)
 
     def shutdown(self) -> None:
         for proc in (self.worker, self.cache_service):
             if proc is not None:
                 proc.shutdown()
+        remove_segment(self.segment)
+
+
+def remove_segment(name: str | None) -> None:
+    """The owner unlinks its segment when it exits; if it was killed (SIGKILL), the engine does."""
+    if name and sys.platform.startswith("linux"):
+        Path("/dev/shm", name).unlink(missing_ok=True)
 
 
 def layout_without_profile(config: EngineConfig, num_blocks: int) -> KVLayout:
@@ -158,10 +168,11 @@ def start_processes(config: EngineConfig, ctx: zmq.Context, sockdir: str) -> Sta
                     slog.record("cache_attached", CACHE_SERVICE, segment=segment)
         slog.record("ready")
         return StartedProcesses(worker, service, layout, loaded.max_model_len, loaded.vocab_size, loaded.profile,
-                                endpoints, slog)
+                                endpoints, slog, segment)
     except BaseException as e:
         slog.record("failed", error=str(e))
         for proc in (worker, service):
             if proc is not None:
                 proc.shutdown()
+        remove_segment(segment)
         raise
