@@ -169,3 +169,18 @@ def test_truth_table_matches_the_design() -> None:
         (False, False, False): ((CACHE_SERVICE, WORKER), CACHE_SERVICE),
     }
     assert {k: (r.order, r.cache_owner) for k, r in TRUTH_TABLE.items()} == expected
+
+
+def test_messager_writes_on_after_a_lease_renewal(caches: tuple[KVCache, KVCache]) -> None:
+    """The plan's deadline passed while the messager lagged, but P renewed D's lease meanwhile."""
+    p, d = caches
+    endpoint = IpcEndpoint(d.shm_name, d.shm.size, host_id())
+    reports: list[TransferDone] = []
+    messager = _messager(p, reports)
+    messager.handle(StepTransfers(1, [TransferPlan("t", endpoint, [3], [4], 0, True, time.time() - 1)]))
+    messager.extend("t", time.time() + 60)
+    for layer in range(3):
+        messager.handle(LayerDone(1, layer))
+    (report,) = reports
+    assert report.ok and torch.equal(d.tensor[4], p.tensor[3])
+    messager.close()

@@ -50,7 +50,8 @@ class CacheMessager:
             # at a time, so any older entry is such a leftover.
             self._steps = {msg.step_id: msg.transfers}
             for plan in msg.transfers:
-                self._progress.setdefault(plan.transfer_id, _Progress(plan.deadline))
+                progress = self._progress.setdefault(plan.transfer_id, _Progress(plan.deadline))
+                progress.deadline = max(progress.deadline, plan.deadline)
             return
         plans = self._steps.get(msg.step_id)
         if plans is None:
@@ -59,6 +60,12 @@ class CacheMessager:
         if msg.layer == self.layout.num_layers - 1:
             del self._steps[msg.step_id]
             self._finish_step(plans)
+
+    def extend(self, transfer_id: str, deadline: float) -> None:
+        """D's lease was renewed: writes for this transfer may go on until `deadline`."""
+        progress = self._progress.get(transfer_id)
+        if progress is not None:
+            progress.deadline = max(progress.deadline, deadline)
 
     def close(self) -> None:
         for writer in self._writers.values():
@@ -74,7 +81,7 @@ class CacheMessager:
             progress = self._progress.get(plan.transfer_id)
             if progress is None or progress.failed:
                 continue
-            if now > plan.deadline:
+            if now > progress.deadline:  # the latest renewal, not the (maybe stale) plan's
                 self._fail(plan.transfer_id, "the decode instance's lease on its blocks ran out before the KV "
                                              "was written (--pd-transfer-timeout)")
                 continue

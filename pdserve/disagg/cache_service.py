@@ -26,6 +26,7 @@ from pdserve.disagg.messages import (
     CacheServiceReady,
     CreateCache,
     DetachCache,
+    ExtendDeadline,
     MessagerInput,
     ServiceError,
     ServiceInput,
@@ -130,7 +131,10 @@ def _serve(engine: zmq.Socket, service: CacheService) -> None:
             msg = msgspec.msgpack.decode(engine.recv(), type=ServiceInput)
             if isinstance(msg, ServiceShutdown):
                 return
-            if isinstance(msg, DetachCache):  # mixed role only: nothing but the mapping to drop
+            if isinstance(msg, ExtendDeadline):
+                if service.messager is not None:
+                    service.messager.extend(msg.transfer_id, msg.deadline)
+            elif isinstance(msg, DetachCache):  # mixed role only: nothing but the mapping to drop
                 service.cache.close()
             elif isinstance(msg, AttachCache):
                 service.cache = KVCache.attach_shared(msg.layout.spec(), msg.segment)

@@ -11,6 +11,7 @@ from pdserve.disagg.messages import (
     CacheServiceReady,
     CreateCache,
     DetachCache,
+    ExtendDeadline,
     ServiceError,
     ServiceMessage,
     ServiceShutdown,
@@ -44,6 +45,9 @@ class CacheServiceClient:
 
     def attach(self, layout: KVLayout, segment: str) -> None:
         self.child.send(AttachCache(layout, segment))
+
+    def extend_deadline(self, transfer_id: str, deadline: float) -> None:
+        self.child.send(ExtendDeadline(transfer_id, deadline))
 
     def transfer_reports(self) -> list[TransferDone]:
         out = []

@@ -108,6 +108,7 @@ class _Outgoing:
     lease: float = 0.0  # D's lease length; renewed every third of it
     renewed: float = 0.0  # when the lease was last renewed (or granted)
     sent_blocks: int = 0  # leading blocks whose every layer is planned for D (survives preemption)
+    started_writing: bool = False  # a plan went to the worker (so the messager knows this transfer)
     first_token: tuple[int, TokenLogprobs | None] | None = None
     transfer: TransferDone | None = None
     done_sent: bool = False
@@ -166,6 +167,7 @@ class PrefillConnector(_Connector):
                                       out.dst_blocks[first:last + 1], start // bs - first,
                                       c.completes_known_tokens, out.deadline))
             out.sent_blocks = max(out.sent_blocks, end // bs)
+            out.started_writing = True
         return plans
 
     def on_prefilled(self, request: Request, token: int, logprobs: TokenLogprobs | None) -> None:
@@ -295,6 +297,8 @@ class PrefillConnector(_Connector):
                 # Counted from the send: D extends from receipt, so P's deadline never passes D's.
                 self._send(out, LeaseRenew(out.transfer_id))
                 out.renewed, out.deadline = now, now + out.lease - LEASE_MARGIN
+                if out.started_writing:  # the messager may lag the worker: it must know too
+                    self.service.extend_deadline(out.transfer_id, out.deadline)
         for out in list(self._by_tid.values()):
             if out.identity is None and now > out.wait_deadline:
                 outputs += self._drop(out, "the decode instance never sent its cache info", tell_decode=False)

@@ -33,11 +33,19 @@ class DetachCache(msgspec.Struct, tag=True):
     """Mixed role: the worker is freeing the cache (POST /clear_load_weight); let go of it too."""
 
 
+class ExtendDeadline(msgspec.Struct, tag=True):
+    """P renewed D's lease: the messager may write this transfer until `deadline` (it may be behind the
+    worker, so the deadline a plan was made with can be stale by the time it writes)."""
+
+    transfer_id: str
+    deadline: float
+
+
 class ServiceShutdown(msgspec.Struct, tag=True):
     pass
 
 
-ServiceInput = CreateCache | AttachCache | DetachCache | ServiceShutdown
+ServiceInput = CreateCache | AttachCache | DetachCache | ExtendDeadline | ServiceShutdown
 
 
 class CacheServiceReady(msgspec.Struct, tag=True):
