@@ -5,6 +5,7 @@ and the instance then serves a request (PD rows: a prefill and a decode instance
 from __future__ import annotations
 
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -97,8 +98,12 @@ def test_startup_row(tmp_path: Path, key: tuple[bool, bool, bool], order: list[s
 
 
 def _pd_port(server: Server) -> int:
-    """The prefill instance's control-plane port (a free one was picked; the log line says which)."""
-    for line in server.log().splitlines():
-        if "role prefill" in line and "pd-comm-port" in line:
-            return int(line.rsplit("pd-comm-port ", 1)[1].split(")")[0])
+    """The prefill instance's control-plane port (a free one was picked; the announcement says which,
+    a moment after /health turns 200)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        for line in server.log().splitlines():
+            if "role prefill" in line and "pd-comm-port" in line:
+                return int(line.rsplit("pd-comm-port ", 1)[1].split(")")[0])
+        time.sleep(0.1)
     raise AssertionError(f"no pd-comm-port in the log:\n{server.log()}")
