@@ -108,7 +108,7 @@ class EngineCore:
 
     def _handle(self, msg: AddRequest | AbortRequests) -> list[RequestOutput]:
         if isinstance(msg, AbortRequests):
-            return [self._final_output(r) for rid in msg.request_ids if (r := self.abort(rid)) is not None]
+            return [final_output(r) for rid in msg.request_ids if (r := self.abort(rid)) is not None]
         if not self.weights_loaded:
             return [RequestOutput(msg.request_id, [], finish_reason="error",
                                   error="the model weights are cleared; POST /update_model_weight loads them",
@@ -171,7 +171,7 @@ class EngineCore:
         outputs = []
         for r in changed:
             s = sampled[r.request_id]
-            output = self._final_output(r) if r.is_finished else RequestOutput(r.request_id, [])
+            output = final_output(r) if r.is_finished else RequestOutput(r.request_id, [])
             output.new_token_ids = [s.token_id]
             output.new_logprobs = [s.logprobs] if s.logprobs is not None else None
             if r.is_finished:
@@ -194,10 +194,6 @@ class EngineCore:
             self._on_worker.discard(request.request_id)
             self._finished_on_worker.append(request.request_id)
 
-    @staticmethod
-    def _final_output(r: Request) -> RequestOutput:
-        return final_output(r)
-
     def stats(self) -> dict:
         pool, prefix = self.kv.pool, self.kv.stats
         return {
@@ -217,7 +213,7 @@ class EngineCore:
         aborted: list[RequestOutput] = []
         try:
             if call.method == "clear_weights":
-                aborted = [self._final_output(r) for rid in list(self.scheduler.requests) if (r := self.abort(rid))]
+                aborted = [final_output(r) for rid in list(self.scheduler.requests) if (r := self.abort(rid))]
                 self.kv.pool.reset_prefix_cache()  # cached KV dies with the cache memory
                 self.weights_loaded = False
                 self.worker.weights("clear")

@@ -114,12 +114,11 @@ async def _proxy(client: httpx.AsyncClient, url: str, body: dict) -> Response:
     return await _pass_through(upstream, upstream.aiter_raw(), body.get("stream", False))
 
 
-async def _pass_through(upstream: httpx.Response, body: AsyncIterator[bytes], stream: bool,
-                        first: bytes = b"") -> Response:
-    """Relay `upstream` (whose body iterator `body` may have yielded `first` already)."""
+async def _pass_through(upstream: httpx.Response, body: AsyncIterator[bytes], stream: bool) -> Response:
+    """Relay `upstream`, reading its body from `body` (its own iterator, or the router's queue of it)."""
     if not stream or upstream.status_code != 200:
         try:
-            content = first + b"".join([chunk async for chunk in body])
+            content = b"".join([chunk async for chunk in body])
         except httpx.HTTPError as e:
             return _error(f"PD error: the instance {upstream.request.url} failed mid-answer: {e}", 502)
         finally:
@@ -128,8 +127,6 @@ async def _pass_through(upstream: httpx.Response, body: AsyncIterator[bytes], st
 
     async def chunks() -> AsyncIterator[bytes]:
         try:
-            if first:
-                yield first
             async for chunk in body:
                 yield chunk
         except httpx.HTTPError as e:
