@@ -159,11 +159,17 @@ class Router(CliProcess):
         except httpx.HTTPError:
             return False
 
+    def registered(self) -> list[dict]:
+        return httpx.get(f"{self.url}/registered", timeout=5).json()["instances"]
+
+    def healthy_urls(self) -> set[str]:
+        return {i["url"] for i in self.registered() if i["healthy"]}
+
     def wait_pairs(self, expected: int, timeout: float = 30) -> None:
-        """Until `expected` instances are registered and /health is 200."""
-        wait_for(lambda: len(httpx.get(f"{self.url}/instances", timeout=2).json()["instances"]) >= expected
+        """Until `expected` instances are registered and healthy, and /health is 200."""
+        wait_for(lambda: len(self.healthy_urls()) >= expected
                  and httpx.get(f"{self.url}/health", timeout=2).status_code == 200, timeout,
-                 f"{expected} instances did not register with the router")
+                 f"{expected} instances did not register with the router and pass its health checks")
 
 
 def metrics(port: int) -> dict[str, float]:
@@ -187,3 +193,43 @@ def wait_for(predicate, timeout: float, what: str) -> None:  # noqa: ANN001
         if time.monotonic() > deadline:
             pytest.fail(f"{what} within {timeout} s")
         time.sleep(0.2)
+
+
+def register(router_url: str, info: dict, secret: bytes = b"", path: str = "/register") -> httpx.Response:
+    """POST /register (or /unregister) as an instance does, signed with `secret`."""
+    import json
+
+    from pdserve.cluster_auth import SIGNATURE_HEADER, sign_body
+
+    body = json.dumps(info).encode()
+    return httpx.post(f"{router_url}{path}", content=body, timeout=10,
+                      headers={"Content-Type": "application/json", SIGNATURE_HEADER: sign_body(secret, body)})
+
+
+class BrokenInstance:
+    """An instance that passes health checks but drops every request's connection unanswered, as a
+    process that dies mid-request would."""
+
+    def __init__(self) -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802
+                self.send_response(200 if self.path == "/health" else 404)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def do_POST(self) -> None:  # noqa: N802
+                self.close_connection = True
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import hmac
+from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.sampling import SamplingParams
@@ -19,6 +23,7 @@ class PDRequest(BaseModel):
     transfer_id: str = Field(min_length=1, max_length=200)
     role: Literal["prefill", "decode"]
     prefill_addr: str | None = None  # decode side: host:port of the prefill instance's --pd-comm-port
+    transport: Literal["ipc", "tcp"] | None = None  # decode side: the router's choice for this pair
 
 
 class _SamplingFields(BaseModel):
@@ -82,3 +87,18 @@ class ChatCompletionRequest(_SamplingFields):
 def error_body(message: str, status: int, err_type: str = "invalid_request_error",
                param: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
+
+
+def bearer_auth(api_key: str) -> Callable[[Request, Callable], Awaitable[Response]]:
+    """HTTP middleware: /v1 requests without `Authorization: Bearer <api_key>` get an OpenAI 401."""
+    expected = f"Bearer {api_key}".encode()
+
+    async def check(request: Request, call_next: Callable) -> Response:
+        if request.url.path.startswith("/v1/"):
+            given = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                message = "invalid API key" if given else "missing API key: send 'Authorization: Bearer <key>'"
+                return JSONResponse(error_body(message, 401, "authentication_error"), status_code=401)
+        return await call_next(request)
+
+    return check

@@ -1,15 +1,28 @@
-"""An instance announces itself to the router (`--router URL`) every few seconds, and leaves on stop."""
+"""An instance announces itself to the router (`--router URL`) every few seconds, and leaves on stop.
+
+Each registration is a heartbeat; the body is signed with the cluster secret (cluster_auth) so the
+router admits only members of its deployment.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 
 import httpx
 
+from pdserve.cluster_auth import SIGNATURE_HEADER, cluster_secret, sign_body
+
 log = logging.getLogger("pdserve.registration")
 
 INTERVAL = 2.0  # seconds; the router drops an instance it has not heard from in a few intervals
+
+
+async def post_signed(client: httpx.AsyncClient, url: str, payload: dict, **kwargs: object) -> httpx.Response:
+    body = json.dumps(payload).encode()
+    headers = {"Content-Type": "application/json", SIGNATURE_HEADER: sign_body(cluster_secret(), body)}
+    return await client.post(url, content=body, headers=headers, **kwargs)
 
 
 async def register_forever(router_url: str, instance: dict, interval: float = INTERVAL) -> None:
@@ -19,7 +32,10 @@ async def register_forever(router_url: str, instance: dict, interval: float = IN
         try:
             while True:
                 try:
-                    (await client.post(f"{url}/register", json=instance)).raise_for_status()
+                    r = await post_signed(client, f"{url}/register", instance)
+                    if r.status_code in (401, 403):
+                        raise httpx.HTTPError(f"refused: {r.text[:300]}")
+                    r.raise_for_status()
                     if failing:
                         log.info("registered with the router at %s again", url)
                     failing = False
@@ -31,6 +47,6 @@ async def register_forever(router_url: str, instance: dict, interval: float = IN
                 await asyncio.sleep(interval)
         finally:
             try:
-                await client.post(f"{url}/unregister", json={"url": instance["url"]}, timeout=1.0)
+                await post_signed(client, f"{url}/unregister", {"url": instance["url"]}, timeout=1.0)
             except (httpx.HTTPError, asyncio.CancelledError):
                 pass

@@ -13,6 +13,8 @@ import uvicorn
 from pdserve.api.async_engine import AsyncEngine
 from pdserve.api.metrics import ServerMetrics
 from pdserve.api.server import ServerState, build_app
+from pdserve.cluster_auth import ENV
+from pdserve.disagg.transport.base import HOST_ID_ENV, host_id
 from pdserve.engine.engine_client import EngineClient
 from pdserve.engine_args import engine_config_from_args
 from pdserve.loader import model_name, resolve_model_folder
@@ -34,6 +36,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--advertise-host", default=None,
                    help="the address the router and peers should use for this instance (default: --host, or "
                         "this machine's address when --host is 0.0.0.0)")
+    g.add_argument("--host-id", default=None,
+                   help="which host this is, for choosing ipc between P and D (default: hostname and boot id); "
+                        "give instances on one machine different ids to make them act as separate hosts")
+    g.add_argument("--cluster-secret", default=os.environ.get(ENV),
+                   help=f"shared by the router and every instance: signs registration, control messages and KV "
+                        f"connections (default: ${ENV}; prefer the variable, a command line is visible to all)")
+    g.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
+                   help="clients must send 'Authorization: Bearer KEY' on /v1 (default: $PDSERVE_API_KEY)")
 
 
 def advertised_host(host: str, explicit: str | None) -> str:
@@ -63,6 +73,10 @@ def serve(args: argparse.Namespace) -> int:
     exit_on_sigterm()
     if "PDSERVE_PARENT_PID" in os.environ:  # started by `pdserve launch`: do not outlive it
         die_with_parent()
+    if args.cluster_secret:  # children (engine, cache service) read it from the environment
+        os.environ[ENV] = args.cluster_secret
+    if args.host_id:
+        os.environ[HOST_ID_ENV] = args.host_id
     advertise = advertised_host(args.host, args.advertise_host)
     config = engine_config_from_args(args, pd_host=args.host, advertise_host=advertise)
     name = args.served_model_name or model_name(args.model)
@@ -71,14 +85,17 @@ def serve(args: argparse.Namespace) -> int:
     try:
         metrics = ServerMetrics()
         state = ServerState(AsyncEngine(client), tokenizer, name, client.ready.max_model_len, args.max_concurrency,
-                            metrics)
+                            metrics, api_key=args.api_key)
         ready = client.ready
+        metrics_port = args.metrics_port or free_port(args.host)
         if args.router:
             state.router_url = args.router
-            state.instance = {"role": ready.role, "url": f"http://{advertise}:{args.port}", "model": name,
-                              "pd_comm": f"{advertise}:{ready.pd_comm_port}" if ready.pd_comm_port else None,
-                              "transports": ready.transports}
-        metrics_port = args.metrics_port or free_port(args.host)
+            state.instance = {
+                "role": ready.role, "url": f"http://{advertise}:{args.port}", "host": advertise, "host_id": host_id(),
+                "pid": os.getpid(), "metrics_port": metrics_port, "model": name,
+                "pd_comm": f"{advertise}:{ready.pd_comm_port}" if ready.pd_comm_port else None,
+                "transports": ready.transports, "tp_size": config.tensor_parallel_size,
+                "block_size": ready.block_size, "compatibility_key": ready.compatibility_key}
         from prometheus_client import start_http_server
 
         start_http_server(metrics_port, addr=args.host, registry=metrics.registry)

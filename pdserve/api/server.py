@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pdserve.api.async_engine import AsyncEngine
 from pdserve.api.generation import Generation, generate_choices
 from pdserve.api.metrics import ServerMetrics
-from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest, bearer_auth, error_body
 from pdserve.api.registration import register_forever
 from pdserve.engine.engine_client import EngineError
 from pdserve.engine.messages import PDParams, TokenLogprobs
@@ -50,6 +50,7 @@ class ServerState:
     weights_cleared: bool = False
     router_url: str | None = None  # --router: register there every few seconds
     instance: dict | None = None  # what to register: role, url, control-plane address, transports
+    api_key: str | None = None  # --api-key: /v1 requests must carry it as a Bearer token
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -68,6 +69,9 @@ def build_app(state: ServerState) -> FastAPI:
         await state.engine.stop()
 
     app = FastAPI(title="pdserve", lifespan=lifespan)
+
+    if state.api_key:
+        app.middleware("http")(bearer_auth(state.api_key))
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
@@ -315,7 +319,7 @@ async def _stream(state: ServerState, body: Any, gen: Generation, params: Any, k
 
 def _pd_params(body: Any) -> PDParams | None:
     pd = body.pd
-    return None if pd is None else PDParams(pd.transfer_id, pd.role, pd.prefill_addr)
+    return None if pd is None else PDParams(pd.transfer_id, pd.role, pd.prefill_addr, pd.transport)
 
 
 def _sampling_params(body: Any, max_tokens: int | None, logprobs: int | None) -> Any:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 
+from pdserve.cluster_auth import AuthError, ControlSeal, cluster_secret
 from pdserve.config import EngineConfig
 from pdserve.disagg.cache_service_client import CacheServiceClient
 from pdserve.disagg.kv_layout import KVLayout
@@ -83,9 +84,25 @@ class _Connector:
         self.on_abort: Callable[[Request], None] = lambda request: None  # the engine drops worker state here
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(ControlMessage)
+        self._seal = ControlSeal(cluster_secret())
+        self.refused_messages = 0  # forged, replayed or undecodable control messages
 
     def stats_dict(self) -> dict:
-        return self.stats.as_dict()
+        return {**self.stats.as_dict(), "pd_refused_control_messages": self.refused_messages}
+
+    def _encode(self, msg: object) -> bytes:
+        return self._seal.seal(self._encoder.encode(msg))
+
+    def _decode(self, raw: bytes, source: str) -> ControlMessage | None:
+        """The message, or None (logged and counted) if it is not a genuine one from a cluster member."""
+        try:
+            return self._decoder.decode(self._seal.open(raw))
+        except AuthError as e:
+            log.warning("refused a control message from %s: %s", source, e)
+        except msgspec.DecodeError:
+            log.warning("dropped an undecodable control message from %s", source)
+        self.refused_messages += 1
+        return None
 
     def _fail_request(self, request: Request, error: str) -> RequestOutput:
         self.stats.transfers_failed += 1
@@ -183,10 +200,7 @@ class PrefillConnector(_Connector):
                 identity, raw = self.router.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            try:
-                msg = self._decoder.decode(raw)
-            except msgspec.DecodeError:
-                log.warning("dropped an undecodable control message")
+            if (msg := self._decode(raw, f"peer {identity[:40]!r}")) is None:
                 continue
             if isinstance(msg, CacheInfo):
                 outputs += self._on_cache_info(identity, msg, time.time())
@@ -340,7 +354,7 @@ class PrefillConnector(_Connector):
     def _send(self, out: _Outgoing, msg: object) -> None:
         if out.identity is not None:
             try:
-                self.router.send_multipart([out.identity, self._encoder.encode(msg)], zmq.NOBLOCK)
+                self.router.send_multipart([out.identity, self._encode(msg)], zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass  # D is gone; its lease frees its side
 
@@ -354,6 +368,7 @@ class _Incoming:
     transfer_id: str
     prefill_addr: str
     queue_deadline: float  # D gives up waiting for free blocks (and tells P) at this time
+    endpoints: list[Endpoint]  # what P may write through (the router may have chosen one)
     lease_deadline: float = float("inf")
 
 
@@ -383,8 +398,13 @@ class DecodeConnector(_Connector):
         if pd.transfer_id in self._by_tid:
             raise ValueError(f"PD transfer id {pd.transfer_id!r} is already in use")
         self.scheduler._check_length(request)
+        endpoints = [e for e in self.endpoints if pd.transport in (None, e.protocol)]
+        if not endpoints:
+            raise ValueError(f"this decode instance does not offer the {pd.transport} cache transfer protocol "
+                             f"(it offers {','.join(e.protocol for e in self.endpoints)})")
         inc = _Incoming(request, pd.transfer_id, pd.prefill_addr,
-                        queue_deadline=time.time() + QUEUE_TIMEOUT_LEASES * self.config.pd_transfer_timeout)
+                        queue_deadline=time.time() + QUEUE_TIMEOUT_LEASES * self.config.pd_transfer_timeout,
+                        endpoints=endpoints)
         self._by_tid[pd.transfer_id] = inc
         self._by_rid[request.request_id] = inc
         self._queue.append(inc)
@@ -402,10 +422,7 @@ class DecodeConnector(_Connector):
                     raw = dealer.recv(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                try:
-                    msg = self._decoder.decode(raw)
-                except msgspec.DecodeError:
-                    log.warning("dropped an undecodable control message from %s", addr)
+                if (msg := self._decode(raw, addr)) is None:
                     continue
                 inc = self._by_tid.get(msg.transfer_id)
                 if inc is None:
@@ -471,7 +488,7 @@ class DecodeConnector(_Connector):
             r.times.preallocated = now
             inc.lease_deadline = now + self.config.pd_transfer_timeout
             info = CacheInfo(inc.transfer_id, r.num_prompt_tokens, prompt_digest(r.prompt_token_ids),
-                             [b.block_id for b in r.blocks], self.layout, self.endpoints,
+                             [b.block_id for b in r.blocks], self.layout, inc.endpoints,
                              self.config.pd_transfer_timeout, inc.lease_deadline)
             self._send(inc, info)
             r.times.cache_info_sent = time.time()
@@ -537,6 +554,6 @@ class DecodeConnector(_Connector):
             dealer.setsockopt(zmq.ROUTING_ID, f"d-{os.getpid()}-{uuid.uuid4().hex[:8]}".encode())
             dealer.connect(f"tcp://{inc.prefill_addr}")
         try:
-            dealer.send(self._encoder.encode(msg), zmq.NOBLOCK)
+            dealer.send(self._encode(msg), zmq.NOBLOCK)
         except zmq.ZMQError:
             pass  # P unreachable: the lease ends this request

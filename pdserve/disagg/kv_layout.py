@@ -39,6 +39,11 @@ class KVLayout(msgspec.Struct, frozen=True):
         """Everything but the block count must agree for P's blocks to be D's blocks."""
         return msgspec.structs.replace(self, num_blocks=0) == msgspec.structs.replace(other, num_blocks=0)
 
+    def compatibility_key(self, model: str) -> str:
+        """What a P and a D must share to be paired: the model and every layout field but the block count."""
+        return (f"{model}|block={self.block_size}|dtype={self.dtype}|layers={self.num_layers}"
+                f"|kv_heads={self.num_kv_heads}|head_dim={self.head_dim}")
+
     @property
     def layer_block_bytes(self) -> int:
         return 2 * self.block_size * self.num_kv_heads * self.head_dim * getattr(torch, self.dtype).itemsize

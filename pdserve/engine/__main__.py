@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
             core.connector.on_abort = core.forget
         outputs.send(encoder.encode(EngineReady(
             layout.num_blocks, config.block_size, started.max_model_len, args.model_name, started.profile,
-            config.splitwise_role, port, list(config.cache_transfer_protocol), started.log.events)))
+            config.splitwise_role, port, list(config.cache_transfer_protocol), started.log.events,
+            layout.compatibility_key(args.model_name))))
         core.run(inputs, outputs)
         return 0
     except Exception as e:  # anything: the frontend must hear why the engine is gone

@@ -19,6 +19,7 @@ class PDParams(msgspec.Struct):
     transfer_id: str  # the same on P and D
     role: str  # "prefill": compute the prompt, send its KV, stop after the first token; "decode": the rest
     prefill_addr: str | None = None  # decode side: host:port of P's --pd-comm-port
+    transport: str | None = None  # decode side: the protocol the router chose for this pair (None: any)
 
 
 class AddRequest(msgspec.Struct, tag=True):
@@ -105,6 +106,7 @@ class EngineReady(msgspec.Struct, tag=True):
     pd_comm_port: int | None = None  # where the control plane listens (PD roles)
     transports: list[str] = []  # cache transfer protocols this instance offers, in preference order
     startup: list[dict] = []  # the startup log: which process started when, who created the cache
+    compatibility_key: str = ""  # model + KV layout: a router pairs P and D only if theirs are equal
 
 
 class EngineDead(msgspec.Struct, tag=True):

@@ -1,82 +1,154 @@
-"""The router's HTTP face: registration, health, and OpenAI requests forwarded to a P/D pair.
-
-A PD request goes to both instances at once, each told the shared transfer id and (D) where P's
-control plane is. D's answer is what the client gets, streamed through as it comes. If P fails
-before D has produced anything, the client gets P's error and D's request is cancelled.
-"""
+"""The router's HTTP face: membership, health, metrics, and OpenAI requests forwarded to their route."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
-import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
 
-from pdserve.api.protocol import error_body
+from pdserve.api.protocol import bearer_auth
+from pdserve.cluster_auth import SIGNATURE_HEADER, AuthError, verify_body
+from pdserve.router.forward import Forwarder, error_response
+from pdserve.router.health import HealthChecker
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.policies import make_policy
+from pdserve.router.prompt import PromptReader
 from pdserve.router.registry import Registration, Registry
+from pdserve.router.selector import Selector
 
 log = logging.getLogger("pdserve.router")
+
+
+@dataclass
+class RouterSettings:
+    prefill_policy: str = "least_tokens"
+    decode_policy: str = "least_requests"
+    mixed_fallback: bool = False
+    max_retries: int = 2
+    request_timeout: float = 600.0
+    instance_expiry: float = 10.0
+    health_interval: float = 2.0
+    health_timeout: float = 2.0
+    fail_threshold: int = 3
+    success_threshold: int = 2
+    api_key: str | None = None
+    cluster_secret: bytes = b""
+    max_request_bytes: int = 16 << 20
+    cache_aware: dict = field(default_factory=dict)  # balance_abs, balance_rel, min_match
+    static_instances: list[Registration] = field(default_factory=list)
 
 
 class Unregistration(BaseModel):
     url: str
 
 
-def _error(message: str, status: int, err_type: str = "service_unavailable") -> JSONResponse:
-    return JSONResponse(error_body(message, status, err_type), status_code=status)
-
-
-def build_router_app(registry: Registry, request_timeout: float = 600.0) -> FastAPI:
-    client: httpx.AsyncClient | None = None
+def build_router_app(settings: RouterSettings, reader: PromptReader) -> FastAPI:
+    registry = Registry(settings.instance_expiry, settings.fail_threshold, settings.success_threshold)
+    selector = Selector(registry, make_policy(settings.prefill_policy, **settings.cache_aware),
+                        make_policy(settings.decode_policy, **settings.cache_aware), settings.mixed_fallback)
+    metrics = RouterMetrics(registry)
+    state: dict = {}
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        nonlocal client
         limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
-        client = httpx.AsyncClient(timeout=httpx.Timeout(request_timeout, connect=5.0), limits=limits)
+        client = httpx.AsyncClient(timeout=httpx.Timeout(settings.request_timeout, connect=5.0), limits=limits)
+        checker = HealthChecker(registry, client, settings.health_interval, settings.health_timeout)
+        state["checker"] = checker
+        state["forwarder"] = Forwarder(client, registry, selector, settings.max_retries, metrics.retries.inc)
+        for info in settings.static_instances:
+            registry.register(info, static=True)
+        task = asyncio.create_task(checker.run())
         yield
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
         await client.aclose()
 
     app = FastAPI(title="pdserve router", lifespan=lifespan)
+    app.state.registry, app.state.selector = registry, selector
+    if settings.api_key:
+        app.middleware("http")(bearer_auth(settings.api_key))
+
+    async def signed_body(raw: Request) -> bytes | JSONResponse:
+        body = await raw.body()
+        try:
+            verify_body(settings.cluster_secret, body, raw.headers.get(SIGNATURE_HEADER))
+        except AuthError as e:
+            client = raw.client.host if raw.client else "?"
+            log.warning("refused %s from %s: %s", raw.url.path, client, e)
+            metrics.refused.labels("registration").inc()
+            return error_response(f"registration refused: {e}", 403, "permission_error")
+        return body
 
     @app.post("/register")
-    async def register(info: Registration) -> dict:
-        if registry.register(info):
-            log.info("registered %s instance %s", info.role, info.url)
-        return {"status": "ok"}
+    async def register(raw: Request) -> Response:
+        body = await signed_body(raw)
+        if isinstance(body, Response):
+            return body
+        try:
+            info = Registration.model_validate_json(body)
+        except ValidationError as e:
+            return error_response(f"bad registration: {e.errors()[0].get('msg')}", 400, "invalid_request_error")
+        instance, probe = registry.register(info)
+        if probe:
+            state["checker"].probe_soon(instance)
+        return JSONResponse({"status": "ok", "healthy": instance.healthy})
 
     @app.post("/unregister")
-    async def unregister(body: Unregistration) -> dict:
-        registry.unregister(body.url)
-        log.info("unregistered %s", body.url)
-        return {"status": "ok"}
+    async def unregister(raw: Request) -> Response:
+        body = await signed_body(raw)
+        if isinstance(body, Response):
+            return body
+        try:
+            registry.unregister(Unregistration.model_validate_json(body).url)
+        except ValidationError:
+            return error_response("bad unregistration: a url is needed", 400, "invalid_request_error")
+        return JSONResponse({"status": "ok"})
 
-    @app.get("/instances")
-    async def instances() -> dict:
-        return {"instances": [i.model_dump() for i in registry.live()]}
+    @app.get("/registered")
+    async def registered() -> dict:
+        return {"instances": [i.as_dict() for i in registry.all()]}
+
+    app.get("/instances")(registered)  # the first router's name for it
+
+    @app.get("/registered_number")
+    async def registered_number() -> dict:
+        counts = {"prefill": 0, "decode": 0, "mixed": 0}
+        healthy = dict(counts)
+        for i in registry.all():
+            counts[i.role] += 1
+            healthy[i.role] += i.healthy
+        return {**counts, "healthy": healthy}
 
     @app.get("/health")
     async def health() -> Response:
-        if registry.ready():
+        if selector.can_serve():
             return Response(status_code=200)
-        return _error("no complete prefill/decode pair (or mixed instance) is registered", 503)
+        return error_response(selector.why_not(), 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.prometheus), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
-    async def models() -> Response:
-        live = registry.live()
+    async def models(raw: Request) -> Response:
+        live = registry.healthy()
         if not live:
-            return _error("no instance is registered", 503)
+            return error_response("no instance is registered and healthy", 503)
+        forwarder: Forwarder = state["forwarder"]
         try:
-            r = await client.get(f"{live[0].url}/v1/models")
+            r = await forwarder.client.get(f"{live[0].url}/v1/models", headers=_passed_headers(raw.headers))
         except httpx.HTTPError as e:
-            return _error(f"instance {live[0].url} did not answer: {e}", 502)
+            return error_response(f"instance {live[0].url} did not answer: {e}", 502)
         return Response(r.content, status_code=r.status_code, media_type="application/json")
 
     @app.post("/v1/completions")
@@ -88,148 +160,42 @@ def build_router_app(registry: Registry, request_timeout: float = 600.0) -> Fast
         return await _forward(raw, "/v1/chat/completions")
 
     async def _forward(raw: Request, path: str) -> Response:
+        response = await _forward_checked(raw, path)
+        metrics.requests.labels(str(response.status_code)).inc()
+        return response
+
+    async def _forward_checked(raw: Request, path: str) -> Response:
+        body = await _read_limited(raw, settings.max_request_bytes)
+        if body is None:
+            metrics.refused.labels("too_large").inc()
+            return error_response(f"the request body is larger than {settings.max_request_bytes} bytes "
+                                  "(--max-request-bytes)", 413, "invalid_request_error")
         try:
-            body = json.loads(await raw.body())
-            if not isinstance(body, dict):
+            parsed = json.loads(body)
+            if not isinstance(parsed, dict):
                 raise ValueError("the body must be a JSON object")
         except ValueError as e:
-            return _error(f"the request body is not valid JSON: {e}", 400, "invalid_request_error")
-        pair = registry.pick()
-        if pair is None:
-            return _error("no complete prefill/decode pair (or mixed instance) is registered", 503)
-        first, decode = pair
-        if decode is None:
-            return await _proxy(client, f"{first.url}{path}", body)
-        return await _forward_pd(client, first, decode, path, body)
+            return error_response(f"the request body is not valid JSON: {e}", 400, "invalid_request_error")
+        request = reader.read(path, parsed)
+        return await state["forwarder"].forward(path, parsed, request, _passed_headers(raw.headers))
 
     return app
 
 
-async def _proxy(client: httpx.AsyncClient, url: str, body: dict) -> Response:
-    """Send `body` to one instance and pass its answer (streamed or not) through."""
-    try:
-        upstream = await client.send(client.build_request("POST", url, json=body), stream=True)
-    except httpx.HTTPError as e:
-        return _error(f"instance {url} is unreachable: {e}", 502)
-    return await _pass_through(upstream, upstream.aiter_raw(), body.get("stream", False))
+def _passed_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    """What the router passes to instances: the client's credentials (instances may check the same key)."""
+    auth = headers.get("authorization")
+    return {"authorization": auth} if auth else {}
 
 
-async def _pass_through(upstream: httpx.Response, body: AsyncIterator[bytes], stream: bool) -> Response:
-    """Relay `upstream`, reading its body from `body` (its own iterator, or the router's queue of it)."""
-    if not stream or upstream.status_code != 200:
-        try:
-            content = b"".join([chunk async for chunk in body])
-        except httpx.HTTPError as e:
-            return _error(f"PD error: the instance {upstream.request.url} failed mid-answer: {e}", 502)
-        finally:
-            await upstream.aclose()
-        return Response(content, status_code=upstream.status_code, media_type="application/json")
-
-    async def chunks() -> AsyncIterator[bytes]:
-        try:
-            async for chunk in body:
-                yield chunk
-        except httpx.HTTPError as e:
-            yield f"data: {json.dumps(error_body(f'PD error: the decode instance failed mid-answer: {e}', 502))}\n\n"\
-                .encode()
-        finally:
-            await upstream.aclose()
-
-    return StreamingResponse(chunks(), media_type="text/event-stream")
-
-
-async def _forward_pd(client: httpx.AsyncClient, prefill: Registration, decode: Registration, path: str,
-                      body: dict) -> Response:
-    """Send the request to P and D at once; relay D's answer.
-
-    P answers its own request right after its first token, before D can have a token of its own, so
-    D's bytes are held until P has answered: if P failed (overloaded, bad request, gone), the client
-    gets P's error at once and D's request is cancelled, instead of waiting out D's lease.
-    """
-    transfer_id = uuid.uuid4().hex
-    p_body = {**body, "stream": False, "pd": {"transfer_id": transfer_id, "role": "prefill"}}
-    d_body = {**body, "pd": {"transfer_id": transfer_id, "role": "decode", "prefill_addr": prefill.pd_comm}}
-    p_task = asyncio.create_task(client.post(f"{prefill.url}{path}", json=p_body))
-    d_task = asyncio.create_task(
-        client.send(client.build_request("POST", f"{decode.url}{path}", json=d_body), stream=True))
-    done, _ = await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
-    if p_task in done and (p_error := _prefill_error(p_task, prefill.url)) is not None:
-        await _cancel_response(d_task)
-        return p_error
-    try:
-        upstream = await d_task
-    except httpx.HTTPError as e:
-        p_task.cancel()
-        return _error(f"PD error: the decode instance {decode.url} is unreachable: {e}", 502)
-    if upstream.status_code != 200:  # D refused it (bad request, overloaded): P must not wait for it
-        p_task.cancel()
-        return await _pass_through(upstream, upstream.aiter_raw(), False)
-    queue: asyncio.Queue[bytes | Exception | None] = asyncio.Queue()
-    reader = asyncio.create_task(_pump(upstream.aiter_raw(), queue))
-    if not p_task.done():
-        await asyncio.wait({p_task, reader}, return_when=asyncio.FIRST_COMPLETED)
-    if p_task.done() and (p_error := _prefill_error(p_task, prefill.url)) is not None:
-        reader.cancel()
-        await upstream.aclose()
-        return p_error
-    p_task.add_done_callback(_log_prefill_outcome(prefill.url))
-    return await _pass_through(upstream, _drain(queue, reader), body.get("stream", False))
-
-
-async def _pump(body: AsyncIterator[bytes], queue: asyncio.Queue) -> None:
-    try:
-        async for chunk in body:
-            await queue.put(chunk)
-    except httpx.HTTPError as e:
-        await queue.put(e)
-    finally:
-        await queue.put(None)
-
-
-async def _drain(queue: asyncio.Queue, reader: asyncio.Task) -> AsyncIterator[bytes]:
-    try:
-        while (item := await queue.get()) is not None:
-            if isinstance(item, Exception):
-                raise item
-            yield item
-    finally:
-        reader.cancel()
-
-
-async def _cancel_response(task: asyncio.Task) -> None:
-    """Cancel a pending `client.send`, or close the response it already produced."""
-    task.cancel()
-    try:
-        response = await task
-    except (asyncio.CancelledError, httpx.HTTPError):
-        return
-    await response.aclose()
-
-
-def _prefill_error(task: asyncio.Task, url: str) -> Response | None:
-    """P's failure as the client's answer, or None if P succeeded (or is still working)."""
-    try:
-        r = task.result()
-    except httpx.HTTPError as e:
-        return _error(f"PD error: the prefill instance {url} is unreachable: {e}", 502)
-    if r.status_code == 200:
+async def _read_limited(raw: Request, limit: int) -> bytes | None:
+    """The body, or None if it is over `limit` bytes (checked before reading when the length is declared)."""
+    declared = raw.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
         return None
-    try:
-        message = r.json()["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        message = r.text[:500]
-    if r.status_code >= 500 and not message.startswith("PD error"):
-        message = f"PD error: the prefill instance {url} failed: {message}"
-    return JSONResponse(error_body(message, r.status_code), status_code=r.status_code)
-
-
-def _log_prefill_outcome(url: str):  # noqa: ANN202
-    def done(task: asyncio.Task) -> None:
-        if task.cancelled():
-            return
-        if task.exception() is not None:
-            log.warning("prefill instance %s: %s", url, task.exception())
-        elif task.result().status_code != 200:
-            log.warning("prefill instance %s answered %d: %s", url, task.result().status_code,
-                        task.result().text[:300])
-    return done
+    body = bytearray()
+    async for chunk in raw.stream():
+        body += chunk
+        if len(body) > limit:
+            return None
+    return bytes(body)

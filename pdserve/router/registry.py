@@ -1,63 +1,164 @@
-"""Registered instances, expiry of the silent ones, and round-robin choice of a P/D pair (or a mixed one)."""
+"""The router's view of its instances: who they are, whether they are healthy, what load they carry.
+
+Instances join by heartbeat (`POST /register`, every few seconds) or from a static list, and are
+probed (`health.py`). An instance leaves the pool when it misses `fail_threshold` probes in a row
+(or at once when a request finds it unreachable); every request in flight on it is told at that
+moment, so none waits out a timeout. It comes back after `success_threshold` good probes, and a
+restarted process (a new pid at the same address) joins on its first good probe. A registered
+instance that stops heartbeating is forgotten after `expiry` seconds.
+"""
 
 from __future__ import annotations
 
-import itertools
+import logging
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel, Field
 
+log = logging.getLogger("pdserve.router")
+
 
 class Registration(BaseModel):
     role: str = Field(pattern="^(mixed|prefill|decode)$")
-    url: str = Field(min_length=1)  # the instance's HTTP address, e.g. http://10.0.0.5:8001
+    url: str = Field(min_length=1, max_length=500)  # the instance's HTTP address, e.g. http://10.0.0.5:8001
     model: str | None = None
+    host: str | None = None  # the address peers use
+    host_id: str | None = None  # equal on one host (and boot): only then may P and D use ipc
+    pid: int | None = None  # the process on its host; a new pid at the same url is a restart
+    metrics_port: int | None = None
     pd_comm: str | None = None  # prefill: host:port of its control plane
-    transports: list[str] = []
+    transports: list[str] = []  # cache transfer protocols, in the instance's preference order
+    tp_size: int = 1
+    block_size: int | None = None
+    compatibility_key: str | None = None  # model + KV layout; P and D pair only when theirs are equal
 
 
-@dataclass
+class InstanceLost(Exception):
+    """The instance a request was on left the pool (failed health checks, unreachable, expired)."""
+
+
+@dataclass(eq=False)
 class Instance:
     info: Registration
+    static: bool = False
     last_seen: float = field(default_factory=time.monotonic)
+    healthy: bool = False
+    fails: int = 0  # consecutive failed probes
+    successes: int = 0  # consecutive good probes
+    ever_healthy: bool = False
+    in_flight_requests: int = 0
+    in_flight_tokens: int = 0  # prompt tokens of the requests in flight
+    served: int = 0  # requests sent here
+    failed: int = 0  # requests that failed here
+    watchers: set[Callable[[str], None]] = field(default_factory=set)  # told when the instance is lost
+
+    @property
+    def url(self) -> str:
+        return self.info.url
+
+    @property
+    def role(self) -> str:
+        return self.info.role
+
+    def as_dict(self) -> dict:
+        return {**self.info.model_dump(), "healthy": self.healthy, "static": self.static,
+                "in_flight_requests": self.in_flight_requests, "in_flight_tokens": self.in_flight_tokens,
+                "served": self.served, "failed": self.failed,
+                "seconds_since_heartbeat": None if self.static else round(time.monotonic() - self.last_seen, 1)}
 
 
 class Registry:
-    def __init__(self, expiry: float = 10.0) -> None:
+    def __init__(self, expiry: float = 10.0, fail_threshold: int = 3, success_threshold: int = 2) -> None:
         self.expiry = expiry
+        self.fail_threshold = fail_threshold
+        self.success_threshold = success_threshold
         self._instances: dict[str, Instance] = {}
-        self._turn = itertools.count()
+        self.on_change: Callable[[], None] = lambda: None  # metrics refresh
 
-    def register(self, info: Registration) -> bool:
-        """True when the instance is new (or came back)."""
-        known = info.url in self._instances
-        self._instances[info.url] = Instance(info)
-        return not known
+    # ---- membership ------------------------------------------------------------------------------
+
+    def register(self, info: Registration, static: bool = False) -> tuple[Instance, bool]:
+        """Record a heartbeat. Returns the instance and whether it needs a probe now (new, restarted,
+        or out of the pool)."""
+        known = self._instances.get(info.url)
+        if known is not None and known.info.pid == info.pid and known.info.role == info.role:
+            known.info, known.last_seen = info, time.monotonic()
+            return known, not known.healthy
+        if known is not None:
+            log.info("%s restarted (pid %s -> %s)", info.url, known.info.pid, info.pid)
+            self._lose(known, "the instance restarted")
+        instance = self._instances[info.url] = Instance(info, static=static)
+        log.info("%s instance %s announced itself (host %s); probing it", info.role, info.url, info.host_id)
+        return instance, True
 
     def unregister(self, url: str) -> None:
-        self._instances.pop(url, None)
+        if (instance := self._instances.pop(url, None)) is not None:
+            log.info("%s instance %s unregistered", instance.role, url)
+            self._lose(instance, "the instance unregistered (it is shutting down)")
+            self.on_change()
 
-    def live(self, role: str | None = None) -> list[Registration]:
+    def expire(self) -> None:
         now = time.monotonic()
-        for url in [u for u, i in self._instances.items() if now - i.last_seen > self.expiry]:
-            del self._instances[url]
-        return sorted((i.info for i in self._instances.values() if role is None or i.info.role == role),
-                      key=lambda r: r.url)
+        for instance in [i for i in self._instances.values() if not i.static and now - i.last_seen > self.expiry]:
+            log.warning("%s instance %s sent no heartbeat for %.0f s: forgotten", instance.role, instance.url,
+                        now - instance.last_seen)
+            del self._instances[instance.url]
+            self._lose(instance, f"no heartbeat for {now - instance.last_seen:.0f} s")
+            self.on_change()
 
-    def ready(self) -> bool:
-        return bool(self.live("mixed")) or (bool(self.live("prefill")) and bool(self.live("decode")))
+    def all(self) -> list[Instance]:
+        return sorted(self._instances.values(), key=lambda i: (i.role, i.url))
 
-    def pick(self) -> tuple[Registration, Registration | None] | None:
-        """(prefill, decode) round robin; else (mixed, None); None when nothing can serve."""
-        turn = next(self._turn)
-        prefill, decode = self.live("prefill"), self.live("decode")
-        if prefill and decode:
-            return prefill[turn % len(prefill)], decode[turn % len(decode)]
-        mixed = self.live("mixed")
-        if mixed:
-            return mixed[turn % len(mixed)], None
-        return None
+    def get(self, url: str) -> Instance | None:
+        return self._instances.get(url)
 
-    def model_name(self) -> str | None:
-        return next((i.model for i in self.live() if i.model), None)
+    def healthy(self, role: str | None = None) -> list[Instance]:
+        return [i for i in self.all() if i.healthy and (role is None or i.role == role)]
+
+    def has_pd(self) -> bool:
+        return any(i.role in ("prefill", "decode") for i in self._instances.values())
+
+    # ---- health ----------------------------------------------------------------------------------
+
+    def probe_succeeded(self, instance: Instance) -> None:
+        instance.fails = 0
+        instance.successes += 1
+        needed = self.success_threshold if instance.ever_healthy else 1
+        if not instance.healthy and instance.successes >= needed and instance.url in self._instances:
+            instance.healthy = instance.ever_healthy = True
+            log.info("%s instance %s is in the pool", instance.role, instance.url)
+            self.on_change()
+
+    def probe_failed(self, instance: Instance, reason: str, at_once: bool = False) -> None:
+        """A failed probe; `at_once` (a request found it unreachable) takes it out without waiting."""
+        instance.successes = 0
+        instance.fails += 1
+        if instance.healthy and (at_once or instance.fails >= self.fail_threshold):
+            instance.healthy = False
+            log.warning("%s instance %s left the pool: %s", instance.role, instance.url, reason)
+            self._lose(instance, reason)
+            self.on_change()
+
+    def _lose(self, instance: Instance, reason: str) -> None:
+        instance.healthy = False
+        for watcher in list(instance.watchers):
+            watcher(reason)
+
+    # ---- load ------------------------------------------------------------------------------------
+
+    @contextmanager
+    def track(self, instance: Instance, tokens: int, on_lost: Callable[[str], None]) -> Iterator[None]:
+        """Count a request as in flight on `instance` for the block; `on_lost` hears if the instance is lost."""
+        instance.in_flight_requests += 1
+        instance.in_flight_tokens += tokens
+        instance.served += 1
+        instance.watchers.add(on_lost)
+        try:
+            yield
+        finally:
+            instance.watchers.discard(on_lost)
+            instance.in_flight_requests -= 1
+            instance.in_flight_tokens -= tokens

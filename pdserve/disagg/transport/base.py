@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import socket
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -36,8 +37,15 @@ class TcpEndpoint(msgspec.Struct, tag="tcp", frozen=True):
 Endpoint = IpcEndpoint | TcpEndpoint
 
 
+HOST_ID_ENV = "PDSERVE_HOST_ID"
+
+
 @functools.cache
 def host_id() -> str:
+    """Which host (and boot) this is: two processes may share memory only if theirs are equal.
+    PDSERVE_HOST_ID (`pdserve serve --host-id`) overrides it, so one machine can stand in for many."""
+    if explicit := os.environ.get(HOST_ID_ENV):
+        return explicit
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:

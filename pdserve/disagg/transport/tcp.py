@@ -5,6 +5,8 @@ of D's cache, then the payload in range order. The sender gathers P's regions wi
 (writev) and the receiver scatters them into D's cache with `recvmsg_into` (readv), so no bytes are
 copied in Python and no per-block call is made beyond building the buffer list. A write with the
 ACK flag is answered with one byte once its payload is in D's memory; `flush` uses that.
+Before any of that, the receiver challenges each new connection (cluster_auth): a writer without
+the cluster secret is disconnected before a byte of KV is read.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import threading
 from array import array
 from collections.abc import Sequence
 
+from pdserve.cluster_auth import AuthError, answer_challenge, challenge_peer, cluster_secret
 from pdserve.disagg.transport.base import ByteRange, CacheBuffer, KVReceiver, KVWriter, TcpEndpoint, TransferError
 
 log = logging.getLogger("pdserve.transport.tcp")
@@ -69,12 +72,14 @@ def recv_views(sock: socket.socket, views: list[memoryview]) -> None:
 
 
 class TcpWriter(KVWriter):
-    def __init__(self, endpoint: TcpEndpoint, source: CacheBuffer, timeout: float = 30.0) -> None:
+    def __init__(self, endpoint: TcpEndpoint, source: CacheBuffer, timeout: float = 30.0,
+                 secret: bytes | None = None) -> None:
         self._src = source
         self._pending_ack = False
         try:
             self._sock = socket.create_connection((endpoint.host, endpoint.port), timeout=timeout)
-        except OSError as e:
+            answer_challenge(self._sock, cluster_secret() if secret is None else secret)
+        except (OSError, ConnectionError) as e:
             raise TransferError(f"cannot connect to the decode instance's KV receiver at "
                                 f"{endpoint.host}:{endpoint.port}: {e}") from None
         _tune(self._sock)
@@ -113,8 +118,11 @@ class TcpWriter(KVWriter):
 class TcpReceiver(KVReceiver):
     """Accepts P connections (one thread each) and writes what they send into this cache."""
 
-    def __init__(self, destination: CacheBuffer, host: str, port: int = 0, advertise_host: str | None = None) -> None:
+    def __init__(self, destination: CacheBuffer, host: str, port: int = 0, advertise_host: str | None = None,
+                 secret: bytes | None = None) -> None:
         self._dst = destination
+        self._secret = cluster_secret() if secret is None else secret
+        self.refused = 0  # connections that failed the challenge
         self._listener = socket.create_server((host, port), backlog=64)
         self._endpoint = TcpEndpoint(advertise_host or host, self._listener.getsockname()[1])
         self._closed = False
@@ -146,6 +154,12 @@ class TcpReceiver(KVReceiver):
         header = bytearray(HEADER.size)
         try:
             with conn:
+                try:
+                    challenge_peer(conn, self._secret)
+                except AuthError as e:
+                    self.refused += 1
+                    log.warning("refused a KV connection from %s: %s", peer, e)
+                    return
                 while True:
                     try:
                         recv_views(conn, [memoryview(header)])

@@ -1,0 +1,332 @@
+"""Forwarding one OpenAI request to its route, with failover.
+
+A PD request goes to P and D at once, each told the shared transfer id; D also gets P's control
+address and the transport the router chose. D's answer is what the client gets. P answers its own
+request right after its first token, before D can have a token of its own, so D's bytes are held
+until P has answered: if P failed, D's request is cancelled and nothing has reached the client.
+
+Until the first byte goes to the client (for a non-streamed answer: until the whole answer is in),
+a failed instance (unreachable, lost from the pool, 5xx, 429) is excluded and the request is tried
+again on another route, at most `max_retries` times. After that, a streamed answer that breaks ends
+with an error event. Every exchange is tied to its instance: when the registry loses the instance
+(failed probes, a connection error seen by another request, expiry), the exchange ends at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+
+import httpx
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pdserve.api.protocol import error_body
+from pdserve.router.policies import RoutedRequest
+from pdserve.router.registry import Instance, InstanceLost, Registry
+from pdserve.router.selector import Route, Selector
+
+log = logging.getLogger("pdserve.router")
+
+BROKEN = (httpx.TransportError, InstanceLost)  # the instance, not the request, is at fault
+RETRYABLE_STATUS = (429, 500, 502, 503, 504)
+BLAME_WINDOW = 1.0  # seconds to wait for P's answer when D fails, to tell which of the two failed
+
+
+def error_response(message: str, status: int, err_type: str = "service_unavailable") -> JSONResponse:
+    return JSONResponse(error_body(message, status, err_type), status_code=status)
+
+
+@dataclass
+class Retry:
+    """This route failed before the client saw anything; try another without `failed`."""
+
+    failed: Instance
+    response: Response
+
+
+class Exchange:
+    """One request's exchange with one instance, counted as its load, ended at once if it is lost."""
+
+    def __init__(self, registry: Registry, instance: Instance, tokens: int) -> None:
+        self.registry, self.instance = registry, instance
+        self.lost: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._tracking = registry.track(instance, tokens, self._on_lost)
+        self._tracking.__enter__()
+        self._open = True
+
+    def _on_lost(self, reason: str) -> None:
+        if not self.lost.done():
+            self.lost.set_result(reason)
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            self._tracking.__exit__(None, None, None)
+
+    async def guard(self, awaitable: Awaitable):  # noqa: ANN201
+        """Await it, unless the instance is lost first (InstanceLost)."""
+        task = asyncio.ensure_future(awaitable)
+        if self.lost.done():
+            task.cancel()
+        else:
+            try:
+                await asyncio.wait({task, self.lost}, return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:
+                task.cancel()
+                raise
+            if task.done():
+                return task.result()
+            task.cancel()
+        task.add_done_callback(_close_late_response)
+        raise InstanceLost(f"{self.instance.role} instance {self.instance.url} left the pool: {self.lost.result()}")
+
+    async def chunks(self, response: httpx.Response) -> AsyncIterator[bytes]:
+        it = response.aiter_raw().__aiter__()
+        while True:
+            try:
+                chunk = await self.guard(it.__anext__())
+            except StopAsyncIteration:
+                return
+            yield chunk
+
+    def broken(self, error: BaseException) -> None:
+        """A transport error: take the instance out of the pool now, so other requests avoid it too."""
+        if isinstance(error, httpx.TransportError):
+            self.registry.probe_failed(self.instance, f"a request failed: {type(error).__name__}: {error}",
+                                       at_once=not isinstance(error, httpx.TimeoutException))
+        self.instance.failed += 1
+
+
+def _close_late_response(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is None and isinstance(task.result(), httpx.Response):
+        asyncio.ensure_future(task.result().aclose())
+
+
+class Forwarder:
+    def __init__(self, client: httpx.AsyncClient, registry: Registry, selector: Selector, max_retries: int = 2,
+                 on_retry: callable = lambda: None) -> None:  # type: ignore[valid-type]
+        self.client, self.registry, self.selector = client, registry, selector
+        self.max_retries = max_retries
+        self.on_retry = on_retry
+
+    async def forward(self, path: str, body: dict, request: RoutedRequest, headers: dict[str, str]) -> Response:
+        excluded: set[str] = set()
+        last: Response | None = None
+        for attempt in range(self.max_retries + 1):
+            route = self.selector.pick(request, excluded)
+            if route is None:
+                break
+            if route.decode is None:
+                outcome = await self._single(route.first, path, body, request, headers)
+            else:
+                outcome = await self._pd(route, path, body, request, headers)
+            if not isinstance(outcome, Retry):
+                return outcome
+            excluded.add(outcome.failed.url)
+            last = outcome.response
+            if attempt < self.max_retries:
+                log.warning("retrying a request without %s (%d of %d)", outcome.failed.url, attempt + 1,
+                            self.max_retries)
+                self.on_retry()
+        if last is not None:
+            return last
+        return error_response(self.selector.why_not(), 503)
+
+    # ---- one mixed instance ----------------------------------------------------------------------
+
+    async def _single(self, instance: Instance, path: str, body: dict, request: RoutedRequest,
+                      headers: dict[str, str]) -> Response | Retry:
+        ex = Exchange(self.registry, instance, request.num_tokens)
+        try:
+            upstream = await ex.guard(self.client.send(
+                self.client.build_request("POST", f"{instance.url}{path}", json=body, headers=headers), stream=True))
+        except BROKEN as e:
+            ex.broken(e)
+            ex.close()
+            return Retry(instance, error_response(f"instance {instance.url} is unreachable: {e}", 502))
+        return await self._relay(ex, upstream, body.get("stream", False))
+
+    # ---- a prefill/decode pair -------------------------------------------------------------------
+
+    async def _pd(self, route: Route, path: str, body: dict, request: RoutedRequest,
+                  headers: dict[str, str]) -> Response | Retry:
+        prefill, decode = route.first, route.decode
+        assert decode is not None
+        transfer_id = uuid.uuid4().hex
+        p_body = {**body, "stream": False, "pd": {"transfer_id": transfer_id, "role": "prefill"}}
+        d_body = {**body, "pd": {"transfer_id": transfer_id, "role": "decode", "prefill_addr": prefill.info.pd_comm,
+                                 "transport": route.transport}}
+        p_ex = Exchange(self.registry, prefill, request.num_tokens)
+        d_ex = Exchange(self.registry, decode, request.num_tokens)
+        p_task = asyncio.create_task(p_ex.guard(self.client.post(f"{prefill.url}{path}", json=p_body,
+                                                                 headers=headers)))
+        p_task.add_done_callback(lambda _: p_ex.close())
+        d_task = asyncio.create_task(d_ex.guard(self.client.send(
+            self.client.build_request("POST", f"{decode.url}{path}", json=d_body, headers=headers), stream=True)))
+        handed_over = False
+        try:
+            await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
+            if p_task.done() and (failure := _prefill_failure(p_ex, p_task)) is not None:
+                return failure
+            try:
+                upstream = await d_task
+            except BROKEN as e:
+                d_ex.broken(e)
+                return await self._blame(p_ex, p_task, Retry(
+                    decode, error_response(f"PD error: the decode instance {decode.url} is unreachable: {e}", 502)))
+            if upstream.status_code != 200:  # D refused it (bad request, overloaded)
+                answer = await self._read_error(upstream)
+                if upstream.status_code in RETRYABLE_STATUS:
+                    return await self._blame(p_ex, p_task, Retry(decode, answer))
+                return answer
+            queue: asyncio.Queue = asyncio.Queue()
+            reader = asyncio.create_task(_pump(d_ex.chunks(upstream), queue))
+            if not p_task.done():
+                await asyncio.wait({p_task, reader}, return_when=asyncio.FIRST_COMPLETED)
+            if not p_task.done() and (error := reader.result()) is not None:  # D broke before P answered
+                d_ex.broken(error)
+                await upstream.aclose()
+                return await self._blame(p_ex, p_task, Retry(
+                    decode, error_response(f"PD error: the decode instance {decode.url} failed: {error}", 502)))
+            if not p_task.done():  # D already finished (a one-token answer): P's answer is on its way
+                await asyncio.wait({p_task})
+            if (failure := _prefill_failure(p_ex, p_task)) is not None:
+                reader.cancel()
+                await upstream.aclose()
+                return failure
+            handed_over = True
+            return await self._relay(d_ex, upstream, body.get("stream", False), queue, reader)
+        finally:
+            if not handed_over:
+                p_task.cancel()
+                await _cancel_response(d_task)
+                d_ex.close()
+
+    async def _blame(self, p_ex: Exchange, p_task: asyncio.Task, d_failure: Retry) -> Retry:
+        """D failed; if P fails too (D may only be reporting P's failure), P is the one to avoid."""
+        if not p_task.done():
+            await asyncio.wait({p_task}, timeout=BLAME_WINDOW)
+        if p_task.done() and (p_failure := _prefill_failure(p_ex, p_task)) is not None:
+            return p_failure if isinstance(p_failure, Retry) else Retry(p_ex.instance, p_failure)
+        return d_failure
+
+    # ---- relaying the answer ---------------------------------------------------------------------
+
+    async def _relay(self, ex: Exchange, upstream: httpx.Response, stream: bool,
+                     queue: asyncio.Queue | None = None, reader: asyncio.Task | None = None) -> Response | Retry:
+        """Pass `upstream` through (its body from `queue` when a pump already reads it). Owns `ex` from here."""
+        if upstream.status_code != 200:
+            ex.close()
+            answer = await self._read_error(upstream)
+            return Retry(ex.instance, answer) if upstream.status_code in RETRYABLE_STATUS else answer
+        if queue is None:
+            queue = asyncio.Queue()
+            reader = asyncio.create_task(_pump(ex.chunks(upstream), queue))
+        if not stream:
+            try:
+                content = b"".join([chunk async for chunk in _drain(queue)])
+            except BROKEN as e:
+                ex.broken(e)
+                return Retry(ex.instance, error_response(
+                    f"PD error: the instance {ex.instance.url} failed mid-answer: {e}", 502))
+            finally:
+                reader.cancel()
+                await upstream.aclose()
+                ex.close()
+            return Response(content, status_code=200, media_type="application/json")
+        try:  # the first bytes decide: a failure before them can still be retried elsewhere
+            first = await _next(queue)
+        except BROKEN as e:
+            ex.broken(e)
+            reader.cancel()
+            await upstream.aclose()
+            ex.close()
+            return Retry(ex.instance, error_response(f"PD error: the instance {ex.instance.url} failed: {e}", 502))
+
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                if first is not None:
+                    yield first
+                    async for chunk in _drain(queue):
+                        yield chunk
+            except BROKEN as e:
+                ex.broken(e)
+                message = f"PD error: the {ex.instance.role} instance {ex.instance.url} failed mid-answer: {e}"
+                yield f"data: {json.dumps(error_body(message, 502))}\n\n".encode()
+            finally:
+                reader.cancel()
+                await upstream.aclose()
+                ex.close()
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def _read_error(self, upstream: httpx.Response) -> Response:
+        try:
+            content = await upstream.aread()
+        except httpx.HTTPError as e:
+            content = json.dumps(error_body(f"the instance failed while answering: {e}", 502)).encode()
+        finally:
+            await upstream.aclose()
+        return Response(content, status_code=upstream.status_code, media_type="application/json")
+
+
+def _prefill_failure(p_ex: Exchange, task: asyncio.Task) -> Response | Retry | None:
+    """P's failure (a Retry when another P may do better), or None if P succeeded."""
+    url = p_ex.instance.url
+    try:
+        r = task.result()
+    except BROKEN as e:
+        p_ex.broken(e)
+        return Retry(p_ex.instance, error_response(f"PD error: the prefill instance {url} is unreachable: {e}", 502))
+    if r.status_code == 200:
+        return None
+    try:
+        message = r.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = r.text[:500]
+    if r.status_code >= 500 and not message.startswith("PD error"):
+        message = f"PD error: the prefill instance {url} failed: {message}"
+    answer = JSONResponse(error_body(message, r.status_code), status_code=r.status_code)
+    if r.status_code in RETRYABLE_STATUS:
+        log.warning("prefill instance %s answered %d: %s", url, r.status_code, message[:300])
+        return Retry(p_ex.instance, answer)
+    return answer
+
+
+async def _pump(chunks: AsyncIterator[bytes], queue: asyncio.Queue) -> BaseException | None:
+    """Copy the chunks into `queue`, then None; a failure goes in as an exception and is returned."""
+    try:
+        async for chunk in chunks:
+            await queue.put(chunk)
+    except BROKEN as e:
+        await queue.put(e)
+        return e
+    finally:
+        await queue.put(None)
+    return None
+
+
+async def _next(queue: asyncio.Queue) -> bytes | None:
+    item = await queue.get()
+    if isinstance(item, BaseException):
+        raise item
+    return item
+
+
+async def _drain(queue: asyncio.Queue) -> AsyncIterator[bytes]:
+    while (item := await _next(queue)) is not None:
+        yield item
+
+
+async def _cancel_response(task: asyncio.Task) -> None:
+    """Cancel a pending `client.send`, or close the response it already produced."""
+    task.cancel()
+    try:
+        response = await task
+    except (asyncio.CancelledError, *BROKEN):
+        return
+    await response.aclose()

@@ -1,0 +1,47 @@
+"""Active health checks: GET /health on every instance every `interval` seconds (and at once on news)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import httpx
+
+from pdserve.router.registry import Instance, Registry
+
+log = logging.getLogger("pdserve.router")
+
+
+class HealthChecker:
+    def __init__(self, registry: Registry, client: httpx.AsyncClient, interval: float = 2.0,
+                 timeout: float = 2.0) -> None:
+        self.registry, self.client = registry, client
+        self.interval, self.timeout = interval, timeout
+        self._probing: set[str] = set()
+        self._tasks: set[asyncio.Task] = set()
+
+    async def run(self) -> None:
+        while True:
+            self.registry.expire()
+            await asyncio.gather(*(self.probe(i) for i in self.registry.all()))
+            await asyncio.sleep(self.interval)
+
+    def probe_soon(self, instance: Instance) -> None:
+        task = asyncio.create_task(self.probe(instance))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def probe(self, instance: Instance) -> None:
+        if instance.url in self._probing:
+            return
+        self._probing.add(instance.url)
+        try:
+            r = await self.client.get(f"{instance.url}/health", timeout=self.timeout)
+            if r.status_code == 200:
+                self.registry.probe_succeeded(instance)
+            else:
+                self.registry.probe_failed(instance, f"/health answered {r.status_code}: {r.text[:200]}")
+        except httpx.HTTPError as e:
+            self.registry.probe_failed(instance, f"/health failed: {type(e).__name__}: {e}")
+        finally:
+            self._probing.discard(instance.url)

@@ -1,0 +1,39 @@
+"""The router's /metrics: its own counters, and each instance's health and in-flight load at scrape time."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from pdserve.router.registry import Registry
+
+
+class RouterMetrics:
+    def __init__(self, registry: Registry) -> None:
+        self.prometheus = CollectorRegistry()
+        r = self.prometheus
+        self.requests = Counter("pdserve_router_requests", "requests answered, by HTTP status", ["status"], registry=r)
+        self.retries = Counter("pdserve_router_retries", "requests tried again on another route", registry=r)
+        self.refused = Counter("pdserve_router_refused", "refused: bad API key, bad registration signature, "
+                               "too large", ["reason"], registry=r)
+        r.register(_InstanceCollector(registry))
+
+
+class _InstanceCollector:
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["url", "role"]
+        healthy = GaugeMetricFamily("pdserve_router_instance_healthy", "1 if the instance is in the pool",
+                                    labels=labels)
+        requests = GaugeMetricFamily("pdserve_router_instance_in_flight_requests", "requests in flight", labels=labels)
+        tokens = GaugeMetricFamily("pdserve_router_instance_in_flight_tokens", "prompt tokens in flight",
+                                   labels=labels)
+        for i in self.registry.all():
+            healthy.add_metric([i.url, i.role], float(i.healthy))
+            requests.add_metric([i.url, i.role], i.in_flight_requests)
+            tokens.add_metric([i.url, i.role], i.in_flight_tokens)
+        yield from (healthy, requests, tokens)

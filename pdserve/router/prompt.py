@@ -1,0 +1,52 @@
+"""The router's reading of a request's prompt: token ids as the instances will see them.
+
+With the model's tokenizer (the default), the ids are the ones the engine hashes into prefix-cache
+blocks, so `cache_aware` matches the engine's own blocks and `least_tokens` counts real tokens.
+Without one (`--tokenizer none`) the count is estimated from the text and cache_aware is refused.
+A prompt the router cannot read is left for the instance to reject with its own 400.
+"""
+
+from __future__ import annotations
+
+from pdserve.router.policies import RoutedRequest
+from pdserve.tokenizer import Tokenizer
+
+CHARS_PER_TOKEN = 4  # the estimate without a tokenizer
+
+
+class PromptReader:
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
+        self.tokenizer = tokenizer
+
+    def read(self, path: str, body: dict) -> RoutedRequest:
+        try:
+            if path.endswith("/chat/completions"):
+                return self._chat(body)
+            return self._completion(body)
+        except Exception:  # malformed: the instance answers it with a clear 400
+            return RoutedRequest(None, 0)
+
+    def _completion(self, body: dict) -> RoutedRequest:
+        prompt = body.get("prompt_token_ids") or body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list | str):
+            prompt = prompt[0]
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return RoutedRequest(list(prompt), len(prompt))
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                return RoutedRequest(None, len(prompt) // CHARS_PER_TOKEN + 1)
+            ids = self.tokenizer.encode(prompt)
+            return RoutedRequest(ids, len(ids))
+        return RoutedRequest(None, 0)
+
+    def _chat(self, body: dict) -> RoutedRequest:
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            return RoutedRequest(None, 0)
+        if self.tokenizer is None:
+            chars = sum(len(m.get("content") or "") if isinstance(m.get("content"), str) else 0 for m in messages)
+            return RoutedRequest(None, chars // CHARS_PER_TOKEN + 1)
+        ids = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=body.get("add_generation_prompt", True), tokenize=True,
+            **(body.get("chat_template_kwargs") or {}))
+        return RoutedRequest(ids, len(ids))

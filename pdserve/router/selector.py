@@ -1,0 +1,71 @@
+"""Which instances serve a request: a compatible (prefill, decode) pair and its transport, or a mixed one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.router.policies import Policy, RoutedRequest
+from pdserve.router.registry import Instance, Registry
+
+
+@dataclass(frozen=True)
+class Route:
+    first: Instance  # the prefill instance, or the mixed one
+    decode: Instance | None = None
+    transport: str | None = None  # how P writes into D's cache
+
+
+def pair_transport(prefill: Instance, decode: Instance) -> str | None:
+    """P's most preferred protocol that D offers; ipc only within one host (same host id, not just the
+    same address text: 127.0.0.2 and 127.0.0.3 may be two hosts' stand-ins, and one host has many names)."""
+    for protocol in prefill.info.transports:
+        if protocol not in decode.info.transports:
+            continue
+        if protocol == "ipc" and (not prefill.info.host_id or prefill.info.host_id != decode.info.host_id):
+            continue
+        return protocol
+    return None
+
+
+def compatible(prefill: Instance, decode: Instance) -> bool:
+    return (prefill.info.compatibility_key == decode.info.compatibility_key
+            and (prefill.info.tp_size == decode.info.tp_size or decode.info.tp_size == 1)
+            and pair_transport(prefill, decode) is not None)
+
+
+class Selector:
+    def __init__(self, registry: Registry, prefill_policy: Policy, decode_policy: Policy,
+                 mixed_fallback: bool = False) -> None:
+        self.registry = registry
+        self.prefill_policy, self.decode_policy = prefill_policy, decode_policy
+        self.mixed_fallback = mixed_fallback
+
+    def pick(self, request: RoutedRequest, exclude: frozenset[str] | set[str] = frozenset()) -> Route | None:
+        prefill = [i for i in self.registry.healthy("prefill") if i.url not in exclude]
+        decode = [i for i in self.registry.healthy("decode") if i.url not in exclude]
+        pairable = [p for p in prefill if any(compatible(p, d) for d in decode)]
+        if pairable:
+            p = self.prefill_policy.choose(pairable, request)
+            d = self.decode_policy.choose([d for d in decode if compatible(p, d)], request)
+            return Route(p, d, pair_transport(p, d))
+        mixed = [i for i in self.registry.healthy("mixed") if i.url not in exclude]
+        if mixed and (self.mixed_fallback or not self.registry.has_pd()):
+            return Route(self.decode_policy.choose(mixed, request))
+        return None
+
+    def can_serve(self) -> bool:
+        """pick() would find a route (asked without moving any policy's state)."""
+        decode = self.registry.healthy("decode")
+        if any(compatible(p, d) for p in self.registry.healthy("prefill") for d in decode):
+            return True
+        return bool(self.registry.healthy("mixed")) and (self.mixed_fallback or not self.registry.has_pd())
+
+    def why_not(self) -> str:
+        prefill, decode = self.registry.healthy("prefill"), self.registry.healthy("decode")
+        if prefill and decode:
+            return ("no healthy prefill/decode pair is compatible (compatibility key, tensor-parallel size or "
+                    "transport differ)")
+        if self.registry.has_pd():
+            return (f"no complete prefill/decode pair is healthy ({len(prefill)} prefill, {len(decode)} decode"
+                    f"{'' if self.mixed_fallback else '; --mixed-fallback is off'})")
+        return "no instance is registered and healthy"
