@@ -2,13 +2,18 @@
 
 The deployment is data (a list of `InstanceSpec`); the start order is: router first (instances
 register with it), then every instance at once. It is ready when the router's /health is 200 and
-every instance has registered. Ctrl-C or SIGTERM stops everything; so does any process dying.
+every instance is in its pool. Ctrl-C or SIGTERM stops everything; so does any process dying.
+
+With the router on a loopback address, each instance gets its own (127.0.0.2, 127.0.0.3, ...), as
+it would on its own host; `--separate-hosts` also gives each its own host id, so P and D talk tcp
+as across machines. A fresh cluster secret is made for each deployment unless one is given.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -19,6 +24,7 @@ from dataclasses import dataclass
 import httpx
 
 from pdserve.api.serve import free_port
+from pdserve.cluster_auth import ENV
 from pdserve.utils.process import child_env
 
 
@@ -32,6 +38,11 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-binding", choices=["auto", "none"], default="auto",
                    help="auto (on a CPU-only machine): give each instance its own cores and as many torch "
                         "threads; none: let them share every core")
+    p.add_argument("--separate-hosts", action="store_true",
+                   help="give each instance its own host id, so prefill and decode use tcp as across machines")
+    p.add_argument("--prefill-policy", default=None, help="the router's (see pdserve router --help)")
+    p.add_argument("--decode-policy", default=None, help="the router's (see pdserve router --help)")
+    p.add_argument("--api-key", default=None, help="clients of the router must send it as a Bearer token")
     p.epilog = "Any other flag (e.g. --cache-transfer-protocol tcp, --kv-cache-memory 2G) goes to every instance."
 
 
@@ -39,11 +50,21 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
 class InstanceSpec:
     name: str
     role: str
+    host: str
     port: int
+    host_id: str | None = None  # None: the machine's own
 
     def command(self, router_url: str, extra: list[str]) -> list[str]:
-        return [sys.executable, "-m", "pdserve.cli", "serve", "--splitwise-role", self.role, "--port", str(self.port),
-                "--router", router_url, *extra]
+        host_id = ["--host-id", self.host_id] if self.host_id else []
+        return [sys.executable, "-m", "pdserve.cli", "serve", "--splitwise-role", self.role, "--host", self.host,
+                "--port", str(self.port), "--router", router_url, *host_id, *extra]
+
+
+def instance_hosts(router_host: str, n: int) -> list[str]:
+    """Loopback: 127.0.0.2, 127.0.0.3, ... (one address per instance, as on separate hosts); else the router's."""
+    if router_host in ("127.0.0.1", "localhost") and n <= 250:
+        return [f"127.0.0.{2 + i}" for i in range(n)]
+    return [router_host] * n
 
 
 def plan(args: argparse.Namespace) -> list[InstanceSpec]:
@@ -51,18 +72,20 @@ def plan(args: argparse.Namespace) -> list[InstanceSpec]:
         raise ValueError("a PD deployment needs at least one --prefill and one --decode instance (or neither)")
     if args.prefill + args.decode + args.mixed == 0:
         raise ValueError("nothing to launch: give --prefill/--decode and/or --mixed")
-    specs = []
-    for role, count in (("prefill", args.prefill), ("decode", args.decode), ("mixed", args.mixed)):
-        specs += [InstanceSpec(f"{role}-{i}", role, free_port()) for i in range(count)]
-    return specs
+    names = [(role, f"{role}-{i}") for role, count in (("prefill", args.prefill), ("decode", args.decode),
+                                                         ("mixed", args.mixed)) for i in range(count)]
+    hosts = instance_hosts(args.host, len(names))
+    return [InstanceSpec(name, role, host, free_port(host), f"launch-{host}" if args.separate_hosts else None)
+            for (role, name), host in zip(names, hosts, strict=True)]
 
 
 class Deployment:
-    def __init__(self) -> None:
+    def __init__(self, env: dict[str, str]) -> None:
         self.procs: dict[str, subprocess.Popen] = {}
+        self.env = env
 
     def start(self, name: str, cmd: list[str], cpus: set[int] | None = None) -> None:
-        env = child_env()
+        env = {**child_env(), **self.env}
         if cpus:
             env["OMP_NUM_THREADS"] = str(len(cpus))
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
@@ -123,7 +146,7 @@ def _prefix_output(name: str, proc: subprocess.Popen) -> None:
 def launch(args: argparse.Namespace) -> int:
     specs = plan(args)
     router_url = f"http://{args.host}:{args.port}"
-    deployment = Deployment()
+    deployment = Deployment({ENV: os.environ.get(ENV) or secrets.token_hex(16)})
     stop = threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:
@@ -132,12 +155,15 @@ def launch(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
+        router_flags = [f for flag, value in (("--prefill-policy", args.prefill_policy),
+                                              ("--decode-policy", args.decode_policy), ("--api-key", args.api_key))
+                        if value for f in (flag, value)]
         deployment.start("router", [sys.executable, "-m", "pdserve.cli", "router", "--host", args.host,
-                                    "--port", str(args.port)])
+                                    "--port", str(args.port), *router_flags])
         cpu_sets = split_cpus(len(specs)) if args.cpu_binding == "auto" and _cpu_only() else [None] * len(specs)
         for spec, cpus in zip(specs, cpu_sets, strict=True):
-            if cpus:
-                print(f"pdserve launch: {spec.name} on cores {','.join(map(str, sorted(cpus)))}", flush=True)
+            cores = f", cores {','.join(map(str, sorted(cpus)))}" if cpus else ""
+            print(f"pdserve launch: {spec.name} on {spec.host}:{spec.port}{cores}", flush=True)
             deployment.start(spec.name, spec.command(router_url, args.instance_args), cpus)
         error = _wait_ready(deployment, router_url, len(specs), args.ready_timeout, stop)
         if error:
@@ -171,14 +197,14 @@ def _wait_ready(deployment: Deployment, router_url: str, expected: int, timeout:
                 name, code = dead[0]
                 return f"{name} exited (code {code}) before the deployment was ready (its output is above)"
             try:
-                registered = client.get(f"{router_url}/instances").json()["instances"]
+                registered = [i for i in client.get(f"{router_url}/registered").json()["instances"] if i["healthy"]]
                 if len(registered) >= expected and client.get(f"{router_url}/health").status_code == 200:
                     return None
             except (httpx.HTTPError, ValueError, KeyError):
                 pass
             if time.monotonic() > deadline:
                 names = sorted(n for n in deployment.procs if n != "router")
-                return (f"not ready within {timeout:.0f} s: {len(registered)} of {expected} instances registered "
+                return (f"not ready within {timeout:.0f} s: {len(registered)} of {expected} instances in the pool "
                         f"({', '.join(names)} were started)")
             stop.wait(0.5)
     return None

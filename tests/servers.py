@@ -21,9 +21,9 @@ REPO = Path(__file__).resolve().parents[1]
 BLOCK = 16
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -35,13 +35,13 @@ class CliProcess:
     """`python -m pdserve.cli ARGS` in a subprocess; waits until `ready()` is true."""
 
     def __init__(self, workdir: Path, args: list[str], port: int, start_timeout: float = 120,
-                 wait: bool = True) -> None:
-        self.port = port
+                 wait: bool = True, host: str = "127.0.0.1") -> None:
+        self.port, self.host = port, host
         workdir.mkdir(parents=True, exist_ok=True)
         self.tmpdir = workdir / "tmp"
-        self.tmpdir.mkdir()
+        self.tmpdir.mkdir(exist_ok=True)
         self.log_path = workdir / "process.log"
-        with open(self.log_path, "wb") as log:
+        with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *args], cwd=REPO, stdout=log,
                                          stderr=subprocess.STDOUT, env={**os.environ, "TMPDIR": str(self.tmpdir)})
         self.pids: set[int] = {self.proc.pid}
@@ -50,7 +50,7 @@ class CliProcess:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-6000:]
@@ -125,11 +125,13 @@ class CliProcess:
 class Server(CliProcess):
     """`pdserve serve` (any role)."""
 
-    def __init__(self, workdir: Path, *extra: str, wait: bool = True) -> None:
-        self.metrics_port = free_port()
-        port = free_port()
-        super().__init__(workdir, ["serve", "--port", str(port), "--metrics-port", str(self.metrics_port),
-                                   "--block-size", str(BLOCK), *extra], port, wait=wait)
+    def __init__(self, workdir: Path, *extra: str, wait: bool = True, host: str = "127.0.0.1",
+                 port: int | None = None, metrics_port: int | None = None) -> None:
+        self.metrics_port = metrics_port or free_port(host)
+        port = port or free_port(host)
+        super().__init__(workdir, ["serve", "--host", host, "--port", str(port), "--metrics-port",
+                                   str(self.metrics_port), "--block-size", str(BLOCK), *extra], port, wait=wait,
+                         host=host)
         if wait:
             assert self.own_segments(), "no KV cache segment of this server found in /dev/shm"
 
@@ -172,9 +174,9 @@ class Router(CliProcess):
                  f"{expected} instances did not register with the router and pass its health checks")
 
 
-def metrics(port: int) -> dict[str, float]:
+def metrics(port: int, host: str = "127.0.0.1") -> dict[str, float]:
     """Prometheus text -> {sample name: value summed over labels, and 'name{labels}': value}."""
-    r = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10)
+    r = httpx.get(f"http://{host}:{port}/metrics", timeout=10)
     assert r.status_code == 200
     out: dict[str, float] = {}
     for line in r.text.splitlines():

@@ -184,3 +184,58 @@ def test_messager_writes_on_after_a_lease_renewal(caches: tuple[KVCache, KVCache
     (report,) = reports
     assert report.ok and torch.equal(d.tensor[4], p.tensor[3])
     messager.close()
+
+
+def test_tcp_receiver_takes_no_kv_from_a_writer_without_the_cluster_secret(caches: tuple[KVCache, KVCache]) -> None:
+    """A connection that does not answer the challenge, or answers it with another secret, is dropped
+    before a byte of KV is read: D's cache stays zero. The right secret writes."""
+    import socket
+    import struct
+    from array import array
+
+    from pdserve.disagg.transport.tcp import HEADER, MAGIC, TcpReceiver, TcpWriter
+
+    p, d = caches
+    receiver = TcpReceiver(_buffer(d), "127.0.0.1", secret=b"cluster-a")
+    try:
+        payload = b"\x7f" * 64
+        with socket.create_connection(("127.0.0.1", receiver.endpoint.port)) as raw:  # a stranger's raw write
+            raw.sendall(HEADER.pack(MAGIC, 0, 1, len(payload)) + array("Q", [0, len(payload)]).tobytes() + payload)
+            raw.settimeout(15)
+            raw.recv(16)  # the challenge
+            try:
+                assert raw.recv(1) == b""  # then the receiver hangs up (a reset, as our bytes lie unread)
+            except ConnectionResetError:
+                pass
+        with pytest.raises(TransferError):
+            writer = TcpWriter(receiver.endpoint, _buffer(p), secret=b"cluster-b")
+            writer.write([(0, 0, 256)], ack=True)
+        deadline = time.monotonic() + 10
+        while receiver.refused < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert receiver.refused == 2 and receiver.bytes_received == 0
+        assert not d.tensor.any(), "a refused connection wrote into the cache"
+        writer = TcpWriter(receiver.endpoint, _buffer(p), secret=b"cluster-a")
+        writer.write([(0, 0, 256)], ack=True)
+        writer.close()
+        assert bytes(d.shm.buf[:256]) == bytes(p.shm.buf[:256]) and struct.unpack("<f", d.shm.buf[4:8])[0] == 1.0
+    finally:
+        receiver.close()
+
+
+def test_control_messages_must_carry_the_cluster_secret() -> None:
+    from pdserve.cluster_auth import AuthError, ControlSeal
+
+    ours, theirs = ControlSeal(b"cluster-a"), ControlSeal(b"cluster-b")
+    sealed = ours.seal(b"cache info")
+    assert ControlSeal(b"cluster-a").open(sealed) == b"cache info"
+    with pytest.raises(AuthError, match="bad tag"):
+        ours.open(theirs.seal(b"cache info"))  # another cluster (or a forger)
+    with pytest.raises(AuthError, match="bad tag"):
+        ours.open(sealed[:-1] + b"X")  # tampered
+    with pytest.raises(AuthError, match="not a sealed"):
+        ours.open(b"\x81\xa4type\xa9CacheInfo")  # unsealed msgpack
+    receiver = ControlSeal(b"cluster-a")
+    receiver.open(sealed)
+    with pytest.raises(AuthError, match="replayed"):
+        receiver.open(sealed)

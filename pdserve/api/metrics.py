@@ -51,6 +51,8 @@ class ServerMetrics:
                                   "decode: requests holding blocks while their KV arrives", registry=r)
         self.queued_for_blocks = Gauge("pdserve_num_requests_queued_for_blocks",
                                        "decode: PD requests waiting for free blocks", registry=r)
+        self.transfers_by_protocol = Gauge("pdserve_kv_transfers_by_protocol",
+                                           "prefill: KV transfers completed, by transport", ["protocol"], registry=r)
         self.refused_control = Gauge("pdserve_pd_refused_control_messages",
                                      "control messages refused: forged, replayed or from another cluster", registry=r)
         self._last_bytes = 0
@@ -108,6 +110,8 @@ class ServerMetrics:
         self.transfers_failed.set(stats["kv_transfers_failed"])
         self.queued_for_blocks.set(stats.get("pd_queued_for_blocks", 0))
         self.refused_control.set(stats.get("pd_refused_control_messages", 0))
+        for protocol, n in stats.get("kv_transfers_by_protocol", {}).items():
+            self.transfers_by_protocol.labels(protocol).set(n)
         seconds = stats["kv_transfer_seconds"]
         for s in seconds:
             self.transfer_seconds.observe(s)

@@ -65,12 +65,13 @@ class TransferStats:
     bytes_received: int = 0
     transfers_ok: int = 0
     transfers_failed: int = 0
+    by_protocol: dict[str, int] = field(default_factory=dict)  # prefill side: completed transfers per transport
     seconds: list[float] = field(default_factory=list)  # per finished transfer, drained by the stats call
 
     def as_dict(self) -> dict:
         out = {"kv_bytes_sent": self.bytes_sent, "kv_bytes_received": self.bytes_received,
                "kv_transfers_ok": self.transfers_ok, "kv_transfers_failed": self.transfers_failed,
-               "kv_transfer_seconds": self.seconds}
+               "kv_transfer_seconds": self.seconds, "kv_transfers_by_protocol": dict(self.by_protocol)}
         self.seconds = []
         return out
 
@@ -300,6 +301,8 @@ class PrefillConnector(_Connector):
         self._send(out, PrefillDone(out.transfer_id, token, logprobs, t.nbytes, times))
         out.done_sent = True
         self.stats.transfers_ok += 1
+        protocol = out.endpoint.protocol if out.endpoint is not None else "none"
+        self.stats.by_protocol[protocol] = self.stats.by_protocol.get(protocol, 0) + 1
         if t.first_write is not None and r.times.first_scheduled is not None:
             self.stats.seconds.append(t.last_write - r.times.first_scheduled)
 

@@ -1,0 +1,73 @@
+"""A stand-in for a pdserve instance, for router tests that need no model: it answers /health as told,
+and completions (streamed or not) with its own name, counting what it got."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+class StubInstance:
+    def __init__(self, name: str, host: str = "127.0.0.1") -> None:
+        self.name = name
+        self.health_status = 200
+        self.requests: list[dict] = []
+        self.headers: list[dict] = []
+        stub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self) -> None:  # noqa: N802
+                if self.path == "/health":
+                    self._send(stub.health_status, b"")
+                elif self.path == "/v1/models":
+                    self._send(200, json.dumps({"object": "list", "data": [{"id": "stub"}]}).encode())
+                else:
+                    self._send(404, b"")
+
+            def do_POST(self) -> None:  # noqa: N802
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                stub.requests.append(body)
+                stub.headers.append(dict(self.headers))
+                if not body.get("stream"):
+                    self._send(200, json.dumps({"id": "cmpl-stub", "object": "text_completion", "model": "stub",
+                                                "choices": [{"index": 0, "text": stub.name, "finish_reason": "stop",
+                                                             "logprobs": None}]}).encode())
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                for text in (stub.name, "!"):
+                    event = {"id": "cmpl-stub", "object": "text_completion", "model": "stub",
+                             "choices": [{"index": 0, "text": text, "finish_reason": None, "logprobs": None}]}
+                    self._chunk(f"data: {json.dumps(event)}\n\n".encode())
+                self._chunk(b"data: [DONE]\n\n")
+                self._chunk(b"")
+
+            def _chunk(self, data: bytes) -> None:
+                self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+                self.wfile.flush()
+
+            def _send(self, status: int, body: bytes) -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer((host, 0), Handler)
+        self.url = f"http://{host}:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def registration(self, role: str = "mixed", **extra: object) -> dict:
+        return {"role": role, "url": self.url, "model": "stub", "pid": id(self) % 100000, **extra}
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

@@ -1,0 +1,196 @@
+"""The router without a model: policies, pairing rules and health bookkeeping in process; membership,
+security and failover against a real router process and stand-in instances (tests/stub_instance.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from pdserve.router.policies import CacheAware, LeastRequests, LeastTokens, PowerOfTwo, RoundRobin, RoutedRequest
+from pdserve.router.registry import Instance, Registration, Registry
+from pdserve.router.selector import Selector, compatible, pair_transport
+from tests.servers import Router, register, wait_for
+from tests.stub_instance import StubInstance
+
+SECRET = "s3cret-of-the-cluster"
+API_KEY = "sk-router-test"
+KEY = "SmolLM2|block=16|dtype=float32|layers=30|kv_heads=3|head_dim=64"
+
+
+def _instance(url: str, role: str = "prefill", requests: int = 0, tokens: int = 0, **info: object) -> Instance:
+    i = Instance(Registration(role=role, url=url, block_size=4, **info), healthy=True)
+    i.in_flight_requests, i.in_flight_tokens = requests, tokens
+    return i
+
+
+# ---- policies and pairing (in process) ---------------------------------------------------------
+
+def test_load_policies_pick_the_least_loaded() -> None:
+    a, b, c = _instance("a", requests=3, tokens=10), _instance("b", requests=1, tokens=900), _instance("c", requests=2,
+                                                                                                      tokens=50)
+    req = RoutedRequest(None, 10)
+    assert LeastRequests().choose([a, b, c], req) is b
+    assert LeastTokens().choose([a, b, c], req) is a
+    p2c = PowerOfTwo()
+    assert all(p2c.choose([a, b, c], req) is not a for _ in range(50))  # a has the most requests: never chosen
+    rr = RoundRobin()
+    assert [rr.choose([a, b, c], req).url for _ in range(4)] == ["a", "b", "c", "a"]
+
+
+def test_cache_aware_follows_the_prefix_until_the_load_is_imbalanced() -> None:
+    policy = CacheAware(balance_abs=100, balance_rel=1.5, min_match=0.3)
+    a, b = _instance("a"), _instance("b")
+    shared = list(range(40))
+    first = policy.choose([a, b], RoutedRequest(shared + [1000], 41))
+    other = b if first is a else a
+    for suffix in range(5):  # same 40-token prefix (10 blocks of 4): same instance
+        assert policy.choose([a, b], RoutedRequest(shared + [2000 + suffix] * 3, 43)) is first
+    first.in_flight_tokens = 30
+    unrelated = list(range(500, 540))
+    assert policy.choose([a, b], RoutedRequest(unrelated, 40)) is other  # no match anywhere: least tokens
+    first.in_flight_tokens = 500  # imbalanced: more than 100 over the other and 1.5x
+    assert policy.choose([a, b], RoutedRequest(shared + [7], 41)) is other
+    other.in_flight_tokens = 60  # balanced again (and `other` busier): the prefix's holder wins over load
+    assert policy.choose([a, b], RoutedRequest(unrelated + [9], 41)) is other
+
+
+def test_pairs_need_equal_compatibility_keys_and_ipc_needs_one_host() -> None:
+    p = _instance("p", transports=["ipc", "tcp"], host_id="host-a", compatibility_key=KEY)
+    d_same = _instance("d1", "decode", transports=["ipc", "tcp"], host_id="host-a", compatibility_key=KEY)
+    d_other = _instance("d2", "decode", transports=["ipc", "tcp"], host_id="host-b", compatibility_key=KEY)
+    d_ipc_only = _instance("d3", "decode", transports=["ipc"], host_id="host-b", compatibility_key=KEY)
+    d_model = _instance("d4", "decode", transports=["tcp"], host_id="host-a", compatibility_key=KEY + "x")
+    assert pair_transport(p, d_same) == "ipc"
+    assert pair_transport(p, d_other) == "tcp"  # same address text or not, another host id means tcp
+    assert not compatible(p, d_ipc_only) and not compatible(p, d_model)
+    registry = Registry()
+    for i in (p, d_ipc_only, d_model):
+        registry._instances[i.url] = i
+    selector = Selector(registry, LeastTokens(), LeastRequests())
+    assert selector.pick(RoutedRequest(None, 1)) is None and "compatible" in selector.why_not()
+    registry._instances[d_other.url] = d_other
+    route = selector.pick(RoutedRequest(None, 1))
+    assert route.decode is d_other and route.transport == "tcp"
+
+
+def test_health_thresholds_and_lost_requests() -> None:
+    registry = Registry(fail_threshold=3, success_threshold=2)
+    instance, probe = registry.register(Registration(role="decode", url="http://d", pid=1))
+    assert probe and not instance.healthy
+    registry.probe_succeeded(instance)  # a newcomer joins on its first good probe
+    assert instance.healthy
+    lost: list[str] = []
+    with registry.track(instance, 10, lost.append):
+        assert instance.in_flight_requests == 1 and instance.in_flight_tokens == 10
+        registry.probe_failed(instance, "503")
+        registry.probe_failed(instance, "503")
+        assert instance.healthy and not lost
+        registry.probe_failed(instance, "503")
+        assert not instance.healthy and lost == ["503"]  # the request in flight hears at once
+    assert instance.in_flight_requests == 0
+    registry.probe_succeeded(instance)
+    assert not instance.healthy  # coming back takes two
+    registry.probe_succeeded(instance)
+    assert instance.healthy
+    again, probe = registry.register(Registration(role="decode", url="http://d", pid=2))  # restarted
+    assert probe and again is not instance and not again.healthy
+
+
+# ---- a router process with stand-in instances --------------------------------------------------
+
+@pytest.fixture(scope="module")
+def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Router]:
+    r = Router(tmp_path_factory.mktemp("router"), "--cluster-secret", SECRET, "--api-key", API_KEY,
+               "--health-interval", "0.2", "--max-request-bytes", "100000", "--tokenizer", "none")
+    yield r
+    r.stop()
+
+
+@pytest.fixture
+def stubs(router: Router) -> Iterator[list[StubInstance]]:
+    out = [StubInstance("alpha"), StubInstance("beta")]
+    for stub in out:
+        assert register(router.url, stub.registration(), SECRET.encode()).status_code == 200
+    wait_for(lambda: {s.url for s in out} <= router.healthy_urls(), 10, "the stand-ins did not join the pool")
+    yield out
+    for stub in out:
+        register(router.url, {"url": stub.url}, SECRET.encode(), path="/unregister")
+        stub.close()
+
+
+def _client(router: Router, key: str = API_KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{router.url}/v1", api_key=key, max_retries=0, timeout=30)
+
+
+def test_registration_needs_the_cluster_secret(router: Router) -> None:
+    stranger = StubInstance("stranger")
+    try:
+        unsigned = httpx.post(f"{router.url}/register", json=stranger.registration())
+        forged = register(router.url, stranger.registration(), b"guessed")
+        for r in (unsigned, forged):
+            assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
+        assert stranger.url not in {i["url"] for i in router.registered()}
+        assert "refused /register" in router.log()
+        assert register(router.url, stranger.registration(), SECRET.encode()).status_code == 200
+        wait_for(lambda: stranger.url in router.healthy_urls(), 10, "a member's registration was not taken")
+    finally:
+        register(router.url, {"url": stranger.url}, SECRET.encode(), path="/unregister")
+        stranger.close()
+
+
+def test_clients_need_the_api_key(router: Router, stubs: list[StubInstance]) -> None:
+    with pytest.raises(openai.AuthenticationError):
+        _client(router, "sk-wrong").completions.create(model="stub", prompt="hi", max_tokens=2)
+    r = httpx.post(f"{router.url}/v1/completions", json={"prompt": "hi"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert sum(len(s.requests) for s in stubs) == 0  # nothing reached an instance
+    out = _client(router).completions.create(model="stub", prompt="hi", max_tokens=2)
+    assert out.choices[0].text in ("alpha", "beta")
+    big = httpx.post(f"{router.url}/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                     json={"prompt": "x" * 200_000})
+    assert big.status_code == 413 and "max-request-bytes" in big.json()["error"]["message"]
+
+
+def test_least_requests_spreads_and_health_checks_move_traffic(router: Router, stubs: list[StubInstance]) -> None:
+    alpha, beta = stubs
+    client = _client(router)
+    texts = [client.completions.create(model="stub", prompt="hi", max_tokens=2).choices[0].text for _ in range(6)]
+    assert texts.count("alpha") == texts.count("beta") == 3  # idle instances take turns
+    alpha.health_status = 503
+    wait_for(lambda: alpha.url not in router.healthy_urls(), 10, "a failing instance did not leave the pool")
+    before = len(alpha.requests)
+    stream = client.completions.create(model="stub", prompt="hi", max_tokens=2, stream=True)
+    assert "".join(c.choices[0].text for c in stream) == "beta!"
+    assert [client.completions.create(model="stub", prompt="hi").choices[0].text for _ in range(3)] == ["beta"] * 3
+    assert len(alpha.requests) == before
+    alpha.health_status = 200
+    wait_for(lambda: alpha.url in router.healthy_urls(), 10, "a recovered instance did not come back")
+    counts = httpx.get(f"{router.url}/registered_number").json()
+    assert counts["healthy"]["mixed"] >= 2
+
+
+def test_static_instance_list_and_mixed_fallback(tmp_path: Path) -> None:
+    mixed, prefill = StubInstance("mixed"), StubInstance("prefill")
+    listing = tmp_path / "instances.yaml"
+    listing.write_text(yaml.safe_dump({"instances": [mixed.registration(), prefill.registration("prefill")]}))
+    routers = []
+    try:
+        for flags in ([], ["--mixed-fallback"]):
+            routers.append(Router(tmp_path / f"router{len(routers)}", "--instances", str(listing), "--tokenizer",
+                                  "none", "--health-interval", "0.2", *flags))
+            wait_for(lambda r=routers[-1]: len(r.healthy_urls()) == 2, 10, "the static instances were not probed")
+        strict, fallback = routers
+        r = httpx.post(f"{strict.url}/v1/completions", json={"prompt": "hi"})
+        assert r.status_code == 503 and "--mixed-fallback is off" in r.json()["error"]["message"]
+        r = httpx.post(f"{fallback.url}/v1/completions", json={"prompt": "hi"})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "mixed"
+    finally:
+        for r in routers:
+            r.stop()
+        mixed.close()
+        prefill.close()
