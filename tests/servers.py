@@ -35,7 +35,7 @@ class CliProcess:
     """`python -m pdserve.cli ARGS` in a subprocess; waits until `ready()` is true."""
 
     def __init__(self, workdir: Path, args: list[str], port: int, start_timeout: float = 120,
-                 wait: bool = True, host: str = "127.0.0.1") -> None:
+                 wait: bool = True, host: str = "127.0.0.1", env: dict[str, str] | None = None) -> None:
         self.port, self.host = port, host
         workdir.mkdir(parents=True, exist_ok=True)
         self.tmpdir = workdir / "tmp"
@@ -43,7 +43,8 @@ class CliProcess:
         self.log_path = workdir / "process.log"
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *args], cwd=REPO, stdout=log,
-                                         stderr=subprocess.STDOUT, env={**os.environ, "TMPDIR": str(self.tmpdir)})
+                                         stderr=subprocess.STDOUT,
+                                         env={**os.environ, "TMPDIR": str(self.tmpdir), **(env or {})})
         self.pids: set[int] = {self.proc.pid}
         if wait:
             self.wait_ready(start_timeout)
@@ -126,12 +127,12 @@ class Server(CliProcess):
     """`pdserve serve` (any role)."""
 
     def __init__(self, workdir: Path, *extra: str, wait: bool = True, host: str = "127.0.0.1",
-                 port: int | None = None, metrics_port: int | None = None) -> None:
+                 port: int | None = None, metrics_port: int | None = None, env: dict[str, str] | None = None) -> None:
         self.metrics_port = metrics_port or free_port(host)
         port = port or free_port(host)
         super().__init__(workdir, ["serve", "--host", host, "--port", str(port), "--metrics-port",
                                    str(self.metrics_port), "--block-size", str(BLOCK), *extra], port, wait=wait,
-                         host=host)
+                         host=host, env=env)
         if wait:
             assert self.own_segments(), "no KV cache segment of this server found in /dev/shm"
 

@@ -18,6 +18,7 @@ import openai
 import psutil
 import pytest
 
+from tests.greedy import assert_same_greedy
 from tests.servers import BLOCK, BrokenInstance, Router, Server, metrics, register, segments, wait_for
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -86,20 +87,6 @@ def _complete(client: openai.OpenAI, prompt: str | list[int]) -> openai.types.Co
     return client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, logprobs=2)
 
 
-def _assert_same_greedy(pd_out, mixed_out, what: str) -> int:
-    """Tokens must agree until the first near tie of the mixed run; returns how many were compared."""
-    a, b = pd_out.choices[0].logprobs, mixed_out.choices[0].logprobs
-    for i, (x, y) in enumerate(zip(a.tokens, b.tokens, strict=False)):
-        if x != y:
-            top = sorted(b.top_logprobs[i].values(), reverse=True)
-            margin = top[0] - top[1] if len(top) > 1 else float("inf")
-            assert margin < 0.02, (f"{what}: token {i} differs ({x!r} vs mixed {y!r}) where the mixed run's top "
-                                   f"two differ by {margin:.4f}, not a near tie\nPD:    {a.tokens}\nmixed: {b.tokens}")
-            return i
-    assert len(a.tokens) == len(b.tokens), f"{what}: {len(a.tokens)} vs {len(b.tokens)} tokens"
-    return len(a.tokens)
-
-
 def test_pd_output_equals_mixed_for_20_concurrent_prompts(pd: dict, tokenizer) -> None:
     prompts = _prompts(tokenizer)
     assert len(prompts) == 20
@@ -108,7 +95,7 @@ def test_pd_output_equals_mixed_for_20_concurrent_prompts(pd: dict, tokenizer) -
         pd_outs = list(pool.map(lambda p: _complete(router, p), prompts))
     with ThreadPoolExecutor(len(prompts)) as pool:
         mixed_outs = list(pool.map(lambda p: _complete(mixed, p), prompts))
-    compared = sum(_assert_same_greedy(a, b, f"prompt {i}")
+    compared = sum(assert_same_greedy(a, b, f"prompt {i}")
                    for i, (a, b) in enumerate(zip(pd_outs, mixed_outs, strict=True)))
     assert compared >= 0.8 * MAX_TOKENS * len(prompts), f"only {compared} tokens matched before near ties"
     # Both transports carried KV: each decode instance offers only one.
@@ -127,7 +114,7 @@ def test_prefix_cache_hits_on_prefill_are_sent_whole(pd: dict, tokenizer) -> Non
     router, mixed = _client(pd["router"].url), _client(pd["mixed"].url)
     hits_before = metrics(pd["prefill"].metrics_port)["pdserve_prefix_cache_hit_tokens"]
     for prompt in (first, second, second):  # the second `second` goes to the other decode instance
-        _assert_same_greedy(_complete(router, prompt), _complete(mixed, prompt), "prefix prompt")
+        assert_same_greedy(_complete(router, prompt), _complete(mixed, prompt), "prefix prompt")
     hits = metrics(pd["prefill"].metrics_port)["pdserve_prefix_cache_hit_tokens"] - hits_before
     assert hits >= 2 * 288  # 18 full blocks of 16, twice at least
     _assert_all_blocks_free(pd)

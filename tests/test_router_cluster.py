@@ -1,0 +1,229 @@
+"""A 2P2D deployment through the router, on four loopback addresses standing in for two hosts:
+host-a has p0 and d0, host-b has p1 and d1, so a pair on one host talks ipc and across hosts tcp.
+Checked against a mixed instance: spreading by load, prefix affinity, forged control messages, and
+instances killed under load (a D mid-stream, a P with requests queued on it).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import msgspec
+import openai
+import pytest
+import yaml
+import zmq
+
+from tests.greedy import assert_same_greedy
+from tests.servers import Router, Server, metrics, segments, wait_for
+
+MODEL = "SmolLM2-135M-Instruct"
+SECRET = "cluster-test-secret"
+COMMON = ["--max-model-len", "1024", "--max-num-batched-tokens", "128", "--max-num-seqs", "32",
+          "--num-gpu-blocks-override", "200"]
+INSTANCES = {  # name: (role, address, host id)
+    "p0": ("prefill", "127.0.0.2", "host-a"), "p1": ("prefill", "127.0.0.3", "host-b"),
+    "d0": ("decode", "127.0.0.4", "host-a"), "d1": ("decode", "127.0.0.5", "host-b"),
+}
+SHORTS = ["The capital of France is", "Water boils at a temperature of", "The three primary colors are",
+          "def fibonacci(n):", "Once upon a time, in a small village,", "The largest planet in the solar system is",
+          "To make a cup of tea, first", "1, 2, 3, 4, 5,", "The opposite of hot is", "Monday, Tuesday,"]
+STORY = ("A lighthouse keeper on a northern island writes down the ships that pass, the weather, and the colour "
+         "of the sea each morning, and in winter he reads the old logs of the keepers before him. ")
+
+
+def _instance_flags(name: str, router: Router) -> list[str]:
+    role, _, host_id = INSTANCES[name]
+    return ["--splitwise-role", role, "--host-id", host_id, "--cache-transfer-protocol", "ipc,tcp",
+            "--router", router.url, "--cluster-secret", SECRET, *COMMON]
+
+
+def _start(tmp: Path, name: str, router: Router, wait: bool, port: int | None = None,
+           metrics_port: int | None = None, workdir: str | None = None) -> Server:
+    return Server(tmp / (workdir or name), *_instance_flags(name, router), host=INSTANCES[name][1], wait=wait,
+                  port=port, metrics_port=metrics_port, env={"OMP_NUM_THREADS": "1"})
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    before = segments()
+    tmp = tmp_path_factory.mktemp("cluster")
+    router = Router(tmp / "router", "--cluster-secret", SECRET, "--health-interval", "0.5",
+                    "--health-failure-threshold", "2")
+    servers = {name: _start(tmp, name, router, wait=False) for name in INSTANCES}
+    servers["mixed"] = Server(tmp / "mixed", *COMMON, wait=False)
+    state = {"router": router, "tmp": tmp, **servers}
+    try:
+        for s in servers.values():
+            s.wait_ready(300)
+        router.wait_pairs(4, 60)
+        yield state
+    finally:
+        for name in [*INSTANCES, "mixed"]:
+            state[name].stop() if state[name].proc.poll() is None else None
+        router.stop()
+    assert segments() <= before, f"shared-memory segments left behind: {segments() - before}"
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=300)
+
+
+def _complete(client: openai.OpenAI, prompt: str | list[int], max_tokens: int = 8) -> openai.types.Completion:
+    return client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=2)
+
+
+def _served(router: Router) -> dict[str, int]:
+    return {i["url"]: i["served"] for i in router.registered()}
+
+
+def _metric(server: Server, name: str) -> float:
+    return metrics(server.metrics_port, server.host).get(name, 0.0)
+
+
+def _blocks_free(cluster: dict, names: list[str], timeout: float) -> None:
+    for name in names:
+        s = cluster[name]
+        wait_for(lambda s=s: _metric(s, "pdserve_kv_cache_free_blocks") == _metric(s, "pdserve_kv_cache_total_blocks"),
+                 timeout, f"{name} did not give all its KV blocks back")
+
+
+def test_2p2d_serves_40_concurrent_requests_on_every_instance_like_mixed(cluster: dict, embedded_tokenizer) -> None:
+    tokenizer = embedded_tokenizer
+    ids = tokenizer.encode(STORY * 8)
+    prompts = [*SHORTS, *(ids[i * 7:i * 7 + 20 + 4 * i] for i in range(30))]
+    router = cluster["router"]
+    before = _served(router)
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        outs = list(pool.map(lambda p: _complete(_client(router.url), p), prompts))
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        reference = list(pool.map(lambda p: _complete(_client(cluster["mixed"].url), p), prompts))
+    compared = sum(assert_same_greedy(a, b, f"prompt {i}")
+                   for i, (a, b) in enumerate(zip(outs, reference, strict=True)))
+    assert compared >= 0.8 * 8 * len(prompts)
+    after = _served(router)
+    served = {name: after[cluster[name].url] - before.get(cluster[name].url, 0) for name in INSTANCES}
+    assert all(n > 0 for n in served.values()), f"an instance got no request: {served}"
+    assert sum(served[p] for p in ("p0", "p1")) == len(prompts)
+    by_protocol = {proto: sum(_metric(cluster[p], f'pdserve_kv_transfers_by_protocol{{protocol="{proto}"}}')
+                              for p in ("p0", "p1")) for proto in ("ipc", "tcp")}
+    assert by_protocol["ipc"] > 0 and by_protocol["tcp"] > 0, by_protocol  # same host: ipc; across: tcp
+    _blocks_free(cluster, [*INSTANCES, "mixed"], 20)
+
+
+def test_cache_aware_keeps_a_shared_prefix_on_one_prefill_until_the_load_is_imbalanced(
+        cluster: dict, embedded_tokenizer) -> None:
+    """A second router over the same instances (a static list) with prefix affinity on P."""
+    listing = cluster["tmp"] / "static.yaml"
+    listing.write_text(yaml.safe_dump({"instances": cluster["router"].registered()}))
+    router = Router(cluster["tmp"] / "cache-router", "--instances", str(listing), "--prefill-policy", "cache_aware",
+                    "--cache-balance-abs", "500", "--cache-balance-rel", "1.5", "--health-interval", "0.5")
+    try:
+        wait_for(lambda: len(router.healthy_urls()) == 4, 20, "the static instances did not join")
+        tokenizer = embedded_tokenizer
+        prefix = tokenizer.encode(STORY * 10)[:320]  # 20 blocks of 16
+        hits = {p: _metric(cluster[p], "pdserve_prefix_cache_hit_tokens") for p in ("p0", "p1")}
+        client = _client(router.url)
+        for i in range(4):
+            client.completions.create(model=MODEL, prompt=prefix + tokenizer.encode(f" Entry {i}:"), max_tokens=2,
+                                      temperature=0)
+
+        def gained() -> dict[str, float]:
+            return {p: _metric(cluster[p], "pdserve_prefix_cache_hit_tokens") - hits[p] for p in ("p0", "p1")}
+
+        wait_for(lambda: sum(gained().values()) >= 3 * 320, 5, "the prefix was not served from a prefill cache")
+        gained = gained()
+        hot = max(gained, key=gained.get)
+        cold = "p1" if hot == "p0" else "p0"
+        assert gained[hot] >= 3 * 320 and gained[cold] == 0, gained
+        before = _served(router)
+        with ThreadPoolExecutor(6) as pool:  # 6 x 330 tokens at once: past 500 tokens of imbalance
+            list(pool.map(lambda i: client.completions.create(
+                model=MODEL, prompt=prefix + tokenizer.encode(f" Later entry {i}:"), max_tokens=2), range(6)))
+        after = _served(router)
+        spread = {p: after[cluster[p].url] - before[cluster[p].url] for p in ("p0", "p1")}
+        assert spread[hot] >= 2 and spread[cold] >= 1, spread
+    finally:
+        router.stop()
+
+
+def test_forged_control_messages_are_refused(cluster: dict) -> None:
+    from pdserve.cluster_auth import ControlSeal
+    from pdserve.disagg.kv_layout import KVLayout
+    from pdserve.disagg.messages import CacheInfo
+    from pdserve.disagg.transport import TcpEndpoint
+
+    p0 = cluster["p0"]
+    (info,) = [i for i in cluster["router"].registered() if i["url"] == p0.url]
+    layout = KVLayout(200, 30, 16, 3, 64, "float32")
+    forged = msgspec.msgpack.encode(CacheInfo("t-forged", 5, "0" * 16, [0], layout, [TcpEndpoint("127.0.0.1", 9)],
+                                              30.0, time.time() + 30))
+    refused = _metric(p0, "pdserve_pd_refused_control_messages")
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://{info['pd_comm']}")
+    for raw in (forged, ControlSeal(b"not-the-secret").seal(forged)):
+        sock.send(raw)
+    wait_for(lambda: _metric(p0, "pdserve_pd_refused_control_messages") >= refused + 2, 10,
+             "the forged control messages were not refused")
+    sock.close()
+    ctx.term()
+    assert "refused a control message" in p0.log()
+    assert _client(cluster["router"].url).completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices
+
+
+def test_decode_killed_mid_stream_ends_the_stream_with_an_error_and_rejoins_after_restart(cluster: dict) -> None:
+    router = cluster["router"]
+    stream = _client(router.url).completions.create(model=MODEL, prompt="Write a long story about a dragon.",
+                                                    max_tokens=400, temperature=0, stream=True,
+                                                    extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    for _ in range(3):
+        next(chunks)
+    (busy,) = [i["url"] for i in router.registered() if i["role"] == "decode" and i["in_flight_requests"]]
+    victim = next(n for n in ("d0", "d1") if cluster[n].url == busy)
+    other = "d1" if victim == "d0" else "d0"
+    old = cluster[victim]
+    old.kill()
+    with pytest.raises(openai.APIError, match="PD error"):
+        for _ in chunks:
+            pass
+    wait_for(lambda: old.url not in router.healthy_urls(), 5, "the router kept a dead decode instance")
+    old.wait_gone(20)
+    before = _served(router)
+    for _ in range(3):
+        assert _complete(_client(router.url), "The capital of France is", 2).choices[0].text
+    after = _served(router)
+    assert after[cluster[other].url] - before[cluster[other].url] == 3 and after.get(old.url) == before.get(old.url)
+    # the same address and ports again: a new process, so it joins on its first good probe
+    cluster[victim] = _start(cluster["tmp"], victim, router, wait=True, port=old.port, metrics_port=old.metrics_port,
+                             workdir=f"{victim}-restarted")
+    wait_for(lambda: old.url in router.healthy_urls(), 20, "the restarted decode instance did not rejoin")
+    for _ in range(2):
+        assert _complete(_client(router.url), "The opposite of hot is", 2).choices[0].text
+    assert _served(router)[old.url] >= 1
+
+
+def test_prefill_killed_with_requests_queued_they_complete_on_the_other(cluster: dict, embedded_tokenizer) -> None:
+    router = cluster["router"]
+    ids = embedded_tokenizer.encode(STORY * 12)
+    prompts = [ids[i * 11:i * 11 + 400] for i in range(12)]  # 4 chunks each: they queue on the prefill instances
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(_complete, _client(router.url), p, 4) for p in prompts]
+        wait_for(lambda: any(i["url"] == cluster["p1"].url and i["in_flight_requests"] >= 2
+                             for i in router.registered()), 30, "no requests queued on p1")
+        cluster["p1"].kill()
+        outs = [f.result() for f in futures]  # none fails: p1's are retried on p0
+    wait_for(lambda: cluster["p1"].url not in router.healthy_urls(), 5, "the router kept a dead prefill instance")
+    cluster["p1"].wait_gone(20)
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        reference = list(pool.map(lambda p: _complete(_client(cluster["mixed"].url), p, 4), prompts))
+    for i, (a, b) in enumerate(zip(outs, reference, strict=True)):
+        assert_same_greedy(a, b, f"prompt {i}")
+    assert metrics(router.port)["pdserve_router_retries_total"] >= 1
+    # the decode side of each abandoned attempt is released when its lease (30 s) ends
+    _blocks_free(cluster, ["p0", "d0", "d1"], 60)
