@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -60,8 +60,10 @@ def build_router_app(settings: RouterSettings, reader: PromptReader) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
-        client = httpx.AsyncClient(timeout=httpx.Timeout(settings.request_timeout, connect=5.0), limits=limits)
+        client = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
+            timeout=aiohttp.ClientTimeout(total=settings.request_timeout, sock_connect=5.0),
+            auto_decompress=False)  # bytes pass through as the instance sent them
         checker = HealthChecker(registry, client, settings.health_interval, settings.health_timeout)
         state["checker"] = checker
         state["forwarder"] = Forwarder(client, registry, selector, settings.max_retries, metrics.retries.inc)
@@ -71,7 +73,7 @@ def build_router_app(settings: RouterSettings, reader: PromptReader) -> FastAPI:
         yield
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-        await client.aclose()
+        await client.close()
 
     app = FastAPI(title="pdserve router", lifespan=lifespan)
     app.state.registry, app.state.selector = registry, selector
@@ -146,10 +148,10 @@ def build_router_app(settings: RouterSettings, reader: PromptReader) -> FastAPI:
             return error_response("no instance is registered and healthy", 503)
         forwarder: Forwarder = state["forwarder"]
         try:
-            r = await forwarder.client.get(f"{live[0].url}/v1/models", headers=_passed_headers(raw.headers))
-        except httpx.HTTPError as e:
+            async with forwarder.client.get(f"{live[0].url}/v1/models", headers=_passed_headers(raw.headers)) as r:
+                return Response(await r.read(), status_code=r.status, media_type="application/json")
+        except (TimeoutError, aiohttp.ClientError) as e:
             return error_response(f"instance {live[0].url} did not answer: {e}", 502)
-        return Response(r.content, status_code=r.status_code, media_type="application/json")
 
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Response:

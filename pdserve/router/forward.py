@@ -21,7 +21,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.api.protocol import error_body
@@ -31,7 +31,9 @@ from pdserve.router.selector import Route, Selector
 
 log = logging.getLogger("pdserve.router")
 
-BROKEN = (httpx.TransportError, InstanceLost)  # the instance, not the request, is at fault
+# The instance, not the request, is at fault. (The client is aiohttp: httpx's connection pool costs
+# milliseconds per request at a few dozen connections, which would be most of the router's time.)
+BROKEN = (aiohttp.ClientError, TimeoutError, InstanceLost)
 RETRYABLE_STATUS = (429, 500, 502, 503, 504)
 BLAME_WINDOW = 1.0  # seconds to wait for P's answer when D fails, to tell which of the two failed
 
@@ -84,8 +86,8 @@ class Exchange:
         task.add_done_callback(_close_late_response)
         raise InstanceLost(f"{self.instance.role} instance {self.instance.url} left the pool: {self.lost.result()}")
 
-    async def chunks(self, response: httpx.Response) -> AsyncIterator[bytes]:
-        it = response.aiter_raw().__aiter__()
+    async def chunks(self, response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+        it = response.content.iter_any().__aiter__()
         while True:
             try:
                 chunk = await self.guard(it.__anext__())
@@ -94,20 +96,21 @@ class Exchange:
             yield chunk
 
     def broken(self, error: BaseException) -> None:
-        """A transport error: take the instance out of the pool now, so other requests avoid it too."""
-        if isinstance(error, httpx.TransportError):
+        """A transport error: take the instance out of the pool now (a timeout counts as one failed
+        probe), so other requests avoid it too."""
+        if not isinstance(error, InstanceLost):
             self.registry.probe_failed(self.instance, f"a request failed: {type(error).__name__}: {error}",
-                                       at_once=not isinstance(error, httpx.TimeoutException))
+                                       at_once=not isinstance(error, TimeoutError))
         self.instance.failed += 1
 
 
 def _close_late_response(task: asyncio.Task) -> None:
-    if not task.cancelled() and task.exception() is None and isinstance(task.result(), httpx.Response):
-        asyncio.ensure_future(task.result().aclose())
+    if not task.cancelled() and task.exception() is None and isinstance(task.result(), aiohttp.ClientResponse):
+        task.result().close()
 
 
 class Forwarder:
-    def __init__(self, client: httpx.AsyncClient, registry: Registry, selector: Selector, max_retries: int = 2,
+    def __init__(self, client: aiohttp.ClientSession, registry: Registry, selector: Selector, max_retries: int = 2,
                  on_retry: callable = lambda: None) -> None:  # type: ignore[valid-type]
         self.client, self.registry, self.selector = client, registry, selector
         self.max_retries = max_retries
@@ -142,8 +145,7 @@ class Forwarder:
                       headers: dict[str, str]) -> Response | Retry:
         ex = Exchange(self.registry, instance, request.num_tokens)
         try:
-            upstream = await ex.guard(self.client.send(
-                self.client.build_request("POST", f"{instance.url}{path}", json=body, headers=headers), stream=True))
+            upstream = await ex.guard(self.client.post(f"{instance.url}{path}", json=body, headers=headers))
         except BROKEN as e:
             ex.broken(e)
             ex.close()
@@ -162,11 +164,10 @@ class Forwarder:
                                  "transport": route.transport}}
         p_ex = Exchange(self.registry, prefill, request.num_tokens)
         d_ex = Exchange(self.registry, decode, request.num_tokens)
-        p_task = asyncio.create_task(p_ex.guard(self.client.post(f"{prefill.url}{path}", json=p_body,
-                                                                 headers=headers)))
+        p_task = asyncio.create_task(p_ex.guard(_fetch(self.client, f"{prefill.url}{path}", p_body, headers)))
         p_task.add_done_callback(lambda _: p_ex.close())
-        d_task = asyncio.create_task(d_ex.guard(self.client.send(
-            self.client.build_request("POST", f"{decode.url}{path}", json=d_body, headers=headers), stream=True)))
+        d_task = asyncio.create_task(d_ex.guard(self.client.post(f"{decode.url}{path}", json=d_body,
+                                                                 headers=headers)))
         handed_over = False
         try:
             await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
@@ -178,9 +179,9 @@ class Forwarder:
                 d_ex.broken(e)
                 return await self._blame(p_ex, p_task, Retry(
                     decode, error_response(f"PD error: the decode instance {decode.url} is unreachable: {e}", 502)))
-            if upstream.status_code != 200:  # D refused it (bad request, overloaded)
+            if upstream.status != 200:  # D refused it (bad request, overloaded)
                 answer = await self._read_error(upstream)
-                if upstream.status_code in RETRYABLE_STATUS:
+                if upstream.status in RETRYABLE_STATUS:
                     return await self._blame(p_ex, p_task, Retry(decode, answer))
                 return answer
             queue: asyncio.Queue = asyncio.Queue()
@@ -189,14 +190,14 @@ class Forwarder:
                 await asyncio.wait({p_task, reader}, return_when=asyncio.FIRST_COMPLETED)
             if not p_task.done() and (error := reader.result()) is not None:  # D broke before P answered
                 d_ex.broken(error)
-                await upstream.aclose()
+                upstream.close()
                 return await self._blame(p_ex, p_task, Retry(
                     decode, error_response(f"PD error: the decode instance {decode.url} failed: {error}", 502)))
             if not p_task.done():  # D already finished (a one-token answer): P's answer is on its way
                 await asyncio.wait({p_task})
             if (failure := _prefill_failure(p_ex, p_task)) is not None:
                 reader.cancel()
-                await upstream.aclose()
+                upstream.close()
                 return failure
             handed_over = True
             return await self._relay(d_ex, upstream, body.get("stream", False), queue, reader)
@@ -216,13 +217,13 @@ class Forwarder:
 
     # ---- relaying the answer ---------------------------------------------------------------------
 
-    async def _relay(self, ex: Exchange, upstream: httpx.Response, stream: bool,
+    async def _relay(self, ex: Exchange, upstream: aiohttp.ClientResponse, stream: bool,
                      queue: asyncio.Queue | None = None, reader: asyncio.Task | None = None) -> Response | Retry:
         """Pass `upstream` through (its body from `queue` when a pump already reads it). Owns `ex` from here."""
-        if upstream.status_code != 200:
+        if upstream.status != 200:
             ex.close()
             answer = await self._read_error(upstream)
-            return Retry(ex.instance, answer) if upstream.status_code in RETRYABLE_STATUS else answer
+            return Retry(ex.instance, answer) if upstream.status in RETRYABLE_STATUS else answer
         if queue is None:
             queue = asyncio.Queue()
             reader = asyncio.create_task(_pump(ex.chunks(upstream), queue))
@@ -235,7 +236,7 @@ class Forwarder:
                     f"PD error: the instance {ex.instance.url} failed mid-answer: {e}", 502))
             finally:
                 reader.cancel()
-                await upstream.aclose()
+                upstream.close()
                 ex.close()
             return Response(content, status_code=200, media_type="application/json")
         try:  # the first bytes decide: a failure before them can still be retried elsewhere
@@ -243,7 +244,7 @@ class Forwarder:
         except BROKEN as e:
             ex.broken(e)
             reader.cancel()
-            await upstream.aclose()
+            upstream.close()
             ex.close()
             return Retry(ex.instance, error_response(f"PD error: the instance {ex.instance.url} failed: {e}", 502))
 
@@ -259,40 +260,56 @@ class Forwarder:
                 yield f"data: {json.dumps(error_body(message, 502))}\n\n".encode()
             finally:
                 reader.cancel()
-                await upstream.aclose()
+                upstream.close()
                 ex.close()
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    async def _read_error(self, upstream: httpx.Response) -> Response:
+    async def _read_error(self, upstream: aiohttp.ClientResponse) -> Response:
         try:
-            content = await upstream.aread()
-        except httpx.HTTPError as e:
+            content = await upstream.read()
+        except BROKEN as e:
             content = json.dumps(error_body(f"the instance failed while answering: {e}", 502)).encode()
         finally:
-            await upstream.aclose()
-        return Response(content, status_code=upstream.status_code, media_type="application/json")
+            upstream.close()
+        return Response(content, status_code=upstream.status, media_type="application/json")
+
+
+@dataclass
+class Answer:
+    """A whole (non-streamed) answer."""
+
+    status: int
+    body: bytes
+
+    def error_message(self) -> str:
+        try:
+            return json.loads(self.body)["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            return self.body[:500].decode(errors="replace")
+
+
+async def _fetch(client: aiohttp.ClientSession, url: str, body: dict, headers: dict[str, str]) -> Answer:
+    async with client.post(url, json=body, headers=headers) as r:
+        return Answer(r.status, await r.read())
 
 
 def _prefill_failure(p_ex: Exchange, task: asyncio.Task) -> Response | Retry | None:
     """P's failure (a Retry when another P may do better), or None if P succeeded."""
     url = p_ex.instance.url
     try:
-        r = task.result()
+        r: Answer = task.result()
     except BROKEN as e:
         p_ex.broken(e)
         return Retry(p_ex.instance, error_response(f"PD error: the prefill instance {url} is unreachable: {e}", 502))
-    if r.status_code == 200:
+    if r.status == 200:
         return None
-    try:
-        message = r.json()["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        message = r.text[:500]
-    if r.status_code >= 500 and not message.startswith("PD error"):
+    message = r.error_message()
+    if r.status >= 500 and not message.startswith("PD error"):
         message = f"PD error: the prefill instance {url} failed: {message}"
-    answer = JSONResponse(error_body(message, r.status_code), status_code=r.status_code)
-    if r.status_code in RETRYABLE_STATUS:
-        log.warning("prefill instance %s answered %d: %s", url, r.status_code, message[:300])
+    answer = JSONResponse(error_body(message, r.status), status_code=r.status)
+    if r.status in RETRYABLE_STATUS:
+        log.warning("prefill instance %s answered %d: %s", url, r.status, message[:300])
         return Retry(p_ex.instance, answer)
     return answer
 
@@ -329,4 +346,4 @@ async def _cancel_response(task: asyncio.Task) -> None:
         response = await task
     except (asyncio.CancelledError, *BROKEN):
         return
-    await response.aclose()
+    response.close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import httpx
+import aiohttp
 
 from pdserve.router.registry import Instance, Registry
 
@@ -13,7 +13,7 @@ log = logging.getLogger("pdserve.router")
 
 
 class HealthChecker:
-    def __init__(self, registry: Registry, client: httpx.AsyncClient, interval: float = 2.0,
+    def __init__(self, registry: Registry, client: aiohttp.ClientSession, interval: float = 2.0,
                  timeout: float = 2.0) -> None:
         self.registry, self.client = registry, client
         self.interval, self.timeout = interval, timeout
@@ -36,12 +36,14 @@ class HealthChecker:
             return
         self._probing.add(instance.url)
         try:
-            r = await self.client.get(f"{instance.url}/health", timeout=self.timeout)
-            if r.status_code == 200:
+            async with self.client.get(f"{instance.url}/health",
+                                       timeout=aiohttp.ClientTimeout(total=self.timeout)) as r:
+                status, text = r.status, (await r.read())[:200].decode(errors="replace")
+            if status == 200:
                 self.registry.probe_succeeded(instance)
             else:
-                self.registry.probe_failed(instance, f"/health answered {r.status_code}: {r.text[:200]}")
-        except httpx.HTTPError as e:
+                self.registry.probe_failed(instance, f"/health answered {status}: {text}")
+        except (TimeoutError, aiohttp.ClientError) as e:
             self.registry.probe_failed(instance, f"/health failed: {type(e).__name__}: {e}")
         finally:
             self._probing.discard(instance.url)
