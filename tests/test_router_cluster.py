@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import msgspec
 import openai
 import pytest
@@ -174,6 +175,18 @@ def test_forged_control_messages_are_refused(cluster: dict) -> None:
     ctx.term()
     assert "refused a control message" in p0.log()
     assert _client(cluster["router"].url).completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices
+
+
+def test_a_client_that_goes_away_stops_the_work_on_the_instances(cluster: dict) -> None:
+    """A non-streamed request whose client hangs up: the router cancels it on P and D (which free
+    their blocks) instead of generating 400 tokens for nobody."""
+    router = cluster["router"]
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{router.url}/v1/completions", timeout=4, json={
+            "prompt": "Write a long story about a dragon.", "max_tokens": 400, "temperature": 0, "ignore_eos": True})
+    wait_for(lambda: all(i["in_flight_requests"] == 0 for i in router.registered()), 5,
+             "the router kept the abandoned request")
+    _blocks_free(cluster, list(INSTANCES), 10)
 
 
 def test_decode_killed_mid_stream_ends_the_stream_with_an_error_and_rejoins_after_restart(cluster: dict) -> None:

@@ -22,6 +22,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.api.async_engine import AsyncEngine
+from pdserve.api.disconnect import until_disconnect
 from pdserve.api.generation import Generation, generate_choices
 from pdserve.api.metrics import ServerMetrics
 from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest, bearer_auth, error_body
@@ -224,21 +225,9 @@ async def _respond(state: ServerState, raw: Request, body: Any, gen: Generation,
         return StreamingResponse(_stream(state, body, gen, params, kind, make_choice, release),
                                  media_type="text/event-stream", background=BackgroundTask(release))
     try:
-        return await _until_disconnect(raw, _complete(state, body, gen, params, kind, make_choice))
+        return await until_disconnect(raw, _complete(state, body, gen, params, kind, make_choice))
     finally:
         state.in_flight -= 1
-
-
-async def _until_disconnect(raw: Request, work: Any) -> Any:
-    """Run `work`; if the client goes away first, cancel it (which aborts the engine requests)."""
-    task = asyncio.ensure_future(work)
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=0.5)
-        if done:
-            return task.result()
-        if await raw.is_disconnected():
-            task.cancel()
-            return Response(status_code=499)
 
 
 async def _complete(state: ServerState, body: Any, gen: Generation, params: Any, kind: str, make_choice: Any

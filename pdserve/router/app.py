@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
+from pdserve.api.disconnect import until_disconnect
 from pdserve.api.protocol import bearer_auth
 from pdserve.cluster_auth import SIGNATURE_HEADER, AuthError, verify_body
 from pdserve.router.forward import Forwarder, error_response
@@ -179,7 +180,9 @@ def build_router_app(settings: RouterSettings, reader: PromptReader) -> FastAPI:
         except ValueError as e:
             return error_response(f"the request body is not valid JSON: {e}", 400, "invalid_request_error")
         request = reader.read(path, parsed)
-        return await state["forwarder"].forward(path, parsed, request, _passed_headers(raw.headers))
+        work = state["forwarder"].forward(path, parsed, request, _passed_headers(raw.headers))
+        # A streamed answer stops when the client does (its generator is closed); a whole one would not.
+        return await (work if parsed.get("stream") else until_disconnect(raw, work))
 
     return app
 
