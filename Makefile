@@ -34,6 +34,7 @@ bench: venv
 	$(BIN)/python bench/kv_transfer.py
 	$(BIN)/python bench/pd_vs_mixed.py
 	$(BIN)/python bench/pd_sweep.py
+	$(BIN)/python bench/router_overhead.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
