@@ -4,7 +4,10 @@
 # On one machine (the default below) every address is 127.0.0.1. On two hosts, set
 #   ROUTER_HOST / PREFILL_HOST / DECODE_HOST to each host's address and run each block on its host.
 # KV goes over tcp here (any host); on one host, ipc (shared memory) is faster: --cache-transfer-protocol ipc,tcp
+# Every member shares PDSERVE_CLUSTER_SECRET (export the same value on both hosts): the router takes
+# registrations only signed with it, and P and D use it to authenticate each other.
 set -euo pipefail
+export PDSERVE_CLUSTER_SECRET=${PDSERVE_CLUSTER_SECRET:-$(python3 -c 'import secrets; print(secrets.token_hex(16))')}
 ROUTER_HOST=${ROUTER_HOST:-127.0.0.1}
 PREFILL_HOST=${PREFILL_HOST:-127.0.0.1}
 DECODE_HOST=${DECODE_HOST:-127.0.0.1}
