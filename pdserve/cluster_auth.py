@@ -4,7 +4,8 @@ Every member of a deployment gets the same secret (`--cluster-secret`, or the en
 PDSERVE_CLUSTER_SECRET, which is how child processes receive it: a command line is readable by
 every user of the host). It is never sent; it keys HMAC-SHA256 tags, one label per use:
 
-- registration with the router: the body is signed with a timestamp (`X-PDServe-Signature`);
+- registration with the router: the path and body are signed with a timestamp
+  (`X-PDServe-Signature`), and the router takes each signature once;
 - the PD control plane (ZMQ): every message carries a timestamp, a nonce and a tag; ZMQ hides
   connects and reconnects, so each message is checked rather than each connection, and a replayed
   tag is refused;
@@ -49,25 +50,45 @@ def _tag(secret: bytes, label: bytes, *parts: bytes) -> bytes:
 
 # ---- HTTP (registration) -----------------------------------------------------------------------
 
-def sign_body(secret: bytes, body: bytes, now: float | None = None) -> str:
-    ts = f"{time.time() if now is None else now:.3f}"
-    return f"t={ts},sig={_tag(secret, b'register', ts.encode(), b'.', body).hex()}"
+def sign_body(secret: bytes, path: str, body: bytes, now: float | None = None) -> str:
+    ts = f"{time.time() if now is None else now:.6f}"
+    return f"t={ts},sig={_tag(secret, b'http', path.encode(), b' ', ts.encode(), b'.', body).hex()}"
 
 
-def verify_body(secret: bytes, body: bytes, header: str | None, now: float | None = None) -> None:
-    """Raises AuthError unless `header` is a fresh signature of `body` with `secret`."""
+class SignatureCheck:
+    """The router's side: a fresh signature of this path and body, never seen before."""
+
+    def __init__(self, secret: bytes) -> None:
+        self.secret = secret
+        self._seen: dict[bytes, float] = {}
+        self._next_prune = 0.0
+
+    def verify(self, path: str, body: bytes, header: str | None, now: float | None = None) -> None:
+        """Raises AuthError unless `header` signs `path` and `body` with the secret, and is new."""
+        now = time.time() if now is None else now
+        sig = _verify(self.secret, path, body, header, now)
+        if sig in self._seen:
+            raise AuthError("replayed signature")
+        self._seen[sig] = now
+        if now > self._next_prune:
+            self._seen = {s: t for s, t in self._seen.items() if now - t <= 2 * MAX_SKEW}
+            self._next_prune = now + 10.0
+
+
+def _verify(secret: bytes, path: str, body: bytes, header: str | None, now: float) -> bytes:
     if not header:
         raise AuthError(f"no {SIGNATURE_HEADER} header (the instance needs --cluster-secret)")
     try:
         fields = dict(part.split("=", 1) for part in header.split(","))
         ts, sig = fields["t"], bytes.fromhex(fields["sig"])
-        age = (time.time() if now is None else now) - float(ts)
+        age = now - float(ts)
     except (KeyError, ValueError):
         raise AuthError(f"malformed {SIGNATURE_HEADER} header") from None
+    if not hmac.compare_digest(sig, _tag(secret, b"http", path.encode(), b" ", ts.encode(), b".", body)):
+        raise AuthError("bad signature (is --cluster-secret the same on the router and the instance?)")
     if abs(age) > MAX_SKEW:
         raise AuthError(f"signature is {age:.0f} s old (clocks apart, or a replay)")
-    if not hmac.compare_digest(sig, _tag(secret, b"register", ts.encode(), b".", body)):
-        raise AuthError("bad signature (is --cluster-secret the same on the router and the instance?)")
+    return sig
 
 
 # ---- ZMQ control messages ----------------------------------------------------------------------

@@ -206,7 +206,7 @@ def register(router_url: str, info: dict, secret: bytes = b"", path: str = "/reg
 
     body = json.dumps(info).encode()
     return httpx.post(f"{router_url}{path}", content=body, timeout=10,
-                      headers={"Content-Type": "application/json", SIGNATURE_HEADER: sign_body(secret, body)})
+                      headers={"Content-Type": "application/json", SIGNATURE_HEADER: sign_body(secret, path, body)})
 
 
 class BrokenInstance:

@@ -18,7 +18,7 @@ import openai
 import psutil
 import pytest
 
-from tests.greedy import assert_same_greedy
+from tests.greedy import assert_same_greedy_completion
 from tests.servers import BLOCK, BrokenInstance, Router, Server, metrics, register, segments, wait_for
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -95,7 +95,7 @@ def test_pd_output_equals_mixed_for_20_concurrent_prompts(pd: dict, tokenizer) -
         pd_outs = list(pool.map(lambda p: _complete(router, p), prompts))
     with ThreadPoolExecutor(len(prompts)) as pool:
         mixed_outs = list(pool.map(lambda p: _complete(mixed, p), prompts))
-    compared = sum(assert_same_greedy(a, b, f"prompt {i}")
+    compared = sum(assert_same_greedy_completion(a, b, f"prompt {i}")
                    for i, (a, b) in enumerate(zip(pd_outs, mixed_outs, strict=True)))
     assert compared >= 0.8 * MAX_TOKENS * len(prompts), f"only {compared} tokens matched before near ties"
     # Both transports carried KV: each decode instance offers only one.
@@ -114,7 +114,7 @@ def test_prefix_cache_hits_on_prefill_are_sent_whole(pd: dict, tokenizer) -> Non
     router, mixed = _client(pd["router"].url), _client(pd["mixed"].url)
     hits_before = metrics(pd["prefill"].metrics_port)["pdserve_prefix_cache_hit_tokens"]
     for prompt in (first, second, second):  # the second `second` goes to the other decode instance
-        assert_same_greedy(_complete(router, prompt), _complete(mixed, prompt), "prefix prompt")
+        assert_same_greedy_completion(_complete(router, prompt), _complete(mixed, prompt), "prefix prompt")
     hits = metrics(pd["prefill"].metrics_port)["pdserve_prefix_cache_hit_tokens"] - hits_before
     assert hits >= 2 * 288  # 18 full blocks of 16, twice at least
     _assert_all_blocks_free(pd)

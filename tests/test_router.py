@@ -3,6 +3,7 @@ security and failover against a real router process and stand-in instances (test
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import openai
 import pytest
 import yaml
 
+from pdserve.cluster_auth import SIGNATURE_HEADER, sign_body
 from pdserve.router.policies import CacheAware, LeastRequests, LeastTokens, PowerOfTwo, RoundRobin, RoutedRequest
 from pdserve.router.registry import Instance, Registration, Registry
 from pdserve.router.selector import Selector, compatible, pair_transport
@@ -136,8 +138,14 @@ def test_registration_needs_the_cluster_secret(router: Router) -> None:
             assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
         assert stranger.url not in {i["url"] for i in router.registered()}
         assert "refused /register" in router.log()
-        assert register(router.url, stranger.registration(), SECRET.encode()).status_code == 200
+        body = json.dumps(stranger.registration()).encode()
+        signed = {"Content-Type": "application/json", SIGNATURE_HEADER: sign_body(SECRET.encode(), "/register", body)}
+        assert httpx.post(f"{router.url}/register", content=body, headers=signed).status_code == 200
         wait_for(lambda: stranger.url in router.healthy_urls(), 10, "a member's registration was not taken")
+        replayed = httpx.post(f"{router.url}/register", content=body, headers=signed)
+        assert replayed.status_code == 403 and "replayed" in replayed.json()["error"]["message"]
+        moved = httpx.post(f"{router.url}/unregister", content=body, headers=signed)  # a heartbeat as a leave
+        assert moved.status_code == 403 and stranger.url in router.healthy_urls()
     finally:
         register(router.url, {"url": stranger.url}, SECRET.encode(), path="/unregister")
         stranger.close()

@@ -19,10 +19,11 @@ log = logging.getLogger("pdserve.registration")
 INTERVAL = 2.0  # seconds; the router drops an instance it has not heard from in a few intervals
 
 
-async def post_signed(client: httpx.AsyncClient, url: str, payload: dict, **kwargs: object) -> httpx.Response:
+async def post_signed(client: httpx.AsyncClient, base: str, path: str, payload: dict,
+                      **kwargs: object) -> httpx.Response:
     body = json.dumps(payload).encode()
-    headers = {"Content-Type": "application/json", SIGNATURE_HEADER: sign_body(cluster_secret(), body)}
-    return await client.post(url, content=body, headers=headers, **kwargs)
+    headers = {"Content-Type": "application/json", SIGNATURE_HEADER: sign_body(cluster_secret(), path, body)}
+    return await client.post(f"{base}{path}", content=body, headers=headers, **kwargs)
 
 
 async def register_forever(router_url: str, instance: dict, interval: float = INTERVAL) -> None:
@@ -32,7 +33,7 @@ async def register_forever(router_url: str, instance: dict, interval: float = IN
         try:
             while True:
                 try:
-                    r = await post_signed(client, f"{url}/register", instance)
+                    r = await post_signed(client, url, "/register", instance)
                     if r.status_code in (401, 403):
                         raise httpx.HTTPError(f"refused: {r.text[:300]}")
                     r.raise_for_status()
@@ -47,6 +48,6 @@ async def register_forever(router_url: str, instance: dict, interval: float = IN
                 await asyncio.sleep(interval)
         finally:
             try:
-                await post_signed(client, f"{url}/unregister", {"url": instance["url"]}, timeout=1.0)
+                await post_signed(client, url, "/unregister", {"url": instance["url"]}, timeout=1.0)
             except (httpx.HTTPError, asyncio.CancelledError):
                 pass

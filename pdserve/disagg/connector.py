@@ -198,9 +198,14 @@ class PrefillConnector(_Connector):
         outputs: list[RequestOutput] = []
         while True:
             try:
-                identity, raw = self.router.recv_multipart(zmq.NOBLOCK)
+                frames = self.router.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
+            if len(frames) != 2:  # a peer's DEALER sends one frame; anything else is not ours
+                self.refused_messages += 1
+                log.warning("refused a control message of %d frames", len(frames))
+                continue
+            identity, raw = frames
             if (msg := self._decode(raw, f"peer {identity[:40]!r}")) is None:
                 continue
             if isinstance(msg, CacheInfo):

@@ -13,11 +13,11 @@ import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from pdserve.api.disconnect import until_disconnect
 from pdserve.api.protocol import bearer_auth
-from pdserve.cluster_auth import SIGNATURE_HEADER, AuthError, verify_body
+from pdserve.cluster_auth import SIGNATURE_HEADER, AuthError, SignatureCheck
 from pdserve.router.forward import Forwarder, error_response
 from pdserve.router.health import HealthChecker
 from pdserve.router.metrics import RouterMetrics
@@ -49,6 +49,8 @@ class RouterSettings:
 
 
 class Unregistration(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     url: str
 
 
@@ -57,6 +59,7 @@ def build_router_app(settings: RouterSettings, reader: PromptReader) -> FastAPI:
     selector = Selector(registry, make_policy(settings.prefill_policy, **settings.cache_aware),
                         make_policy(settings.decode_policy, **settings.cache_aware), settings.mixed_fallback)
     metrics = RouterMetrics(registry)
+    signatures = SignatureCheck(settings.cluster_secret)
     state: dict = {}
 
     @asynccontextmanager
@@ -84,7 +87,7 @@ def build_router_app(settings: RouterSettings, reader: PromptReader) -> FastAPI:
     async def signed_body(raw: Request) -> bytes | JSONResponse:
         body = await raw.body()
         try:
-            verify_body(settings.cluster_secret, body, raw.headers.get(SIGNATURE_HEADER))
+            signatures.verify(raw.url.path, body, raw.headers.get(SIGNATURE_HEADER))
         except AuthError as e:
             client = raw.client.host if raw.client else "?"
             log.warning("refused %s from %s: %s", raw.url.path, client, e)

@@ -79,6 +79,7 @@ class Exchange:
                 await asyncio.wait({task, self.lost}, return_when=asyncio.FIRST_COMPLETED)
             except asyncio.CancelledError:
                 task.cancel()
+                task.add_done_callback(_close_late_response)
                 raise
             if task.done():
                 return task.result()
@@ -96,15 +97,16 @@ class Exchange:
             yield chunk
 
     def broken(self, error: BaseException) -> None:
-        """A transport error: take the instance out of the pool now (a timeout counts as one failed
-        probe), so other requests avoid it too."""
-        if not isinstance(error, InstanceLost):
+        """A transport error: take the instance out of the pool now, so other requests avoid it too.
+        A timeout is not one: a long answer may simply outlast --request-timeout; probes judge."""
+        if not isinstance(error, InstanceLost | TimeoutError):
             self.registry.probe_failed(self.instance, f"a request failed: {type(error).__name__}: {error}",
-                                       at_once=not isinstance(error, TimeoutError))
+                                       at_once=True)
         self.instance.failed += 1
 
 
 def _close_late_response(task: asyncio.Task) -> None:
+    """For an awaitable nobody waits for any more: close the response it produced, or read its error."""
     if not task.cancelled() and task.exception() is None and isinstance(task.result(), aiohttp.ClientResponse):
         task.result().close()
 
@@ -150,6 +152,9 @@ class Forwarder:
             ex.broken(e)
             ex.close()
             return Retry(instance, error_response(f"instance {instance.url} is unreachable: {e}", 502))
+        except BaseException:  # cancelled: the client hung up
+            ex.close()
+            raise
         return await self._relay(ex, upstream, body.get("stream", False))
 
     # ---- a prefill/decode pair -------------------------------------------------------------------
@@ -204,6 +209,7 @@ class Forwarder:
         finally:
             if not handed_over:
                 p_task.cancel()
+                p_task.add_done_callback(_close_late_response)
                 await _cancel_response(d_task)
                 d_ex.close()
 
@@ -228,7 +234,7 @@ class Forwarder:
             queue = asyncio.Queue()
             reader = asyncio.create_task(_pump(ex.chunks(upstream), queue))
         if not stream:
-            try:
+            try:  # the finally below also runs when the client hangs up (cancellation)
                 content = b"".join([chunk async for chunk in _drain(queue)])
             except BROKEN as e:
                 ex.broken(e)
@@ -241,11 +247,13 @@ class Forwarder:
             return Response(content, status_code=200, media_type="application/json")
         try:  # the first bytes decide: a failure before them can still be retried elsewhere
             first = await _next(queue)
-        except BROKEN as e:
-            ex.broken(e)
+        except BaseException as e:
             reader.cancel()
             upstream.close()
             ex.close()
+            if not isinstance(e, BROKEN):
+                raise
+            ex.broken(e)
             return Retry(ex.instance, error_response(f"PD error: the instance {ex.instance.url} failed: {e}", 502))
 
         async def events() -> AsyncIterator[bytes]:

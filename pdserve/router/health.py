@@ -22,8 +22,11 @@ class HealthChecker:
 
     async def run(self) -> None:
         while True:
-            self.registry.expire()
-            await asyncio.gather(*(self.probe(i) for i in self.registry.all()))
+            try:
+                self.registry.expire()
+                await asyncio.gather(*(self.probe(i) for i in self.registry.all()))
+            except Exception:  # a bug here must not end health checking for good
+                log.exception("health check round failed")
             await asyncio.sleep(self.interval)
 
     def probe_soon(self, instance: Instance) -> None:
