@@ -236,3 +236,15 @@ class BrokenInstance:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def stop_all(processes: list[CliProcess]) -> None:
+    """Stop every process, even when stopping one fails its checks; then report the first failure."""
+    failures: list[BaseException] = []
+    for p in processes:
+        try:
+            p.stop()
+        except BaseException as e:  # pytest.fail raises an OutcomeException, not an Exception
+            failures.append(e)
+    if failures:
+        raise failures[0]

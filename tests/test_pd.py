@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from tests.greedy import assert_same_greedy_completion
-from tests.servers import BLOCK, BrokenInstance, Router, Server, metrics, register, segments, wait_for
+from tests.servers import BLOCK, BrokenInstance, Router, Server, metrics, register, segments, stop_all, wait_for
 
 MODEL = "SmolLM2-135M-Instruct"
 CHUNK = 128  # --max-num-batched-tokens: prompts longer than this are prefilled in chunks
@@ -60,8 +60,7 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
         router.wait_pairs(3)
         yield {"router": router, **servers}
     finally:
-        for s in [*servers.values(), router]:
-            s.stop()
+        stop_all([*servers.values(), router])
     assert segments() <= before, f"shared-memory segments left behind: {segments() - before}"
 
 

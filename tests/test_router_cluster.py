@@ -19,7 +19,7 @@ import yaml
 import zmq
 
 from tests.greedy import assert_same_greedy_completion
-from tests.servers import Router, Server, metrics, segments, wait_for
+from tests.servers import Router, Server, metrics, segments, stop_all, wait_for
 
 MODEL = "SmolLM2-135M-Instruct"
 SECRET = "cluster-test-secret"
@@ -62,10 +62,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
             s.wait_ready(300)
         router.wait_pairs(4, 60)
         yield state
-    finally:
-        for name in [*INSTANCES, "mixed"]:
-            state[name].stop() if state[name].proc.poll() is None else None
-        router.stop()
+    finally:  # the instances a test killed are gone already
+        stop_all([state[n] for n in [*INSTANCES, "mixed"] if state[n].proc.poll() is None] + [router])
     assert segments() <= before, f"shared-memory segments left behind: {segments() - before}"
 
 
