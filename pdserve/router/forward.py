@@ -185,7 +185,7 @@ class Forwarder:
                 return await self._blame(p_ex, p_task, Retry(
                     decode, error_response(f"PD error: the decode instance {decode.url} is unreachable: {e}", 502)))
             if upstream.status != 200:  # D refused it (bad request, overloaded)
-                answer = await self._read_error(upstream)
+                answer = await self._read_error(upstream, d_ex)
                 if upstream.status in RETRYABLE_STATUS:
                     return await self._blame(p_ex, p_task, Retry(decode, answer))
                 return answer
@@ -210,8 +210,8 @@ class Forwarder:
             if not handed_over:
                 p_task.cancel()
                 p_task.add_done_callback(_close_late_response)
-                await _cancel_response(d_task)
                 d_ex.close()
+                await _cancel_response(d_task)
 
     async def _blame(self, p_ex: Exchange, p_task: asyncio.Task, d_failure: Retry) -> Retry:
         """D failed; if P fails too (D may only be reporting P's failure), P is the one to avoid."""
@@ -227,8 +227,10 @@ class Forwarder:
                      queue: asyncio.Queue | None = None, reader: asyncio.Task | None = None) -> Response | Retry:
         """Pass `upstream` through (its body from `queue` when a pump already reads it). Owns `ex` from here."""
         if upstream.status != 200:
-            ex.close()
-            answer = await self._read_error(upstream)
+            try:
+                answer = await self._read_error(upstream, ex)
+            finally:
+                ex.close()
             return Retry(ex.instance, answer) if upstream.status in RETRYABLE_STATUS else answer
         if queue is None:
             queue = asyncio.Queue()
@@ -273,9 +275,9 @@ class Forwarder:
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    async def _read_error(self, upstream: aiohttp.ClientResponse) -> Response:
+    async def _read_error(self, upstream: aiohttp.ClientResponse, ex: Exchange) -> Response:
         try:
-            content = await upstream.read()
+            content = await ex.guard(upstream.read())
         except BROKEN as e:
             content = json.dumps(error_body(f"the instance failed while answering: {e}", 502)).encode()
         finally:
@@ -353,5 +355,7 @@ async def _cancel_response(task: asyncio.Task) -> None:
     try:
         response = await task
     except (asyncio.CancelledError, *BROKEN):
+        # Also swallows a cancellation of our own caller, which is already unwinding (this runs in
+        # `finally` blocks); `cancelling()` cannot tell the two apart there.
         return
     response.close()

@@ -17,7 +17,7 @@ class HealthChecker:
                  timeout: float = 2.0) -> None:
         self.registry, self.client = registry, client
         self.interval, self.timeout = interval, timeout
-        self._probing: set[str] = set()
+        self._probing: set[int] = set()  # id() of instances being probed (a restart is a new one)
         self._tasks: set[asyncio.Task] = set()
 
     async def run(self) -> None:
@@ -35,9 +35,9 @@ class HealthChecker:
         task.add_done_callback(self._tasks.discard)
 
     async def probe(self, instance: Instance) -> None:
-        if instance.url in self._probing:
+        if id(instance) in self._probing:
             return
-        self._probing.add(instance.url)
+        self._probing.add(id(instance))
         try:
             async with self.client.get(f"{instance.url}/health",
                                        timeout=aiohttp.ClientTimeout(total=self.timeout)) as r:
@@ -49,4 +49,4 @@ class HealthChecker:
         except (TimeoutError, aiohttp.ClientError) as e:
             self.registry.probe_failed(instance, f"/health failed: {type(e).__name__}: {e}")
         finally:
-            self._probing.discard(instance.url)
+            self._probing.discard(id(instance))

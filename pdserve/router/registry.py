@@ -127,7 +127,7 @@ class Registry:
         instance.fails = 0
         instance.successes += 1
         needed = self.success_threshold if instance.ever_healthy else 1
-        if not instance.healthy and instance.successes >= needed and instance.url in self._instances:
+        if not instance.healthy and instance.successes >= needed and self._instances.get(instance.url) is instance:
             instance.healthy = instance.ever_healthy = True
             log.info("%s instance %s is in the pool", instance.role, instance.url)
             self.on_change()
