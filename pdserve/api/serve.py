@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 import socket
 
 import uvicorn
@@ -105,9 +104,6 @@ def serve(args: argparse.Namespace) -> int:
                                                              ready.pd_comm_port)))
     finally:
         client.close()
-        # Everything is released; a SIGTERM from here on (say, during torch's atexit hooks) would only
-        # turn a clean exit into a traceback.
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     return 0
 
 

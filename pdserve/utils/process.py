@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -41,12 +42,19 @@ def child_env() -> dict[str, str]:
 
 
 def exit_on_sigterm() -> None:
-    """Turn SIGTERM into SystemExit so `finally` blocks (shared-memory unlink) run."""
+    """Turn SIGTERM into SystemExit so `finally` blocks (shared-memory unlink) run.
+
+    Once the interpreter starts shutting down, SIGTERM is ignored: the process is exiting anyway, and a
+    SystemExit raised inside an atexit hook (torch has some) only prints a traceback. Hooks registered
+    with threading's (private, but stable and used by concurrent.futures) `_register_atexit` run before
+    every `atexit` hook, whatever the order they were registered in.
+    """
 
     def handler(signum: int, frame: object) -> None:
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, handler)
+    threading._register_atexit(signal.signal, signal.SIGTERM, signal.SIG_IGN)
 
 
 def stop_process(proc: subprocess.Popen, ask: Callable[[], None], timeout: float) -> None:
