@@ -80,7 +80,6 @@ def build_router_app(settings: RouterSettings, reader: PromptReader) -> FastAPI:
         await client.close()
 
     app = FastAPI(title="pdserve router", lifespan=lifespan)
-    app.state.registry, app.state.selector = registry, selector
     if settings.api_key:
         app.middleware("http")(bearer_auth(settings.api_key))
 

@@ -18,7 +18,7 @@ import asyncio
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -113,7 +113,7 @@ def _close_late_response(task: asyncio.Task) -> None:
 
 class Forwarder:
     def __init__(self, client: aiohttp.ClientSession, registry: Registry, selector: Selector, max_retries: int = 2,
-                 on_retry: callable = lambda: None) -> None:  # type: ignore[valid-type]
+                 on_retry: Callable[[], None] = lambda: None) -> None:
         self.client, self.registry, self.selector = client, registry, selector
         self.max_retries = max_retries
         self.on_retry = on_retry

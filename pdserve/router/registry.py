@@ -76,7 +76,6 @@ class Registry:
         self.fail_threshold = fail_threshold
         self.success_threshold = success_threshold
         self._instances: dict[str, Instance] = {}
-        self.on_change: Callable[[], None] = lambda: None  # metrics refresh
 
     # ---- membership ------------------------------------------------------------------------------
 
@@ -98,7 +97,6 @@ class Registry:
         if (instance := self._instances.pop(url, None)) is not None:
             log.info("%s instance %s unregistered", instance.role, url)
             self._lose(instance, "the instance unregistered (it is shutting down)")
-            self.on_change()
 
     def expire(self) -> None:
         now = time.monotonic()
@@ -107,7 +105,6 @@ class Registry:
                         now - instance.last_seen)
             del self._instances[instance.url]
             self._lose(instance, f"no heartbeat for {now - instance.last_seen:.0f} s")
-            self.on_change()
 
     def all(self) -> list[Instance]:
         return sorted(self._instances.values(), key=lambda i: (i.role, i.url))
@@ -130,7 +127,6 @@ class Registry:
         if not instance.healthy and instance.successes >= needed and self._instances.get(instance.url) is instance:
             instance.healthy = instance.ever_healthy = True
             log.info("%s instance %s is in the pool", instance.role, instance.url)
-            self.on_change()
 
     def probe_failed(self, instance: Instance, reason: str, at_once: bool = False) -> None:
         """A failed probe; `at_once` (a request found it unreachable) takes it out without waiting."""
@@ -140,7 +136,6 @@ class Registry:
             instance.healthy = False
             log.warning("%s instance %s left the pool: %s", instance.role, instance.url, reason)
             self._lose(instance, reason)
-            self.on_change()
 
     def _lose(self, instance: Instance, reason: str) -> None:
         instance.healthy = False
