@@ -16,8 +16,8 @@ class RouterMetrics:
         r = self.prometheus
         self.requests = Counter("pdserve_router_requests", "requests answered, by HTTP status", ["status"], registry=r)
         self.retries = Counter("pdserve_router_retries", "requests tried again on another route", registry=r)
-        self.refused = Counter("pdserve_router_refused", "refused: bad API key, bad registration signature, "
-                               "too large", ["reason"], registry=r)
+        self.refused = Counter("pdserve_router_refused", "refused: bad registration signature, too large "
+                               "(a bad API key is refused before routing and not counted)", ["reason"], registry=r)
         r.register(_InstanceCollector(registry))
 
 

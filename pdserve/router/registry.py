@@ -109,9 +109,6 @@ class Registry:
     def all(self) -> list[Instance]:
         return sorted(self._instances.values(), key=lambda i: (i.role, i.url))
 
-    def get(self, url: str) -> Instance | None:
-        return self._instances.get(url)
-
     def healthy(self, role: str | None = None) -> list[Instance]:
         return [i for i in self.all() if i.healthy and (role is None or i.role == role)]
 
