@@ -35,7 +35,7 @@ from pdserve.disagg.messages import (
 from pdserve.disagg.transport import CacheBuffer, KVReceiver, start_receiver
 from pdserve.disagg.transport.ipc import buffer_address
 from pdserve.kv_cache import KVCache
-from pdserve.utils.process import child_entry
+from pdserve.utils.process import STOP_CHECK_MS, child_entry, raise_if_stopping, recv_until_stopped
 
 log = logging.getLogger("pdserve.cache_service")
 
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     encoder = msgspec.msgpack.Encoder()
     service = None
     try:
-        command = msgspec.msgpack.decode(engine.recv(), type=ServiceInput)
+        command = msgspec.msgpack.decode(recv_until_stopped(engine), type=ServiceInput)
         if isinstance(command, ServiceShutdown):
             return 0
         try:
@@ -118,7 +118,8 @@ def _serve(engine: zmq.Socket, service: CacheService) -> None:
         poller.register(service.inbox, zmq.POLLIN)
     inbox_decoder = msgspec.msgpack.Decoder(MessagerInput)
     while True:
-        events = dict(poller.poll())
+        raise_if_stopping()
+        events = dict(poller.poll(STOP_CHECK_MS))
         if service.inbox in events:
             # Drain the worker's signals first: they are what the decode instances wait on.
             while True:

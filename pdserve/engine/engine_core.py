@@ -34,6 +34,7 @@ from pdserve.engine.request import Request
 from pdserve.engine.request_output import error_output, final_output
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 from pdserve.engine.worker_client import WorkerClient
+from pdserve.utils.process import raise_if_stopping
 
 log = logging.getLogger("pdserve.engine")
 
@@ -69,6 +70,7 @@ class EngineCore:
         decoder = msgspec.msgpack.Decoder(EngineInput)
         encoder = msgspec.msgpack.Encoder()
         while True:
+            raise_if_stopping()
             pending: list[RequestOutput] = []
             timeout = 0 if self.scheduler.has_work else self._idle_timeout_ms()
             if self.connector is not None:

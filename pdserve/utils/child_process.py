@@ -10,7 +10,7 @@ import time
 import msgspec
 import zmq
 
-from pdserve.utils.process import child_env, stop_process
+from pdserve.utils.process import child_env, raise_if_stopping, stop_process
 
 
 class ChildDied(RuntimeError):
@@ -34,6 +34,7 @@ class ChildProcess:
         """Send once the child is connected (a PAIR socket without a peer would block forever)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self.sock.poll(self.POLL_MS, zmq.POLLOUT):
+            raise_if_stopping()
             if not self.alive():
                 raise ChildDied(f"the {self.name} process exited (code {self.proc.returncode})")
             if deadline is not None and time.monotonic() > deadline:
@@ -43,6 +44,7 @@ class ChildProcess:
     def receive(self, timeout: float | None, what: str) -> object:
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self.sock.poll(self.POLL_MS):
+            raise_if_stopping()
             if not self.alive():
                 raise ChildDied(f"the {self.name} process exited (code {self.proc.returncode}) before it could {what}")
             if deadline is not None and time.monotonic() > deadline:

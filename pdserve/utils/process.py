@@ -11,9 +11,12 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable
+from types import FrameType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import zmq
+
     from pdserve.config import EngineConfig
 
 _PR_SET_PDEATHSIG = 1
@@ -41,8 +44,17 @@ def child_env() -> dict[str, str]:
     return {**os.environ, "PDSERVE_PARENT_PID": str(os.getpid())}
 
 
+_stop_signal: int | None = None
+STOP_CHECK_MS = 500  # how long a blocking wait may go before it looks at stop_requested()
+
+
 def exit_on_sigterm() -> None:
     """Turn SIGTERM into SystemExit so `finally` blocks (shared-memory unlink) run.
+
+    Python ignores (prints and drops) an exception raised inside a finalizer, and a signal handler runs
+    wherever the main thread is, `__del__` included (a garbage-collected ZMQ socket, say). So the
+    handler also records the signal, does not raise inside a finalizer, and every blocking loop of ours
+    waits at most STOP_CHECK_MS before it calls raise_if_stopping().
 
     Once the interpreter starts shutting down, SIGTERM is ignored: the process is exiting anyway, and a
     SystemExit raised inside an atexit hook (torch has some) only prints a traceback. Hooks registered
@@ -50,11 +62,36 @@ def exit_on_sigterm() -> None:
     every `atexit` hook, whatever the order they were registered in.
     """
 
-    def handler(signum: int, frame: object) -> None:
-        raise SystemExit(128 + signum)
+    def handler(signum: int, frame: FrameType | None) -> None:
+        global _stop_signal
+        _stop_signal = signum
+        if not _in_finalizer(frame):
+            raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, handler)
     threading._register_atexit(signal.signal, signal.SIGTERM, signal.SIG_IGN)
+
+
+def raise_if_stopping() -> None:
+    """Raise the SystemExit of a stop signal that could not be raised where it arrived."""
+    if _stop_signal is not None:
+        raise SystemExit(128 + _stop_signal)
+
+
+def _in_finalizer(frame: FrameType | None) -> bool:
+    while frame is not None:
+        if frame.f_code.co_name == "__del__":
+            return True
+        frame = frame.f_back
+    return False
+
+
+def recv_until_stopped(sock: zmq.Socket) -> bytes:
+    """`sock.recv()` that a stop signal always ends (see exit_on_sigterm)."""
+    raise_if_stopping()
+    while not sock.poll(STOP_CHECK_MS):
+        raise_if_stopping()
+    return sock.recv()
 
 
 def stop_process(proc: subprocess.Popen, ask: Callable[[], None], timeout: float) -> None:

@@ -15,7 +15,7 @@ import zmq
 
 from pdserve.engine.messages import CacheCommand, ExecuteStep, WorkerError, WorkerInput, WorkerShutdown
 from pdserve.loader.errors import ModelLoadError
-from pdserve.utils.process import child_entry
+from pdserve.utils.process import child_entry, recv_until_stopped
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             worker = Worker(config, ctx)
             sock.send(encoder.encode(worker.loaded_message()))
-            command = decoder.decode(sock.recv())
+            command = decoder.decode(recv_until_stopped(sock))
             if isinstance(command, WorkerShutdown):
                 return 0
             if not isinstance(command, CacheCommand):
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
             sock.send(encoder.encode(WorkerError(error=str(e))))
             return 1
         while True:
-            msg = decoder.decode(sock.recv())
+            msg = decoder.decode(recv_until_stopped(sock))
             if isinstance(msg, WorkerShutdown):
                 return 0
             try:
