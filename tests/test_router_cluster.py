@@ -6,6 +6,7 @@ instances killed under load (a D mid-stream, a P with requests queued on it).
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -14,6 +15,7 @@ from pathlib import Path
 import httpx
 import msgspec
 import openai
+import psutil
 import pytest
 import yaml
 import zmq
@@ -173,6 +175,19 @@ def test_forged_control_messages_are_refused(cluster: dict) -> None:
     sock.close()
     ctx.term()
     assert "refused a control message" in p0.log()
+    assert _client(cluster["router"].url).completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices
+
+
+def test_a_kv_connection_without_the_secret_is_refused_and_counted(cluster: dict) -> None:
+    d0 = cluster["d0"]
+    (service,) = d0.children("pdserve.disagg.cache_service")
+    (port,) = [c.laddr.port for c in service.net_connections("tcp") if c.status == psutil.CONN_LISTEN]
+    with socket.create_connection((d0.host, port), timeout=5) as conn:
+        conn.recv(64)  # the challenge
+        conn.sendall(b"\0" * 32)  # a wrong answer
+        assert conn.recv(1) == b""  # hung up on
+    wait_for(lambda: _metric(d0, "pdserve_kv_refused_connections") == 1, 5, "the refusal was not counted")
+    assert "refused a KV connection" in d0.log()
     assert _client(cluster["router"].url).completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices
 
 

@@ -55,6 +55,8 @@ class ServerMetrics:
                                            "prefill: KV transfers completed, by transport", ["protocol"], registry=r)
         self.refused_control = Gauge("pdserve_pd_refused_control_messages",
                                      "control messages refused: forged, replayed or from another cluster", registry=r)
+        self.refused_kv = Gauge("pdserve_kv_refused_connections",
+                                "decode: KV data connections refused (no or another --cluster-secret)", registry=r)
         self._last_bytes = 0
 
     def request_started(self) -> None:
@@ -110,6 +112,7 @@ class ServerMetrics:
         self.transfers_failed.set(stats["kv_transfers_failed"])
         self.queued_for_blocks.set(stats.get("pd_queued_for_blocks", 0))
         self.refused_control.set(stats.get("pd_refused_control_messages", 0))
+        self.refused_kv.set(stats.get("kv_refused_connections", 0))
         for protocol, n in stats.get("kv_transfers_by_protocol", {}).items():
             self.transfers_by_protocol.labels(protocol).set(n)
         seconds = stats["kv_transfer_seconds"]

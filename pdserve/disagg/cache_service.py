@@ -28,6 +28,7 @@ from pdserve.disagg.messages import (
     DetachCache,
     ExtendDeadline,
     MessagerInput,
+    ReceiverStats,
     ServiceError,
     ServiceInput,
     ServiceShutdown,
@@ -117,9 +118,13 @@ def _serve(engine: zmq.Socket, service: CacheService) -> None:
     if service.inbox is not None:
         poller.register(service.inbox, zmq.POLLIN)
     inbox_decoder = msgspec.msgpack.Decoder(MessagerInput)
+    reported_refusals = 0
     while True:
         raise_if_stopping()
         events = dict(poller.poll(STOP_CHECK_MS))
+        if (refused := sum(r.refused for r in service.receivers)) != reported_refusals:
+            engine.send(msgspec.msgpack.encode(ReceiverStats(refused)))
+            reported_refusals = refused
         if service.inbox in events:
             # Drain the worker's signals first: they are what the decode instances wait on.
             while True:

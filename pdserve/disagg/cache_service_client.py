@@ -12,6 +12,7 @@ from pdserve.disagg.messages import (
     CreateCache,
     DetachCache,
     ExtendDeadline,
+    ReceiverStats,
     ServiceError,
     ServiceMessage,
     ServiceShutdown,
@@ -26,6 +27,7 @@ class CacheServiceClient:
                                   ["--config", config.encode(), "--messager-address", messager_address],
                                   ctx, address, ServiceMessage)
         self.proc = self.child.proc
+        self.refused_connections = 0  # decode side: KV connections its receivers refused
 
     @property
     def sock(self) -> zmq.Socket:
@@ -50,10 +52,13 @@ class CacheServiceClient:
         self.child.send(ExtendDeadline(transfer_id, deadline))
 
     def transfer_reports(self) -> list[TransferDone]:
+        """What the service sent since the last call: transfer reports (returned), receiver stats (kept)."""
         out = []
         while (msg := self.child.receive_nowait()) is not None:
             if isinstance(msg, TransferDone):
                 out.append(msg)
+            elif isinstance(msg, ReceiverStats):
+                self.refused_connections = msg.refused_connections
         return out
 
     def alive(self) -> bool:

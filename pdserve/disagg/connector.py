@@ -382,10 +382,11 @@ class _Incoming:
 
 class DecodeConnector(_Connector):
     def __init__(self, config: EngineConfig, scheduler: Scheduler, layout: KVLayout, ctx: zmq.Context,
-                 endpoints: list[Endpoint]) -> None:
+                 endpoints: list[Endpoint], service: CacheServiceClient) -> None:
         super().__init__(config, scheduler, layout)
         self.ctx = ctx
         self.endpoints = endpoints
+        self.service = service  # runs the receivers; reports what they refused
         self._dealers: dict[str, zmq.Socket] = {}
         self._queue: deque[_Incoming] = deque()  # waiting for free blocks
         self._by_tid: dict[str, _Incoming] = {}
@@ -424,6 +425,7 @@ class DecodeConnector(_Connector):
 
     def poll(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
+        self.service.transfer_reports()  # none come on D: this only takes the receivers' stats
         for addr, dealer in list(self._dealers.items()):
             while True:
                 try:
@@ -479,7 +481,8 @@ class DecodeConnector(_Connector):
 
     def stats_dict(self) -> dict:
         return {**super().stats_dict(), "pd_queued_for_blocks": len(self._queue),
-                "pd_quarantined_blocks": sum(len(b) for _, b in self._quarantine)}
+                "pd_quarantined_blocks": sum(len(b) for _, b in self._quarantine),
+                "kv_refused_connections": self.service.refused_connections}
 
     # ---- internals ---------------------------------------------------------------------------
 

@@ -68,7 +68,13 @@ class ServiceError(msgspec.Struct, tag=True):
     error: str
 
 
-ServiceMessage = CacheServiceReady | TransferDone | ServiceError
+class ReceiverStats(msgspec.Struct, tag=True):
+    """Decode side: sent when the count changes, so the engine can export it."""
+
+    refused_connections: int  # KV connections that failed the cluster-secret challenge, since start
+
+
+ServiceMessage = CacheServiceReady | TransferDone | ServiceError | ReceiverStats
 
 
 # ---- control plane: decode <-> prefill -------------------------------------------------------

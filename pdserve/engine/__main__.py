@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
             core.connector = PrefillConnector(config, core.scheduler, layout, ctx, started.cache_service)
             port = core.connector.port
         elif config.splitwise_role == "decode":
-            core.connector = DecodeConnector(config, core.scheduler, layout, ctx, started.endpoints)
+            core.connector = DecodeConnector(config, core.scheduler, layout, ctx, started.endpoints,
+                                             started.cache_service)
         if core.connector is not None:
             core.connector.on_abort = core.forget
         outputs.send(encoder.encode(EngineReady(

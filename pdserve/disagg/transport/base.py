@@ -85,6 +85,8 @@ class KVWriter(ABC):
 
 
 class KVReceiver(ABC):
+    refused: int = 0  # connections that failed the cluster-secret challenge (a receiver that takes none: 0)
+
     @property
     @abstractmethod
     def endpoint(self) -> Endpoint: ...
