@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from pdserve.config import EngineConfig
 
 _PR_SET_PDEATHSIG = 1
+_parent_pid: int | None = None  # set by die_with_parent: the process we must not outlive
 
 
 def die_with_parent() -> None:
@@ -34,9 +35,12 @@ def die_with_parent() -> None:
             libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
         except OSError:
             pass
+    global _parent_pid
     expected = os.environ.get("PDSERVE_PARENT_PID")
-    if expected is not None and int(expected) != os.getppid():  # checked after prctl: no gap
-        sys.exit(1)
+    if expected is not None:
+        _parent_pid = int(expected)
+        if _parent_pid != os.getppid():  # checked after prctl: no gap
+            sys.exit(1)
 
 
 def child_env() -> dict[str, str]:
@@ -54,7 +58,8 @@ def exit_on_sigterm() -> None:
     Python ignores (prints and drops) an exception raised inside a finalizer, and a signal handler runs
     wherever the main thread is, `__del__` included (a garbage-collected ZMQ socket, say). So the
     handler also records the signal, does not raise inside a finalizer, and every blocking loop of ours
-    waits at most STOP_CHECK_MS before it calls raise_if_stopping().
+    waits at most STOP_CHECK_MS before it calls raise_if_stopping(), which also notices a dead parent
+    whatever became of its signal.
 
     Once the interpreter starts shutting down, SIGTERM is ignored: the process is exiting anyway, and a
     SystemExit raised inside an atexit hook (torch has some) only prints a traceback. Hooks registered
@@ -73,9 +78,12 @@ def exit_on_sigterm() -> None:
 
 
 def raise_if_stopping() -> None:
-    """Raise the SystemExit of a stop signal that could not be raised where it arrived."""
+    """Raise the SystemExit of a stop signal that could not be raised where it arrived, or of a parent
+    (see die_with_parent) that is gone."""
     if _stop_signal is not None:
         raise SystemExit(128 + _stop_signal)
+    if _parent_pid is not None and os.getppid() != _parent_pid:
+        raise SystemExit(128 + signal.SIGTERM)  # what PR_SET_PDEATHSIG would have made of it
 
 
 def _in_finalizer(frame: FrameType | None) -> bool:
