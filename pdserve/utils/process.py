@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 
 _PR_SET_PDEATHSIG = 1
 _parent_pid: int | None = None  # set by die_with_parent: the process we must not outlive
+_stop_signal: int | None = None  # set by exit_on_sigterm's handler
+STOP_CHECK_MS = 500  # how long a blocking wait may go before it calls raise_if_stopping()
 
 
 def die_with_parent() -> None:
@@ -46,10 +48,6 @@ def die_with_parent() -> None:
 def child_env() -> dict[str, str]:
     """The environment for a child that calls die_with_parent()."""
     return {**os.environ, "PDSERVE_PARENT_PID": str(os.getpid())}
-
-
-_stop_signal: int | None = None
-STOP_CHECK_MS = 500  # how long a blocking wait may go before it looks at stop_requested()
 
 
 def exit_on_sigterm() -> None:
