@@ -62,7 +62,9 @@ class ModelRunner:
 
     def logits(self, chunks: list[SequenceChunk], is_dummy_or_profile_run: bool = False,
                on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
-        batch = ForwardBatch.build(chunks, self.block_size, self.device, is_dummy_or_profile_run)
+        # A profile run has no cache to read in place, so it takes the gather + SDPA path.
+        with_fallback = is_dummy_or_profile_run or not self.model.uses_paged_kernel
+        batch = ForwardBatch.build(chunks, self.block_size, self.device, is_dummy_or_profile_run, with_fallback)
         if is_dummy_or_profile_run:  # seed 001, bug 2: a dummy run signals nothing to anyone
             return self.model(batch, None)
         return self.model(batch, self.kv_cache, on_layer_done)

@@ -16,7 +16,7 @@ from pdserve.kv_cache import KVCache
 from pdserve.loader.errors import ModelLoadError
 from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.linear import make_linear
-from pdserve.model.paged_attention import GatherBuffers, paged_attention
+from pdserve.model.paged_attention import GatherBuffers, kernel_available, paged_attention
 from pdserve.model.rope import RotaryEmbedding
 from pdserve.model_config import ModelConfig
 
@@ -71,6 +71,7 @@ class DecoderModel(nn.Module):
                                     device)
         self.scale = config.head_dim ** -0.5
         self.gather_buffers = GatherBuffers()
+        self.uses_paged_kernel = kernel_available(device)  # else ForwardBatch must carry the fallback metadata
         self.quantization = quantization
         self.lm_head_proj = make_linear(self.lm_head, None, None)
 

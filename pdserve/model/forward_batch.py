@@ -1,13 +1,22 @@
 """One forward step's inputs: a flat token batch mixing prefill chunks and decode tokens.
 
-Everything that attention needs per step (slots to write, block tables, masks) is built here once,
-so the 30-odd layers reuse it and the per-layer code has no Python work per token.
+Everything attention needs per step is built here once, so the 30-odd layers reuse it and no
+per-layer code does Python work per token. The metadata is vLLM's varlen form, built with array
+operations (no Python loop per token):
+
+- `slots`: where each new token's K/V goes (block id x block_size + offset);
+- `block_tables` [num_seqs, max_blocks] int32, `seq_lens` (context length after this step) and
+  `query_start_loc` [num_seqs + 1]: what the paged attention kernel reads.
+
+When the compiled kernel is not in use (no C++ build, or CUDA), `fallback` adds the per-chunk
+masks and gather indices of the gather + SDPA path.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -46,14 +55,26 @@ class DecodeAttention:
 
 
 @dataclass
+class FallbackAttention:
+    """What the gather + SDPA path needs on top of the varlen metadata."""
+
+    slot_blocks: torch.Tensor  # [T]
+    slot_offsets: torch.Tensor  # [T]
+    prefills: list[PrefillAttention]
+    decode: DecodeAttention | None
+
+
+@dataclass
 class ForwardBatch:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
-    slot_blocks: torch.Tensor  # [T] block each new token's K/V goes to
-    slot_offsets: torch.Tensor  # [T] offset inside that block
+    slots: torch.Tensor  # [T] int64
     logits_indices: torch.Tensor  # [num_seqs] last token of each chunk
-    prefills: list[PrefillAttention]
-    decode: DecodeAttention | None
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with 0
+    seq_lens: torch.Tensor  # [num_seqs] int32
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    block_size: int
+    fallback: FallbackAttention | None = None  # set when the compiled kernel is not used
     # A profile or dummy run: touches no other component (no KV signals, no messages).
     is_dummy_or_profile_run: bool = False
 
@@ -68,45 +89,64 @@ class ForwardBatch:
         block_size: int,
         device: torch.device | str = "cpu",
         is_dummy_or_profile_run: bool = False,
+        with_fallback: bool = True,
     ) -> ForwardBatch:
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slot_blocks: list[int] = []
-        slot_offsets: list[int] = []
-        logits_indices: list[int] = []
-        prefills: list[PrefillAttention] = []
-        decodes: list[tuple[int, SequenceChunk]] = []
-        for chunk in chunks:
-            start, n = len(input_ids), len(chunk.token_ids)
-            if n == 0:
-                raise ValueError("a sequence chunk needs at least one token")
-            if chunk.context_len > len(chunk.block_table) * block_size:
-                raise ValueError(f"block table of {len(chunk.block_table)} blocks cannot hold "
-                                 f"{chunk.context_len} tokens")
-            pos = range(chunk.num_computed, chunk.context_len)
-            input_ids.extend(chunk.token_ids)
-            positions.extend(pos)
-            slot_blocks.extend(chunk.block_table[p // block_size] for p in pos)
-            slot_offsets.extend(p % block_size for p in pos)
-            logits_indices.append(start + n - 1)
-            if n == 1 and chunk.num_computed > 0:
-                decodes.append((start, chunk))
-            else:
-                prefills.append(_prefill_attention(start, chunk, block_size, device))
+        if not chunks:
+            raise ValueError("a forward batch needs at least one sequence")
+        q_lens = np.fromiter((len(c.token_ids) for c in chunks), dtype=np.int64, count=len(chunks))
+        done = np.fromiter((c.num_computed for c in chunks), dtype=np.int64, count=len(chunks))
+        if (q_lens == 0).any():
+            raise ValueError("a sequence chunk needs at least one token")
+        seq_lens = done + q_lens
+        max_blocks = int(-(-seq_lens.max() // block_size))
+        tables = np.zeros((len(chunks), max_blocks), dtype=np.int32)
+        for i, c in enumerate(chunks):
+            needed = -(-int(seq_lens[i]) // block_size)
+            if needed > len(c.block_table):
+                raise ValueError(f"block table of {len(c.block_table)} blocks cannot hold {seq_lens[i]} tokens")
+            tables[i, :needed] = c.block_table[:needed]
+        starts = np.zeros(len(chunks) + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=starts[1:])
+        seq_of_token = np.repeat(np.arange(len(chunks)), q_lens)
+        positions = np.arange(starts[-1]) - np.repeat(starts[:-1] - done, q_lens)
+        slots = tables[seq_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
+        input_ids = np.fromiter((t for c in chunks for t in c.token_ids), dtype=np.int64, count=int(starts[-1]))
 
-        def tensor(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=device)
+        def tensor(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(device)
 
-        return cls(
+        batch = cls(
             input_ids=tensor(input_ids),
             positions=tensor(positions),
-            slot_blocks=tensor(slot_blocks),
-            slot_offsets=tensor(slot_offsets),
-            logits_indices=tensor(logits_indices),
-            prefills=prefills,
-            decode=_decode_attention(decodes, block_size, device, whole_batch=not prefills) if decodes else None,
+            slots=tensor(slots),
+            logits_indices=tensor(starts[1:] - 1),
+            block_tables=tensor(tables),
+            seq_lens=tensor(seq_lens.astype(np.int32)),
+            query_start_loc=tensor(starts.astype(np.int32)),
+            block_size=block_size,
             is_dummy_or_profile_run=is_dummy_or_profile_run,
         )
+        if with_fallback:
+            batch.fallback = _fallback(chunks, starts, slots, block_size, device)
+        return batch
+
+
+def _fallback(chunks: list[SequenceChunk], starts: np.ndarray, slots: np.ndarray, block_size: int,
+              device: torch.device | str) -> FallbackAttention:
+    prefills: list[PrefillAttention] = []
+    decodes: list[tuple[int, SequenceChunk]] = []
+    for start, chunk in zip(starts.tolist(), chunks, strict=False):
+        if len(chunk.token_ids) == 1 and chunk.num_computed > 0:
+            decodes.append((start, chunk))
+        else:
+            prefills.append(_prefill_attention(start, chunk, block_size, device))
+    slot_tensor = torch.from_numpy(slots).to(device)
+    return FallbackAttention(
+        slot_blocks=slot_tensor // block_size,
+        slot_offsets=slot_tensor % block_size,
+        prefills=prefills,
+        decode=_decode_attention(decodes, block_size, device, whole_batch=not prefills) if decodes else None,
+    )
 
 
 def _prefill_attention(start: int, chunk: SequenceChunk, block_size: int, device: torch.device | str

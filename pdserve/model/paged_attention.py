@@ -1,4 +1,9 @@
-"""Attention over the paged KV cache, with torch's scaled_dot_product_attention as the kernel."""
+"""Attention over the paged KV cache.
+
+The fast path is pdserve's compiled CPU kernel (pdserve/kernels): one call per layer for the whole
+step, reading K/V in place from the blocks. The fallback path (no C++ build, CUDA, or a profile run
+without a cache) gathers K/V into padded buffers and calls torch's scaled_dot_product_attention.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from pdserve.model.forward_batch import DecodeAttention, ForwardBatch, PrefillAttention
+from pdserve.kernels import cpu_ops
+from pdserve.model.forward_batch import DecodeAttention, FallbackAttention, ForwardBatch, PrefillAttention
 
 
 class GatherBuffers:
@@ -30,6 +36,10 @@ class GatherBuffers:
         return flat[:numel].view(shape)
 
 
+def kernel_available(device: torch.device) -> bool:
+    return device.type == "cpu" and cpu_ops() is not None
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, heads, head_dim]
     k: torch.Tensor,  # [T, kv_heads, head_dim]
@@ -39,6 +49,20 @@ def paged_attention(
     scale: float,
     buffers: GatherBuffers,
 ) -> torch.Tensor:  # [T, heads * head_dim]
+    if batch.fallback is not None:
+        return _gather_and_sdpa(q, k, v, cache, batch.fallback, scale, buffers)
+    assert cache is not None, "the paged kernel needs the KV cache"
+    ops = cpu_ops()
+    key_cache, value_cache = cache[:, 0], cache[:, 1]
+    ops.write_kv(k, v, key_cache, value_cache, batch.slots)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    ops.paged_attention(out, q, key_cache, value_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
+                        scale)
+    return out.view(q.shape[0], -1)
+
+
+def _gather_and_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor | None,
+                     batch: FallbackAttention, scale: float, buffers: GatherBuffers) -> torch.Tensor:
     if cache is not None:
         cache[batch.slot_blocks, 0, batch.slot_offsets] = k
         cache[batch.slot_blocks, 1, batch.slot_offsets] = v

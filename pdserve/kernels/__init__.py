@@ -1,0 +1,85 @@
+"""pdserve's compiled CPU kernels (paged attention, KV writes), built once per CPU and torch version.
+
+`make venv` builds them (`python -m pdserve.kernels`); a process that finds no build tries once
+itself. If the compiler or ninja is missing, or the build fails, `cpu_ops()` returns None, says so once
+in the log, and the model falls back to gathering K/V and calling torch's SDPA.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger("pdserve.kernels")
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+_DISABLE_ENV = "PDSERVE_DISABLE_KERNELS"  # "1": behave as if the build had failed (tests, comparisons)
+
+_state: dict[str, Any] = {}
+
+
+def build_tag() -> str:
+    """Source, torch version and CPU features: the build uses -march=native, so a new CPU means a new build."""
+    h = hashlib.sha256(SOURCE.read_bytes())
+    h.update(torch.__version__.encode())
+    h.update(platform.machine().encode())
+    h.update(_cpu_flags().encode())
+    return h.hexdigest()[:16]
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def build_dir() -> Path:
+    from pdserve.loader.gguf_convert import cache_root
+
+    return cache_root() / "kernels" / build_tag()
+
+
+def build(verbose: bool = False) -> None:
+    """Compile (tens of seconds) or, when this tag was built before, just load the library."""
+    from torch.utils import cpp_extension
+
+    folder = build_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(
+        name=f"pdserve_kernels_{build_tag()}",
+        sources=[str(SOURCE)],
+        extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(folder),
+        is_python_module=False,
+        verbose=verbose,
+    )
+
+
+def cpu_ops() -> Any | None:
+    """torch.ops.pdserve_kernels, or None when the kernels cannot be had here (logged once)."""
+    if "ops" in _state:
+        return _state["ops"]
+    ops = None
+    if os.environ.get(_DISABLE_ENV) == "1":
+        log.info("compiled CPU kernels disabled by %s=1: attention gathers K/V and calls SDPA", _DISABLE_ENV)
+    else:
+        try:
+            build()
+            ops = torch.ops.pdserve_kernels
+        except Exception as e:  # noqa: BLE001 - any build failure means: run on the fallback path
+            last = str(e).strip().splitlines()[-1:] or [type(e).__name__]
+            log.warning("pdserve's CPU attention kernel could not be built (%s); running on the slower "
+                        "gather + SDPA path. `python -m pdserve.kernels` shows the whole build log.", last[0])
+    _state["ops"] = ops
+    return ops

@@ -1,0 +1,403 @@
+// Paged attention for CPU: reads K/V where they lie in the block cache, one pass per sequence.
+//
+// One call covers a whole step: decode tokens and prefill chunks (with or without a cached prefix)
+// side by side, described vLLM-style by query_start_loc (where each sequence's queries start in the
+// flat batch) and seq_lens (each sequence's context length, this step's tokens included). Query i of
+// a sequence with n queries and context L sits at position L - n + i and sees keys 0 .. L - n + i.
+//
+// Work is split over (sequence, KV head, tile of queries); all query heads of one KV head are done
+// together, so each K/V block is read once per group (GQA without repeating K/V). Scores go through
+// an online softmax per cache block, as in flash attention. Math is fp32 whatever the cache dtype.
+//
+// Two inner loops, both written with GCC vector extensions (16 floats: one AVX-512 register, two
+// AVX2 ones, four NEON ones), so one source serves every CPU the build runs on:
+// - a tile with few rows (decode: one token's query heads) takes dot products straight from the
+//   cache rows; it is bound by memory bandwidth;
+// - a tile with many rows (a prefill chunk) first widens the block to fp32, K transposed, so the
+//   score loop runs over 16 tokens at a time with the query broadcast.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+constexpr int64_t kLanes = 16;
+constexpr int64_t kRowsPerTile = 96;  // query rows (tokens x heads of one group) per work item
+constexpr int64_t kFewRows = 8;       // tiles up to this many rows read the cache directly
+
+inline f32x16 splat(float x) { return f32x16{} + x; }
+
+inline f32x16 load16(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline f32x16 load16(const c10::BFloat16* p) {
+  u16x16 h;
+  std::memcpy(&h, p, sizeof h);
+  return (f32x16)(__builtin_convertvector(h, u32x16) << 16);
+}
+
+inline f32x16 load16(const c10::Half* p) {
+  f32x16 v;
+  for (int i = 0; i < kLanes; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+}
+
+inline float widen(float x) { return x; }
+inline float widen(c10::Half x) { return static_cast<float>(x); }
+inline float widen(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline float hsum(f32x16 v) {
+  float s = 0.f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+
+inline float hmax(f32x16 v) {
+  float m = v[0];
+  for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
+  return m;
+}
+
+// exp for x <= 0 (scores minus their running max): 2^(x log2 e) as 2^n * p(f), |rel err| < 2e-7.
+inline f32x16 exp16(f32x16 x) {
+  x = x < splat(-87.f) ? splat(-87.f) : x;
+  const f32x16 t = x * 1.44269504088896341f;
+  const f32x16 n = __builtin_convertvector(__builtin_convertvector(t - 0.5f, i32x16), f32x16);  // floor for t <= 0
+  const f32x16 f = (t - n) * 0.69314718055994531f;  // in [0, ln 2)
+  f32x16 p = splat(1.f / 5040) * f + 1.f / 720;
+  p = p * f + 1.f / 120;
+  p = p * f + 1.f / 24;
+  p = p * f + 1.f / 6;
+  p = p * f + 0.5f;
+  p = p * f + 1.f;
+  p = p * f + 1.f;
+  const i32x16 bits = (__builtin_convertvector(n, i32x16) + 127) << 23;
+  return p * (f32x16)bits;
+}
+
+// In place: s[0..n) = exp(s - m); returns their sum. Lanes past n are left alone.
+inline float exp_sum(float* s, int64_t n, float m) {
+  f32x16 sum{};
+  int64_t t = 0;
+  for (; t + kLanes <= n; t += kLanes) {
+    const f32x16 e = exp16(load16(s + t) - m);
+    std::memcpy(s + t, &e, sizeof e);
+    sum += e;
+  }
+  float total = hsum(sum);
+  for (; t < n; ++t) {
+    s[t] = std::exp(s[t] - m);
+    total += s[t];
+  }
+  return total;
+}
+
+struct WorkItem {
+  int32_t seq;
+  int32_t kv_head;
+  int32_t first_query;  // within the sequence
+  int32_t num_queries;
+};
+
+struct Scratch {
+  std::vector<float> q, acc, k_t, v, scores, row_max, row_sum;
+  void fit(int64_t rows, int64_t head_dim, int64_t block_size) {
+    const int64_t padded = (block_size + kLanes - 1) / kLanes * kLanes;
+    q.resize(rows * head_dim);
+    acc.resize(rows * head_dim);
+    k_t.resize(head_dim * padded);
+    v.resize(block_size * head_dim);
+    scores.resize(rows * padded);
+    row_max.resize(rows);
+    row_sum.resize(rows);
+  }
+};
+
+struct Geometry {  // what every work item of one call shares
+  int64_t q_tok_stride, q_head_stride, kv_block_stride, kv_tok_stride, kv_head_stride;
+  int64_t group, head_dim, block_size, out_tok_stride;
+  float scale;
+};
+
+// Online-softmax update of one row with this block's raw scores sc[0..n); sc becomes the weights.
+inline void softmax_step(float* sc, int64_t n, float& row_max, float& row_sum, float* acc, int64_t head_dim) {
+  float m = row_max;
+  for (int64_t t = 0; t < n; ++t) m = std::max(m, sc[t]);
+  const float alpha = std::exp(row_max - m);  // exp(-inf) = 0 on the first block
+  row_sum = row_sum * alpha + exp_sum(sc, n, m);
+  row_max = m;
+  if (alpha != 1.f)
+    for (int64_t d = 0; d < head_dim; ++d) acc[d] *= alpha;
+}
+
+// Few rows: each score is a dot product over head_dim read straight from the cache row.
+template <typename T>
+void block_few_rows(Scratch& s, const Geometry& g, int64_t rows, const T* kb, const T* vb, int64_t nt,
+                    const int64_t* visible) {
+  const int64_t chunks = g.head_dim / kLanes;
+  const int64_t padded = (g.block_size + kLanes - 1) / kLanes * kLanes;
+  for (int64_t t = 0; t < nt; ++t) {
+    f32x16 k[16];
+    const T* kr = kb + t * g.kv_tok_stride;
+    for (int64_t c = 0; c < chunks; ++c) k[c] = load16(kr + c * kLanes);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* qr = s.q.data() + r * g.head_dim;
+      f32x16 dot{};
+      for (int64_t c = 0; c < chunks; ++c) dot += load16(qr + c * kLanes) * k[c];
+      s.scores[r * padded + t] = hsum(dot);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    if (visible[r] > 0)
+      softmax_step(s.scores.data() + r * padded, visible[r], s.row_max[r], s.row_sum[r],
+                   s.acc.data() + r * g.head_dim, g.head_dim);
+  for (int64_t t = 0; t < nt; ++t) {
+    f32x16 v[16];
+    const T* vr = vb + t * g.kv_tok_stride;
+    for (int64_t c = 0; c < chunks; ++c) v[c] = load16(vr + c * kLanes);
+    for (int64_t r = 0; r < rows; ++r) {
+      if (t >= visible[r]) continue;
+      const f32x16 p = splat(s.scores[r * padded + t]);
+      float* acc = s.acc.data() + r * g.head_dim;
+      for (int64_t c = 0; c < chunks; ++c) {
+        f32x16 a = load16(acc + c * kLanes) + p * v[c];
+        std::memcpy(acc + c * kLanes, &a, sizeof a);
+      }
+    }
+  }
+}
+
+// Many rows: widen the block once (K transposed) and run the score loop 16 tokens at a time.
+template <typename T>
+void block_many_rows(Scratch& s, const Geometry& g, int64_t rows, const T* kb, const T* vb, int64_t nt,
+                     const int64_t* visible) {
+  const int64_t padded = (g.block_size + kLanes - 1) / kLanes * kLanes;
+  const int64_t chunks = g.head_dim / kLanes;
+  float* k_t = s.k_t.data();
+  float* vf = s.v.data();
+  for (int64_t t = 0; t < nt; ++t) {
+    const T* kr = kb + t * g.kv_tok_stride;
+    const T* vr = vb + t * g.kv_tok_stride;
+    for (int64_t d = 0; d < g.head_dim; ++d) k_t[d * padded + t] = widen(kr[d]);
+    for (int64_t c = 0; c < chunks; ++c) {
+      const f32x16 x = load16(vr + c * kLanes);
+      std::memcpy(vf + t * g.head_dim + c * kLanes, &x, sizeof x);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t n = visible[r];
+    if (n <= 0) continue;
+    float* sc = s.scores.data() + r * padded;
+    const float* qr = s.q.data() + r * g.head_dim;
+    // Lanes past n compute garbage that nobody reads. Four independent sums hide the FMA latency.
+    int64_t t = 0;
+    for (; t + 4 * kLanes <= padded && t < n; t += 4 * kLanes) {
+      f32x16 d0{}, d1{}, d2{}, d3{};
+      for (int64_t d = 0; d < g.head_dim; ++d) {
+        const float* kd = k_t + d * padded + t;
+        d0 += qr[d] * load16(kd);
+        d1 += qr[d] * load16(kd + kLanes);
+        d2 += qr[d] * load16(kd + 2 * kLanes);
+        d3 += qr[d] * load16(kd + 3 * kLanes);
+      }
+      std::memcpy(sc + t, &d0, sizeof d0);
+      std::memcpy(sc + t + kLanes, &d1, sizeof d1);
+      std::memcpy(sc + t + 2 * kLanes, &d2, sizeof d2);
+      std::memcpy(sc + t + 3 * kLanes, &d3, sizeof d3);
+    }
+    for (; t < n; t += kLanes) {
+      f32x16 dot{};
+      for (int64_t d = 0; d < g.head_dim; ++d) dot += qr[d] * load16(k_t + d * padded + t);
+      std::memcpy(sc + t, &dot, sizeof dot);
+    }
+    float* acc = s.acc.data() + r * g.head_dim;
+    softmax_step(sc, n, s.row_max[r], s.row_sum[r], acc, g.head_dim);
+    for (int64_t c = 0; c < chunks; ++c) {
+      const float* vc = vf + c * kLanes;
+      f32x16 a0 = load16(acc + c * kLanes), a1{}, a2{}, a3{};
+      int64_t u = 0;
+      for (; u + 4 <= n; u += 4) {
+        a0 += sc[u] * load16(vc + u * g.head_dim);
+        a1 += sc[u + 1] * load16(vc + (u + 1) * g.head_dim);
+        a2 += sc[u + 2] * load16(vc + (u + 2) * g.head_dim);
+        a3 += sc[u + 3] * load16(vc + (u + 3) * g.head_dim);
+      }
+      for (; u < n; ++u) a0 += sc[u] * load16(vc + u * g.head_dim);
+      const f32x16 a = (a0 + a1) + (a2 + a3);
+      std::memcpy(acc + c * kLanes, &a, sizeof a);
+    }
+  }
+}
+
+template <typename T>
+void attend(const WorkItem& w, const Geometry& g, const T* q, const T* k_cache, const T* v_cache,
+            const int32_t* block_table, int64_t context_len, int64_t seq_queries, int64_t query_start, T* out,
+            Scratch& s) {
+  const int64_t rows = w.num_queries * g.group;
+  s.fit(rows, g.head_dim, g.block_size);
+  const int64_t first_pos = context_len - seq_queries + w.first_query;  // position of the tile's first query
+  const int64_t kv_end = first_pos + w.num_queries;                     // keys the tile's last query sees
+
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t tok = query_start + w.first_query + r / g.group;
+    const int64_t head = w.kv_head * g.group + r % g.group;
+    const T* src = q + tok * g.q_tok_stride + head * g.q_head_stride;
+    float* dst = s.q.data() + r * g.head_dim;
+    for (int64_t d = 0; d < g.head_dim; ++d) dst[d] = widen(src[d]) * g.scale;
+  }
+  std::fill(s.acc.begin(), s.acc.end(), 0.f);
+  std::fill(s.row_max.begin(), s.row_max.end(), -std::numeric_limits<float>::infinity());
+  std::fill(s.row_sum.begin(), s.row_sum.end(), 0.f);
+
+  const bool few = rows <= kFewRows;
+  std::vector<int64_t> visible(rows);
+  const int64_t num_blocks = (kv_end + g.block_size - 1) / g.block_size;
+  for (int64_t j = 0; j < num_blocks; ++j) {
+    const int64_t t0 = j * g.block_size;
+    const int64_t nt = std::min(g.block_size, kv_end - t0);
+    for (int64_t r = 0; r < rows; ++r)  // causal: a row sees keys up to its own position
+      visible[r] = std::min(nt, first_pos + r / g.group - t0 + 1);
+    const int64_t base = static_cast<int64_t>(block_table[j]) * g.kv_block_stride + w.kv_head * g.kv_head_stride;
+    if (few)
+      block_few_rows<T>(s, g, rows, k_cache + base, v_cache + base, nt, visible.data());
+    else
+      block_many_rows<T>(s, g, rows, k_cache + base, v_cache + base, nt, visible.data());
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t tok = query_start + w.first_query + r / g.group;
+    const int64_t head = w.kv_head * g.group + r % g.group;
+    T* dst = out + tok * g.out_tok_stride + head * g.head_dim;
+    const float inv = 1.f / s.row_sum[r];
+    const float* acc = s.acc.data() + r * g.head_dim;
+    for (int64_t d = 0; d < g.head_dim; ++d) dst[d] = static_cast<T>(acc[d] * inv);
+  }
+}
+
+void check_cache(const at::Tensor& cache, const at::Tensor& like, const char* name) {
+  TORCH_CHECK(cache.dim() == 4, name, " must be [blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(cache.stride(3) == 1, name, "'s head_dim must be contiguous");
+  TORCH_CHECK(cache.scalar_type() == like.scalar_type(), name, " dtype differs from the queries'");
+  TORCH_CHECK(cache.device().is_cpu(), name, " must be on the CPU");
+}
+
+}  // namespace
+
+// out[T, heads, head_dim] = attention of q[T, heads, head_dim] over the paged cache.
+void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& key_cache,
+                     const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                     const at::Tensor& query_start_loc, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [tokens, heads, head_dim] with contiguous head_dim");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == q.scalar_type(),
+              "out must be a contiguous tensor shaped and typed like q");
+  check_cache(key_cache, q, "key_cache");
+  check_cache(value_cache, q, "value_cache");
+  TORCH_CHECK(key_cache.strides() == value_cache.strides() && key_cache.sizes() == value_cache.sizes(),
+              "key_cache and value_cache must share one layout");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous(), "block_tables: int32");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && query_start_loc.scalar_type() == at::kInt,
+              "seq_lens and query_start_loc: int32");
+  const int64_t num_seqs = seq_lens.size(0);
+  TORCH_CHECK(query_start_loc.size(0) == num_seqs + 1 && block_tables.size(0) == num_seqs, "one row per sequence");
+  const int64_t heads = q.size(1), head_dim = q.size(2);
+  const int64_t kv_heads = key_cache.size(2), block_size = key_cache.size(1);
+  TORCH_CHECK(key_cache.size(3) == head_dim && heads % kv_heads == 0, "head counts or head_dim do not match");
+  TORCH_CHECK(head_dim % kLanes == 0 && head_dim <= 256, "head_dim must be a multiple of 16, at most 256");
+  const Geometry g{q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+                   heads / kv_heads, head_dim, block_size, heads * head_dim, static_cast<float>(scale)};
+  const int64_t queries_per_tile = std::max<int64_t>(1, kRowsPerTile / g.group);
+
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
+  const int64_t max_blocks = block_tables.size(1);
+  std::vector<WorkItem> work;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t n = starts[s + 1] - starts[s];
+    TORCH_CHECK(n >= 0 && n <= lens[s], "sequence ", s, " has more queries than context");
+    TORCH_CHECK((lens[s] + block_size - 1) / block_size <= max_blocks, "sequence ", s, "'s block table is short");
+    for (int64_t h = 0; h < kv_heads; ++h)
+      for (int64_t i = 0; i < n; i += queries_per_tile)
+        work.push_back({static_cast<int32_t>(s), static_cast<int32_t>(h), static_cast<int32_t>(i),
+                        static_cast<int32_t>(std::min(queries_per_tile, n - i))});
+  }
+  const auto run = [&](auto zero) {
+    using scalar_t = decltype(zero);
+    const scalar_t* qp = q.data_ptr<scalar_t>();
+    const scalar_t* kp = key_cache.data_ptr<scalar_t>();
+    const scalar_t* vp = value_cache.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const int32_t* tables = block_tables.data_ptr<int32_t>();
+    at::parallel_for(0, static_cast<int64_t>(work.size()), 1, [&](int64_t begin, int64_t end) {
+      Scratch scratch;
+      for (int64_t i = begin; i < end; ++i) {
+        const WorkItem& w = work[i];
+        attend<scalar_t>(w, g, qp, kp, vp, tables + w.seq * max_blocks, lens[w.seq], starts[w.seq + 1] - starts[w.seq],
+                         starts[w.seq], op, scratch);
+      }
+    });
+  };
+  switch (q.scalar_type()) {
+    case at::kFloat: return run(float{});
+    case at::kBFloat16: return run(c10::BFloat16{});
+    case at::kHalf: return run(c10::Half{});
+    default: TORCH_CHECK(false, "paged_attention takes float32, bfloat16 or float16, not ", q.scalar_type());
+  }
+}
+
+// key_cache/value_cache[slot // block_size, slot % block_size] = key/value, for each token.
+void write_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
+              const at::Tensor& value_cache, const at::Tensor& slots) {
+  TORCH_CHECK(key.dim() == 3 && key.stride(2) == 1 && key.stride(1) == key.size(2), "key: [tokens, kv_heads, d]");
+  TORCH_CHECK(value.sizes() == key.sizes() && value.stride(2) == 1 && value.stride(1) == value.size(2),
+              "value: [tokens, kv_heads, d]");
+  check_cache(key_cache, key, "key_cache");
+  check_cache(value_cache, value, "value_cache");
+  TORCH_CHECK(key_cache.stride(2) == key.size(2) && key_cache.size(2) == key.size(1),
+              "a cache token's heads must be contiguous and match key's");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.size(0) == key.size(0), "slots: int64, one per token");
+  const int64_t tokens = key.size(0), es = key.element_size();
+  const int64_t bytes = es * key.size(1) * key.size(2);
+  const int64_t block_size = key_cache.size(1), num_slots = key_cache.size(0) * block_size;
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  auto* kc = static_cast<char*>(key_cache.data_ptr());
+  auto* vc = static_cast<char*>(value_cache.data_ptr());
+  const auto* kp = static_cast<const char*>(key.data_ptr());
+  const auto* vp = static_cast<const char*>(value.data_ptr());
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(sl[t] >= 0 && sl[t] < num_slots, "slot ", sl[t], " is outside the cache");
+    const int64_t at = (sl[t] / block_size) * key_cache.stride(0) + (sl[t] % block_size) * key_cache.stride(1);
+    std::memcpy(kc + at * es, kp + t * key.stride(0) * es, bytes);
+    std::memcpy(vc + at * es, vp + t * value.stride(0) * es, bytes);
+  }
+}
+
+TORCH_LIBRARY(pdserve_kernels, m) {
+  m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+        "Tensor seq_lens, Tensor query_start_loc, float scale) -> ()");
+  m.def("write_kv(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slots) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pdserve_kernels, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("write_kv", &write_kv);
+}
