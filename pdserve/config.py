@@ -12,7 +12,8 @@ import msgspec
 
 class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     model: str | None = None  # None: the embedded default model
-    dtype: str = "auto"
+    dtype: str = "auto"  # bf16 on CUDA and on CPUs with native bf16 dot products, fp32 elsewhere
+    kv_cache_dtype: str = "auto"  # auto: the model's dtype
     device: str | None = None
     block_size: int = 64
     max_model_len: int | None = None  # None: the model's own limit

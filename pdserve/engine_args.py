@@ -12,7 +12,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None,
                    help="Hugging Face folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default=d.dtype, help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
+    g.add_argument("--dtype", default=d.dtype,
+                   help="auto (bf16 on CUDA and on CPUs with AVX512_BF16 or AMX, else fp32), float32 (exact), "
+                        "bfloat16, float16")
+    g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=["auto", "float32", "bfloat16", "float16"],
+                   help="dtype of the KV cache (auto: the model's)")
     g.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when present)")
     g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV cache block")
     g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
@@ -50,7 +54,8 @@ def _protocols(text: str) -> tuple[str, ...]:
 
 def engine_config_from_args(args: argparse.Namespace, **extra: object) -> EngineConfig:
     return EngineConfig(
-        model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+        model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, device=args.device,
+        block_size=args.block_size,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, enable_chunked_prefill=args.enable_chunked_prefill,
         enable_prefix_caching=args.enable_prefix_caching, gpu_memory_utilization=args.gpu_memory_utilization,

@@ -15,6 +15,7 @@ import torch
 from pdserve.kv_cache import KVCache, KVCacheSpec
 from pdserve.loader import resolve_model_folder
 from pdserve.model import DecoderModel, ForwardBatch, SequenceChunk, default_device, load_decoder, resolve_dtype
+from pdserve.model.load import resolve_kv_cache_dtype
 from pdserve.sampling import Sampler
 
 
@@ -27,9 +28,11 @@ class ModelRunner:
         block_size: int = 64,
         max_model_len: int | None = None,
         quantization: str | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.device = torch.device(device) if device else default_device()
         self.dtype = resolve_dtype(dtype, self.device)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
         self.folder = resolve_model_folder(model)
         self.block_size = block_size
         self._max_positions, self._quantization = max_model_len, quantization
@@ -56,7 +59,7 @@ class ModelRunner:
             torch.cuda.empty_cache()
 
     def allocate_kv_cache(self, num_blocks: int) -> KVCache:
-        spec = KVCacheSpec.for_model(self.config, num_blocks, self.block_size, self.dtype)
+        spec = KVCacheSpec.for_model(self.config, num_blocks, self.block_size, self.kv_cache_dtype)
         self.kv_cache = KVCache.allocate(spec, self.device)
         return self.kv_cache
 

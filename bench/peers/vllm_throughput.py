@@ -10,13 +10,14 @@ import time
 
 def main() -> None:
     folder, requests, prompt_len, new_tokens = sys.argv[1], *map(int, sys.argv[2:5])
+    dtype = sys.argv[5] if len(sys.argv) > 5 else "float32"
     import torch
     from vllm import LLM, SamplingParams, TokensPrompt
 
     g = torch.Generator().manual_seed(0)
     prompts = [TokensPrompt(prompt_token_ids=torch.randint(100, 49152, (prompt_len,), generator=g).tolist())
                for _ in range(requests)]
-    llm = LLM(model=folder, dtype="float32", max_model_len=1024, enable_prefix_caching=False)
+    llm = LLM(model=folder, dtype=dtype, max_model_len=1024, enable_prefix_caching=False)
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     llm.generate(prompts[:4], params, use_tqdm=False)
     t = time.perf_counter()

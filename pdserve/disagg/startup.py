@@ -108,11 +108,12 @@ def layout_without_profile(config: EngineConfig, num_blocks: int) -> KVLayout:
     from pdserve.disagg.kv_layout import KVLayout
     from pdserve.kv_cache import KVCacheSpec
     from pdserve.loader import resolve_model_folder
-    from pdserve.model.load import default_device, load_config, resolve_dtype
+    from pdserve.model.load import default_device, load_config, resolve_dtype, resolve_kv_cache_dtype
 
     model = load_config(resolve_model_folder(config.model))
     device = torch.device(config.device) if config.device else default_device()
-    spec = KVCacheSpec.for_model(model, num_blocks, config.block_size, resolve_dtype(config.dtype, device))
+    dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, resolve_dtype(config.dtype, device))
+    spec = KVCacheSpec.for_model(model, num_blocks, config.block_size, dtype)
     return KVLayout.of(spec)
 
 

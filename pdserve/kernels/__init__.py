@@ -16,9 +16,12 @@ from typing import Any
 
 import torch
 
+from pdserve.utils.cpu_features import cpu_flags
+
 log = logging.getLogger("pdserve.kernels")
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / "paged_attention.cpp", CSRC / "fused_ops.cpp"]
 _DISABLE_ENV = "PDSERVE_DISABLE_KERNELS"  # "1": behave as if the build had failed (tests, comparisons)
 
 _state: dict[str, Any] = {}
@@ -26,21 +29,13 @@ _state: dict[str, Any] = {}
 
 def build_tag() -> str:
     """Source, torch version and CPU features: the build uses -march=native, so a new CPU means a new build."""
-    h = hashlib.sha256(SOURCE.read_bytes())
+    h = hashlib.sha256()
+    for path in sorted(CSRC.iterdir()):
+        h.update(path.read_bytes())
     h.update(torch.__version__.encode())
     h.update(platform.machine().encode())
-    h.update(_cpu_flags().encode())
+    h.update(" ".join(sorted(cpu_flags())).encode())
     return h.hexdigest()[:16]
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return ""
 
 
 def build_dir() -> Path:
@@ -57,7 +52,7 @@ def build(verbose: bool = False) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     cpp_extension.load(
         name=f"pdserve_kernels_{build_tag()}",
-        sources=[str(SOURCE)],
+        sources=[str(p) for p in SOURCES],
         extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
         extra_ldflags=["-fopenmp"],
         build_directory=str(folder),

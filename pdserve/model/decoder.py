@@ -15,8 +15,8 @@ from torch import nn
 from pdserve.kv_cache import KVCache
 from pdserve.loader.errors import ModelLoadError
 from pdserve.model.forward_batch import ForwardBatch
-from pdserve.model.linear import make_linear
-from pdserve.model.paged_attention import GatherBuffers, kernel_available, paged_attention
+from pdserve.model.linear import DenseLinear, Linear, make_linear
+from pdserve.model.paged_attention import GatherBuffers, kernels_for, paged_attention
 from pdserve.model.rope import RotaryEmbedding
 from pdserve.model_config import ModelConfig
 
@@ -42,16 +42,23 @@ class DecoderLayer(nn.Module):
         self.gate_up_bias = _param(2 * c.intermediate_size, **kw) if c.mlp_bias else None
         self.down = _param(c.hidden_size, c.intermediate_size, **kw)
         self.down_bias = _param(c.hidden_size, **kw) if c.mlp_bias else None
-        self.build_linears(None)
 
     def build_linears(self, quantization: str | None) -> None:
-        """The callables the forward pass uses; built again after weights load or change."""
+        """The callables the forward pass uses, built once the weights are loaded.
+
+        A packed or int8 copy replaces its matrix, so the matrix itself is freed."""
         self.qkv_proj = make_linear(self.qkv, self.qkv_bias, quantization)
         self.o_proj = make_linear(self.o, self.o_bias, quantization)
         self.gate_up_proj = make_linear(self.gate_up, self.gate_up_bias, quantization)
-        # down_proj stays dense: its input (after SwiGLU) has the outliers that per-tensor int8
+        # down_proj is never int8: its input (after SwiGLU) has the outliers that per-tensor int8
         # activations cannot hold; quantizing it changed the embedded model's greedy text by token 4.
         self.down_proj = make_linear(self.down, self.down_bias, None)
+        for name in ("qkv", "o", "gate_up", "down"):
+            if not isinstance(getattr(self, f"{name}_proj"), DenseLinear):
+                getattr(self, name).data = torch.empty(0, dtype=self.qkv.dtype, device=self.qkv.device)
+
+    def linears(self) -> list[Linear]:
+        return [self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj]
 
 
 class DecoderModel(nn.Module):
@@ -71,9 +78,11 @@ class DecoderModel(nn.Module):
                                     device)
         self.scale = config.head_dim ** -0.5
         self.gather_buffers = GatherBuffers()
-        self.uses_paged_kernel = kernel_available(device)  # else ForwardBatch must carry the fallback metadata
+        # pdserve's compiled CPU kernels (attention, RoPE, SwiGLU), or None: then torch ops, and ForwardBatch
+        # must carry the gather + SDPA path's metadata.
+        self.kernels = kernels_for(config, device)
+        self.uses_paged_kernel = self.kernels is not None
         self.quantization = quantization
-        self.lm_head_proj = make_linear(self.lm_head, None, None)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: KVCache | None,
@@ -84,7 +93,8 @@ class DecoderModel(nn.Module):
         """
         c = self.config
         eps = c.rms_norm_eps
-        cos_sin = self.rope.lookup(batch.positions)
+        ops = self.kernels
+        cos_sin = self.rope.lookup(batch.positions) if ops is None else None
         heads, kv_heads, head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         h = F.embedding(batch.input_ids, self.embed)
         for i, layer in enumerate(self.layers):
@@ -96,15 +106,25 @@ class DecoderModel(nn.Module):
             if layer.q_norm is not None:
                 qk = torch.cat((F.rms_norm(qk[:, :heads], (head_dim,), layer.q_norm, eps),
                                 F.rms_norm(qk[:, heads:], (head_dim,), layer.k_norm, eps)), dim=1)
-            q, k = self.rope.apply(qk, cos_sin).split((heads, kv_heads), dim=1)
+            if ops is None:
+                qk = self.rope.apply(qk, cos_sin)
+            else:  # in place, in the projection's output
+                ops.rotary_embedding(qk, batch.positions, self.rope.cos, self.rope.sin, self.rope.interleaved)
+            q, k = qk.split((heads, kv_heads), dim=1)
             cache = kv_cache.layers[i] if kv_cache is not None else None
             attn = paged_attention(q, k, v, cache, batch, self.scale, self.gather_buffers)
             if on_layer_done is not None:  # this layer's K/V are written: send them while the MLP runs
                 on_layer_done(i)
             h = layer.o_proj.add_to(h, attn)
             x = F.rms_norm(h, (c.hidden_size,), layer.post_norm, eps)
-            gate, up = layer.gate_up_proj(x).chunk(2, dim=-1)
-            h = layer.down_proj.add_to(h, F.silu(gate) * up)
+            gate_up = layer.gate_up_proj(x)
+            if ops is None:
+                gate, up = gate_up.chunk(2, dim=-1)
+                act = F.silu(gate) * up
+            else:
+                act = gate_up.new_empty(gate_up.shape[0], c.intermediate_size)
+                ops.silu_and_mul(act, gate_up)
+            h = layer.down_proj.add_to(h, act)
         last = F.rms_norm(h[batch.logits_indices], (c.hidden_size,), self.norm, eps)
         return self.lm_head_proj(last).float()
 
@@ -144,13 +164,16 @@ class DecoderModel(nn.Module):
         if missing:
             more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
             raise ModelLoadError(f"checkpoint is missing weights: {', '.join(missing[:3])}{more}")
-        if self.quantization is not None:
-            for layer in self.layers:
-                layer.build_linears(self.quantization)
-                # The fp32 matrices are now only in the int8 copies; free them.
-                for name in ("qkv", "o", "gate_up"):
-                    getattr(layer, name).data = torch.empty(0, dtype=self.dtype)
-            self.lm_head_proj = make_linear(self.lm_head, None, self.quantization)
+        for layer in self.layers:
+            layer.build_linears(self.quantization)
+        # The lm_head is usually the embedding too (tied), so its matrix stays.
+        self.lm_head_proj = make_linear(self.lm_head, None, self.quantization)
+
+    def weight_bytes(self) -> int:
+        """Parameters plus the packed or int8 copies that replaced some of them."""
+        dense = sum(p.numel() * p.element_size() for p in self.parameters())
+        copies = [lin for layer in self.layers for lin in layer.linears()] + [self.lm_head_proj]
+        return dense + sum(lin.nbytes for lin in copies if not isinstance(lin, DenseLinear))
 
     def _target(self, name: str, parts: dict[str, tuple[str, slice]]) -> tuple[torch.Tensor | None, slice]:
         top = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.norm,

@@ -8,12 +8,14 @@ without a cache) gathers K/V into padded buffers and calls torch's scaled_dot_pr
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from pdserve.kernels import cpu_ops
 from pdserve.model.forward_batch import DecodeAttention, FallbackAttention, ForwardBatch, PrefillAttention
+from pdserve.model_config import ModelConfig
 
 
 class GatherBuffers:
@@ -36,8 +38,11 @@ class GatherBuffers:
         return flat[:numel].view(shape)
 
 
-def kernel_available(device: torch.device) -> bool:
-    return device.type == "cpu" and cpu_ops() is not None
+def kernels_for(config: ModelConfig, device: torch.device) -> Any | None:
+    """pdserve's CPU kernels when they are built and take this model's shapes; else None."""
+    if device.type != "cpu" or config.head_dim % 16 or config.head_dim > 256 or config.intermediate_size % 16:
+        return None
+    return cpu_ops()
 
 
 def paged_attention(
@@ -49,6 +54,9 @@ def paged_attention(
     scale: float,
     buffers: GatherBuffers,
 ) -> torch.Tensor:  # [T, heads * head_dim]
+    if cache is not None and cache.dtype != q.dtype:  # --kv-cache-dtype other than the model's
+        return paged_attention(q.to(cache.dtype), k.to(cache.dtype), v.to(cache.dtype), cache, batch, scale,
+                               buffers).to(q.dtype)
     if batch.fallback is not None:
         return _gather_and_sdpa(q, k, v, cache, batch.fallback, scale, buffers)
     assert cache is not None, "the paged kernel needs the KV cache"

@@ -49,7 +49,7 @@ def dummy_chunks(config: EngineConfig, max_model_len: int) -> list[SequenceChunk
 
 
 def profile_num_blocks(runner: ModelRunner, config: EngineConfig) -> ProfileResult:
-    weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    weights = runner.model.weight_bytes()
     chunks = dummy_chunks(config, runner.max_model_len)
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
@@ -62,7 +62,7 @@ def profile_num_blocks(runner: ModelRunner, config: EngineConfig) -> ProfileResu
     else:
         peak = _cpu_peak_growth(lambda: runner.logits(chunks, is_dummy_or_profile_run=True))
         device_memory = config.kv_cache_memory or (psutil.virtual_memory().available + weights)
-    spec = KVCacheSpec.for_model(runner.config, 1, config.block_size, runner.dtype)
+    spec = KVCacheSpec.for_model(runner.config, 1, config.block_size, runner.kv_cache_dtype)
     cache_bytes = int(device_memory * config.gpu_memory_utilization) - weights - peak
     num_blocks = max(cache_bytes // spec.bytes_per_block, 0)
     result = ProfileResult(device_memory, weights, peak, cache_bytes, num_blocks)

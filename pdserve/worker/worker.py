@@ -43,7 +43,7 @@ class Worker:
         self.ctx = ctx
         self.runner = ModelRunner(config.model, dtype=config.dtype, device=config.device,
                                   block_size=config.block_size, max_model_len=config.max_model_len,
-                                  quantization=config.quantization)
+                                  quantization=config.quantization, kv_cache_dtype=config.kv_cache_dtype)
         if config.splitwise_role != "mixed" and self.runner.device.type != "cpu":
             raise ValueError("PD roles need the KV cache in host shared memory; the CUDA IPC cache is not built "
                              "yet, so run prefill/decode instances with --device cpu")
@@ -55,7 +55,8 @@ class Worker:
             self.profile = result.as_dict()
             num_blocks = result.num_blocks
         self._check_fits(num_blocks)
-        self.spec = KVCacheSpec.for_model(self.runner.config, num_blocks, config.block_size, self.runner.dtype)
+        self.spec = KVCacheSpec.for_model(self.runner.config, num_blocks, config.block_size,
+                                          self.runner.kv_cache_dtype)
         self.rows: dict[str, SamplingRow] = {}
         self._cache_command: CacheCommand | None = None
         self._messager: zmq.Socket | None = None

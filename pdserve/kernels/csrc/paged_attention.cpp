@@ -27,91 +27,14 @@
 #include <limits>
 #include <vector>
 
+#include "vec16.h"
+
 namespace {
 
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
+using namespace pdserve;
 
-constexpr int64_t kLanes = 16;
 constexpr int64_t kRowsPerTile = 96;  // query rows (tokens x heads of one group) per work item
 constexpr int64_t kFewRows = 8;       // tiles up to this many rows read the cache directly
-
-inline f32x16 splat(float x) { return f32x16{} + x; }
-
-inline f32x16 load16(const float* p) {
-  f32x16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline f32x16 load16(const c10::BFloat16* p) {
-  u16x16 h;
-  std::memcpy(&h, p, sizeof h);
-  return (f32x16)(__builtin_convertvector(h, u32x16) << 16);
-}
-
-inline f32x16 load16(const c10::Half* p) {
-  f32x16 v;
-  for (int i = 0; i < kLanes; ++i) v[i] = static_cast<float>(p[i]);
-  return v;
-}
-
-inline float widen(float x) { return x; }
-inline float widen(c10::Half x) { return static_cast<float>(x); }
-inline float widen(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-inline float hsum(f32x16 v) {
-  float s = 0.f;
-  for (int i = 0; i < kLanes; ++i) s += v[i];
-  return s;
-}
-
-inline float hmax(f32x16 v) {
-  float m = v[0];
-  for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
-  return m;
-}
-
-// exp for x <= 0 (scores minus their running max): 2^(x log2 e) as 2^n * p(f), |rel err| < 2e-7.
-inline f32x16 exp16(f32x16 x) {
-  x = x < splat(-87.f) ? splat(-87.f) : x;
-  const f32x16 t = x * 1.44269504088896341f;
-  const f32x16 n = __builtin_convertvector(__builtin_convertvector(t - 0.5f, i32x16), f32x16);  // floor for t <= 0
-  const f32x16 f = (t - n) * 0.69314718055994531f;  // in [0, ln 2)
-  f32x16 p = splat(1.f / 5040) * f + 1.f / 720;
-  p = p * f + 1.f / 120;
-  p = p * f + 1.f / 24;
-  p = p * f + 1.f / 6;
-  p = p * f + 0.5f;
-  p = p * f + 1.f;
-  p = p * f + 1.f;
-  const i32x16 bits = (__builtin_convertvector(n, i32x16) + 127) << 23;
-  return p * (f32x16)bits;
-}
-
-// In place: s[0..n) = exp(s - m); returns their sum. Lanes past n are left alone.
-inline float exp_sum(float* s, int64_t n, float m) {
-  f32x16 sum{};
-  int64_t t = 0;
-  for (; t + kLanes <= n; t += kLanes) {
-    const f32x16 e = exp16(load16(s + t) - m);
-    std::memcpy(s + t, &e, sizeof e);
-    sum += e;
-  }
-  float total = hsum(sum);
-  for (; t < n; ++t) {
-    s[t] = std::exp(s[t] - m);
-    total += s[t];
-  }
-  return total;
-}
 
 struct WorkItem {
   int32_t seq;

@@ -1,0 +1,107 @@
+// The decoder's small elementwise steps fused into one pass each: RoPE applied in place to the
+// q and k heads of the qkv projection's output, and SwiGLU's silu(gate) * up. Unfused, each is four
+// to six torch ops per layer (with fp32 round trips in bf16 models) that together cost more time
+// per step than the attention itself at small batches.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "vec16.h"
+
+using namespace pdserve;
+
+namespace {
+
+template <typename T>
+void rotate_rows(T* x, int64_t tokens, int64_t heads, int64_t tok_stride, int64_t head_dim, const int64_t* positions,
+                 const float* cos, const float* sin, bool interleaved) {
+  at::parallel_for(0, tokens, std::max<int64_t>(1, 2048 / (heads * head_dim)), [&](int64_t begin, int64_t end) {
+    std::vector<float> row(head_dim), swapped(head_dim);
+    const int64_t half = head_dim / 2;
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cos + positions[t] * head_dim;
+      const float* s = sin + positions[t] * head_dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* xr = x + t * tok_stride + h * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) row[d] = widen(xr[d]);
+        for (int64_t d = 0; d < head_dim; ++d)
+          swapped[d] = interleaved ? row[d ^ 1] : row[d < half ? d + half : d - half];
+        for (int64_t d = 0; d < head_dim; d += kLanes)
+          store16(xr + d, load16(row.data() + d) * load16(c + d) + load16(swapped.data() + d) * load16(s + d));
+      }
+    }
+  });
+}
+
+template <typename T>
+void silu_mul_rows(T* out, const T* x, int64_t tokens, int64_t width, int64_t x_stride) {
+  at::parallel_for(0, tokens, std::max<int64_t>(1, 8192 / width), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* gate = x + t * x_stride;
+      const T* up = gate + width;
+      T* o = out + t * width;
+      for (int64_t i = 0; i < width; i += kLanes) {
+        const f32x16 g = load16(gate + i);
+        store16(o + i, g / (1.f + exp16(-g)) * load16(up + i));
+      }
+    }
+  });
+}
+
+template <typename F>
+void dispatch(at::ScalarType type, const char* what, F&& run) {
+  switch (type) {
+    case at::kFloat: return run(float{});
+    case at::kBFloat16: return run(c10::BFloat16{});
+    case at::kHalf: return run(c10::Half{});
+    default: TORCH_CHECK(false, what, " takes float32, bfloat16 or float16, not ", type);
+  }
+}
+
+}  // namespace
+
+// x[T, heads, head_dim] rotated in place; cos/sin [positions, head_dim] fp32, the sign of the
+// rotation folded into sin; interleaved: GPT-J pairs (x0, x1), else rotate_half's halves.
+void rotary_embedding(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+                      bool interleaved) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "x: [tokens, heads, head_dim]");
+  TORCH_CHECK(x.size(2) % kLanes == 0, "head_dim must be a multiple of 16");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.size(1) == x.size(2),
+              "cos/sin: contiguous fp32 [positions, head_dim]");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.size(0) == x.size(0), "positions: int64 [tokens]");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < positions.size(0); ++t)
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "position ", pos[t], " is past the RoPE table");
+  dispatch(x.scalar_type(), "rotary_embedding", [&](auto zero) {
+    using T = decltype(zero);
+    rotate_rows<T>(static_cast<T*>(x.data_ptr()), x.size(0), x.size(1), x.stride(0), x.size(2), pos,
+                   cos.data_ptr<float>(), sin.data_ptr<float>(), interleaved);
+  });
+}
+
+// out[T, I] = silu(x[:, :I]) * x[:, I:], math in fp32.
+void silu_and_mul(const at::Tensor& out, const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % (2 * kLanes) == 0,
+              "x: [tokens, 2 * width] with width a multiple of 16");
+  TORCH_CHECK(out.is_contiguous() && out.size(0) == x.size(0) && 2 * out.size(1) == x.size(1) &&
+                  out.scalar_type() == x.scalar_type(),
+              "out: contiguous [tokens, width] of x's dtype");
+  dispatch(x.scalar_type(), "silu_and_mul", [&](auto zero) {
+    using T = decltype(zero);
+    silu_mul_rows<T>(static_cast<T*>(out.data_ptr()), static_cast<const T*>(x.data_ptr()), x.size(0), out.size(1),
+                     x.stride(0));
+  });
+}
+
+TORCH_LIBRARY_FRAGMENT(pdserve_kernels, m) {
+  m.def("rotary_embedding(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin, bool interleaved) -> ()");
+  m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pdserve_kernels, CPU, m) {
+  m.impl("rotary_embedding", &rotary_embedding);
+  m.impl("silu_and_mul", &silu_and_mul);
+}
