@@ -94,11 +94,17 @@ class DecoderModel(nn.Module):
         c = self.config
         eps = c.rms_norm_eps
         ops = self.kernels
+
+        def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            if ops is None or x.shape[-1] % 16:
+                return F.rms_norm(x, (x.shape[-1],), weight, eps)
+            return ops.rms_norm(x, weight, eps)
+
         cos_sin = self.rope.lookup(batch.positions) if ops is None else None
         heads, kv_heads, head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         h = F.embedding(batch.input_ids, self.embed)
         for i, layer in enumerate(self.layers):
-            x = F.rms_norm(h, (c.hidden_size,), layer.input_norm, eps)
+            x = rms_norm(h, layer.input_norm)
             qkv = layer.qkv_proj(x)
             # q and k heads side by side, so RoPE runs once per layer.
             qk = qkv[:, :c.q_size + c.kv_size].view(-1, heads + kv_heads, head_dim)
@@ -116,7 +122,7 @@ class DecoderModel(nn.Module):
             if on_layer_done is not None:  # this layer's K/V are written: send them while the MLP runs
                 on_layer_done(i)
             h = layer.o_proj.add_to(h, attn)
-            x = F.rms_norm(h, (c.hidden_size,), layer.post_norm, eps)
+            x = rms_norm(h, layer.post_norm)
             gate_up = layer.gate_up_proj(x)
             if ops is None:
                 gate, up = gate_up.chunk(2, dim=-1)
@@ -125,7 +131,7 @@ class DecoderModel(nn.Module):
                 act = gate_up.new_empty(gate_up.shape[0], c.intermediate_size)
                 ops.silu_and_mul(act, gate_up)
             h = layer.down_proj.add_to(h, act)
-        last = F.rms_norm(h[batch.logits_indices], (c.hidden_size,), self.norm, eps)
+        last = rms_norm(h[batch.logits_indices], self.norm)
         return self.lm_head_proj(last).float()
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -1,11 +1,12 @@
 // The decoder's small elementwise steps fused into one pass each: RoPE applied in place to the
-// q and k heads of the qkv projection's output, and SwiGLU's silu(gate) * up. Unfused, each is four
+// q and k heads of the qkv projection's output, SwiGLU's silu(gate) * up, and RMSNorm. Unfused, each is four
 // to six torch ops per layer (with fp32 round trips in bf16 models) that together cost more time
 // per step than the attention itself at small batches.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <type_traits>
 #include <vector>
 
 #include "vec16.h"
@@ -46,6 +47,36 @@ void silu_mul_rows(T* out, const T* x, int64_t tokens, int64_t width, int64_t x_
         const f32x16 g = load16(gate + i);
         store16(o + i, g / (1.f + exp16(-g)) * load16(up + i));
       }
+    }
+  });
+}
+
+// Rounded to T as Hugging Face's RMSNorm rounds: normalise in fp32, round, then scale by the weight.
+template <typename T>
+inline f32x16 round_to(f32x16 v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    T tmp[kLanes];
+    store16(tmp, v);
+    return load16(tmp);
+  }
+}
+
+template <typename T>
+void rms_norm_rows(T* out, const T* x, const T* weight, int64_t tokens, int64_t width, int64_t x_stride, float eps) {
+  at::parallel_for(0, tokens, std::max<int64_t>(1, 16384 / width), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* xr = x + t * x_stride;
+      T* o = out + t * width;
+      f32x16 sq{};
+      for (int64_t i = 0; i < width; i += kLanes) {
+        const f32x16 v = load16(xr + i);
+        sq += v * v;
+      }
+      const float r = 1.f / std::sqrt(hsum(sq) / static_cast<float>(width) + eps);
+      for (int64_t i = 0; i < width; i += kLanes)
+        store16(o + i, round_to<T>(load16(xr + i) * r) * load16(weight + i));
     }
   });
 }
@@ -96,12 +127,30 @@ void silu_and_mul(const at::Tensor& out, const at::Tensor& x) {
   });
 }
 
+// out[T, H] = x / sqrt(mean(x^2) + eps) * weight, per row.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % kLanes == 0,
+              "x: [tokens, hidden] with hidden a multiple of 16");
+  TORCH_CHECK(weight.is_contiguous() && weight.size(0) == x.size(1) && weight.scalar_type() == x.scalar_type(),
+              "weight: contiguous [hidden] of x's dtype");
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  dispatch(x.scalar_type(), "rms_norm", [&](auto zero) {
+    using T = decltype(zero);
+    rms_norm_rows<T>(static_cast<T*>(out.data_ptr()), static_cast<const T*>(x.data_ptr()),
+                     static_cast<const T*>(weight.data_ptr()), x.size(0), x.size(1), x.stride(0),
+                     static_cast<float>(eps));
+  });
+  return out;
+}
+
 TORCH_LIBRARY_FRAGMENT(pdserve_kernels, m) {
   m.def("rotary_embedding(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin, bool interleaved) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_kernels, CPU, m) {
   m.impl("rotary_embedding", &rotary_embedding);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rms_norm", &rms_norm);
 }
