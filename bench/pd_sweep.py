@@ -34,28 +34,37 @@ COLUMNS = [("req/s", "request_throughput", None), ("out tok/s", "output_throughp
            ("ITL p99 ms", "itl", "P99"), ("decode p50 tok/s", "decode", "median"), ("E2EL p50 ms", "e2el", "median")]
 
 
+def wait_healthy(url: str, proc: subprocess.Popen, name: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"{name} did not come up")
+        time.sleep(1)
+
+
+def bench_serve(url: str, args: argparse.Namespace, rate: float, result: Path) -> dict:
+    """`pdserve bench serve` against URL with the workload in args; its summary."""
+    subprocess.run([sys.executable, "-m", "pdserve.cli", "bench", "serve", "--base-url", url, "--num-prompts",
+                    str(args.num_prompts), "--request-rate", str(rate), "--random-input-len", str(args.input_len),
+                    "--random-output-len", str(args.output_len), "--ignore-eos", "--save-result", str(result),
+                    "--no-progress"], check=True)
+    return json.loads(result.read_text())["summary"]
+
+
 def run_one(name: str, args: argparse.Namespace, out: Path) -> dict:
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *DEPLOYMENTS[name](port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"{name} did not come up")
-            time.sleep(1)
+        wait_healthy(url, proc, name)
         result = out.with_name(f"{out.name}-{name.replace(' ', '').replace('+', '_')}.json")
-        subprocess.run([sys.executable, "-m", "pdserve.cli", "bench", "serve", "--base-url", url, "--num-prompts",
-                        str(args.num_prompts), "--request-rate", str(args.request_rate), "--random-input-len",
-                        str(args.input_len), "--random-output-len", str(args.output_len), "--ignore-eos",
-                        "--save-result", str(result), "--no-progress"], check=True)
-        return json.loads(result.read_text())["summary"]
+        return bench_serve(url, args, args.request_rate, result)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)

@@ -14,6 +14,7 @@ GiB = 1 << 30
 
 
 def _ready(**flags):
+    flags.setdefault("dtype", "float32")  # the sizes below are fp32's
     with LLM(max_model_len=1024, block_size=16, **flags) as llm:
         return llm.engine.ready
 

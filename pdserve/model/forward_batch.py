@@ -14,6 +14,7 @@ masks and gather indices of the gather + SDPA path.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -110,7 +111,8 @@ class ForwardBatch:
         seq_of_token = np.repeat(np.arange(len(chunks)), q_lens)
         positions = np.arange(starts[-1]) - np.repeat(starts[:-1] - done, q_lens)
         slots = tables[seq_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
-        input_ids = np.fromiter((t for c in chunks for t in c.token_ids), dtype=np.int64, count=int(starts[-1]))
+        input_ids = np.fromiter(itertools.chain.from_iterable(c.token_ids for c in chunks), dtype=np.int64,
+                                count=int(starts[-1]))
 
         def tensor(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(a).to(device)
