@@ -30,6 +30,7 @@ demo: venv
 	$(BIN)/pdserve launch --prefill 1 --decode 1 --port 8000 --kv-cache-memory 2G --max-model-len 4096
 
 bench: venv
+	$(BIN)/python bench/attention.py
 	$(BIN)/python bench/forward.py
 	$(BIN)/python bench/throughput.py
 	$(BIN)/python bench/serving_overhead.py

@@ -7,7 +7,8 @@ API server, a pdserve mixed instance and a pdserve 1P1D deployment, all measured
 
 vLLM runs as ../shared/reference/anchors-cpu.md says (both cores, VLLM_CPU_KVCACHE_SPACE=2) on pdserve's
 converted folder of the embedded model, in the dtype pdserve's `auto` picks here unless told. Prints a
-markdown table (written to OUT.md too) with pdserve's TTFT and TPOT over vLLM's as ratios.
+markdown table (written to OUT.md too) with pdserve's TTFT and TPOT over vLLM's as ratios. Each server
+first gets --warmup-prompts requests that are not reported.
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ def measure(name: str, command: list[str], env: dict[str, str], args: argparse.N
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc, name, timeout=900)
+        # Warm-up, not reported: first requests pay one-time costs (oneDNN primitives, lazy imports).
+        bench_serve(url, argparse.Namespace(**{**vars(args), "num_prompts": args.warmup_prompts}), 4.0,
+                    args.out.with_name(f"{args.out.name}-{_slug(name)}-warmup.json"))
         return {rate: bench_serve(url, args, rate, args.out.with_name(f"{args.out.name}-{_slug(name)}-{rate}.json"))
                 for rate in args.rates}
     finally:
@@ -68,6 +72,7 @@ def main() -> None:
     parser.add_argument("--vllm-dtype", default=None, help="default: what pdserve's --dtype auto picks here")
     parser.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[1.0, 2.0, 4.0])
     parser.add_argument("--num-prompts", type=int, default=40)
+    parser.add_argument("--warmup-prompts", type=int, default=8, help="sent first to each server, not reported")
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--out", type=Path, default=Path("bench-results/serve_vs_vllm"))
