@@ -14,17 +14,23 @@
 // - a tile with few rows (decode: one token's query heads) takes dot products straight from the
 //   cache rows; it is bound by memory bandwidth;
 // - a tile with many rows (a prefill chunk) first widens the block to fp32, K transposed, so the
-//   score loop runs over 16 tokens at a time with the query broadcast.
+//   score loop runs over 16 tokens at a time with the query broadcast; over a bf16 cache on a CPU
+//   with AVX512_BF16 it keeps K/V in bf16 pairs and uses the native bf16 dot product instead.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "vec16.h"
@@ -33,7 +39,7 @@ namespace {
 
 using namespace pdserve;
 
-constexpr int64_t kRowsPerTile = 96;  // query rows (tokens x heads of one group) per work item
+constexpr int64_t kRowsPerTile = 192;  // query rows (tokens x heads of one group) per work item
 constexpr int64_t kFewRows = 8;       // tiles up to this many rows read the cache directly
 
 struct WorkItem {
@@ -45,8 +51,13 @@ struct WorkItem {
 
 struct Scratch {
   std::vector<float> q, acc, k_t, v, scores, row_max, row_sum;
+  std::vector<uint16_t> q_bf16, k_pairs, v_pairs, p_bf16;  // the native-bf16 path's operands
   void fit(int64_t rows, int64_t head_dim, int64_t block_size) {
     const int64_t padded = (block_size + kLanes - 1) / kLanes * kLanes;
+    q_bf16.resize(rows * head_dim);
+    k_pairs.resize(head_dim * padded);
+    v_pairs.resize((padded + 2) * head_dim);
+    p_bf16.resize(padded + kLanes);
     q.resize(rows * head_dim);
     acc.resize(rows * head_dim);
     k_t.resize(head_dim * padded);
@@ -173,6 +184,91 @@ void block_many_rows(Scratch& s, const Geometry& g, int64_t rows, const T* kb, c
   }
 }
 
+#if defined(__AVX512BF16__)
+// Many rows over a bf16 cache with native bf16 dot products (vdpbf16ps: 32 multiply-adds of bf16
+// pairs into fp32 lanes per instruction, twice the fp32 FMA rate). K and V stay bf16, laid out in
+// the pairs the instruction takes: K as [head_dim / 2][tokens][2], V as [tokens / 2][head_dim][2].
+// The query is the model's own bf16 value (the scale is applied to the fp32 scores); the softmax
+// weights are rounded to bf16 for the PV product, as flash attention does in bf16.
+void block_many_rows_bf16(Scratch& s, const Geometry& g, int64_t rows, const c10::BFloat16* kb,
+                          const c10::BFloat16* vb, int64_t nt, const int64_t* visible) {
+  const int64_t padded = (g.block_size + kLanes - 1) / kLanes * kLanes;
+  const int64_t half_d = g.head_dim / 2;
+  uint16_t* kp = s.k_pairs.data();
+  uint16_t* vp = s.v_pairs.data();
+  for (int64_t t = 0; t < nt; ++t) {
+    const uint16_t* kr = reinterpret_cast<const uint16_t*>(kb + t * g.kv_tok_stride);
+    const uint16_t* vr = reinterpret_cast<const uint16_t*>(vb + t * g.kv_tok_stride);
+    uint16_t* vo = vp + (t >> 1) * g.head_dim * 2 + (t & 1);
+    for (int64_t d = 0; d < g.head_dim; ++d) {
+      kp[(d >> 1) * padded * 2 + t * 2 + (d & 1)] = kr[d];
+      vo[d * 2] = vr[d];
+    }
+  }
+  for (int64_t t = nt; t < padded; ++t)  // finite lanes past the block's tokens
+    for (int64_t d = 0; d < g.head_dim; ++d) kp[(d >> 1) * padded * 2 + t * 2 + (d & 1)] = 0;
+  if (nt & 1)
+    for (int64_t d = 0; d < g.head_dim; ++d) vp[(nt >> 1) * g.head_dim * 2 + d * 2 + 1] = 0;
+
+  const __m512 scale = _mm512_set1_ps(g.scale);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t n = visible[r];
+    if (n <= 0) continue;
+    float* sc = s.scores.data() + r * padded;
+    const uint16_t* qr = s.q_bf16.data() + r * g.head_dim;
+    for (int64_t t = 0; t < n; t += kLanes) {
+      __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+      const uint16_t* kt = kp + t * 2;
+      int64_t dp = 0;
+      for (; dp + 2 <= half_d; dp += 2) {  // two independent sums hide the latency
+        uint32_t q0, q1;
+        std::memcpy(&q0, qr + dp * 2, 4);
+        std::memcpy(&q1, qr + dp * 2 + 2, 4);
+        a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_set1_epi32(q0), (__m512bh)_mm512_loadu_si512(kt + dp * padded * 2));
+        a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_set1_epi32(q1),
+                              (__m512bh)_mm512_loadu_si512(kt + (dp + 1) * padded * 2));
+      }
+      for (; dp < half_d; ++dp) {
+        uint32_t q0;
+        std::memcpy(&q0, qr + dp * 2, 4);
+        a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_set1_epi32(q0), (__m512bh)_mm512_loadu_si512(kt + dp * padded * 2));
+      }
+      _mm512_storeu_ps(sc + t, _mm512_mul_ps(_mm512_add_ps(a0, a1), scale));
+    }
+    float* acc = s.acc.data() + r * g.head_dim;
+    softmax_step(sc, n, s.row_max[r], s.row_sum[r], acc, g.head_dim);
+    if (n & 1) sc[n] = 0.f;  // the odd token's partner in the last pair
+    const int64_t pairs = (n + 1) / 2;
+    uint16_t* pb = s.p_bf16.data();
+    for (int64_t t = 0; t < 2 * pairs; t += kLanes) {
+      const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(sc + t));
+      std::memcpy(pb + t, &h, sizeof h);
+    }
+    for (int64_t c = 0; c < g.head_dim; c += kLanes) {
+      __m512 a0 = _mm512_loadu_ps(acc + c), a1 = _mm512_setzero_ps();
+      const uint16_t* vc = vp + c * 2;
+      int64_t tp = 0;
+      for (; tp + 2 <= pairs; tp += 2) {
+        uint32_t p0, p1;
+        std::memcpy(&p0, pb + tp * 2, 4);
+        std::memcpy(&p1, pb + tp * 2 + 2, 4);
+        a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_set1_epi32(p0),
+                              (__m512bh)_mm512_loadu_si512(vc + tp * g.head_dim * 2));
+        a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_set1_epi32(p1),
+                              (__m512bh)_mm512_loadu_si512(vc + (tp + 1) * g.head_dim * 2));
+      }
+      if (tp < pairs) {
+        uint32_t p0;
+        std::memcpy(&p0, pb + tp * 2, 4);
+        a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_set1_epi32(p0),
+                              (__m512bh)_mm512_loadu_si512(vc + tp * g.head_dim * 2));
+      }
+      _mm512_storeu_ps(acc + c, _mm512_add_ps(a0, a1));
+    }
+  }
+}
+#endif
+
 template <typename T>
 void attend(const WorkItem& w, const Geometry& g, const T* q, const T* k_cache, const T* v_cache,
             const int32_t* block_table, int64_t context_len, int64_t seq_queries, int64_t query_start, T* out,
@@ -188,6 +284,8 @@ void attend(const WorkItem& w, const Geometry& g, const T* q, const T* k_cache, 
     const T* src = q + tok * g.q_tok_stride + head * g.q_head_stride;
     float* dst = s.q.data() + r * g.head_dim;
     for (int64_t d = 0; d < g.head_dim; ++d) dst[d] = widen(src[d]) * g.scale;
+    if constexpr (std::is_same_v<T, c10::BFloat16>)
+      std::memcpy(s.q_bf16.data() + r * g.head_dim, src, g.head_dim * sizeof(T));
   }
   std::fill(s.acc.begin(), s.acc.end(), 0.f);
   std::fill(s.row_max.begin(), s.row_max.end(), -std::numeric_limits<float>::infinity());
@@ -202,10 +300,17 @@ void attend(const WorkItem& w, const Geometry& g, const T* q, const T* k_cache, 
     for (int64_t r = 0; r < rows; ++r)  // causal: a row sees keys up to its own position
       visible[r] = std::min(nt, first_pos + r / g.group - t0 + 1);
     const int64_t base = static_cast<int64_t>(block_table[j]) * g.kv_block_stride + w.kv_head * g.kv_head_stride;
-    if (few)
+    if (few) {
       block_few_rows<T>(s, g, rows, k_cache + base, v_cache + base, nt, visible.data());
-    else
-      block_many_rows<T>(s, g, rows, k_cache + base, v_cache + base, nt, visible.data());
+      continue;
+    }
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      block_many_rows_bf16(s, g, rows, k_cache + base, v_cache + base, nt, visible.data());
+      continue;
+    }
+#endif
+    block_many_rows<T>(s, g, rows, k_cache + base, v_cache + base, nt, visible.data());
   }
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t tok = query_start + w.first_query + r / g.group;
