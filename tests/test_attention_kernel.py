@@ -153,3 +153,16 @@ def test_a_failed_build_falls_back_with_one_warning(tmp_path, ops, embedded_runn
     assert embedded_runner.model.uses_paged_kernel
     assert tokens == expected
 
+
+
+def test_a_build_lock_left_by_a_killed_build_is_dropped(tmp_path):
+    """torch's builder waits as long as its lock exists: an old one (a killed build) must not hang starts."""
+    from pdserve.kernels import _drop_stale_lock
+
+    old, fresh = tmp_path / "old", tmp_path / "fresh"
+    old.touch()
+    fresh.touch()
+    os.utime(old, (0, 0))
+    _drop_stale_lock(old)
+    _drop_stale_lock(fresh)
+    assert not old.exists() and fresh.exists()

@@ -11,6 +11,7 @@ import hashlib
 import logging
 import os
 import platform
+import time
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,7 @@ def build(verbose: bool = False) -> None:
 
     folder = build_dir()
     folder.mkdir(parents=True, exist_ok=True)
+    _drop_stale_lock(folder / "lock")
     cpp_extension.load(
         name=f"pdserve_kernels_{build_tag()}",
         sources=[str(p) for p in SOURCES],
@@ -63,6 +65,16 @@ def build(verbose: bool = False) -> None:
         is_python_module=False,
         verbose=verbose,
     )
+
+
+def _drop_stale_lock(lock: Path, max_age: float = 600.0) -> None:
+    """torch's builder waits for as long as its lock file exists; a build killed midway leaves it behind."""
+    try:
+        if time.time() - lock.stat().st_mtime > max_age:
+            lock.unlink()
+            log.warning("removed a stale kernel build lock (%s); building again", lock)
+    except FileNotFoundError:
+        pass
 
 
 def cpu_ops() -> Any | None:
