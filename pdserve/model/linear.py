@@ -52,8 +52,11 @@ class PackedLinear:
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available() and weight.numel() > 0)
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available() or weight.numel() == 0:
+        return False
+    if weight.dtype == torch.bfloat16:  # oneDNN's bf16 matmul needs AVX-512 (or AMX); elsewhere F.linear
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return weight.dtype == torch.float32
 
 
 class Int8Linear:
