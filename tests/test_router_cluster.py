@@ -109,10 +109,38 @@ def test_2p2d_serves_40_concurrent_requests_on_every_instance_like_mixed(cluster
     served = {name: after[cluster[name].url] - before.get(cluster[name].url, 0) for name in INSTANCES}
     assert all(n > 0 for n in served.values()), f"an instance got no request: {served}"
     assert sum(served[p] for p in ("p0", "p1")) == len(prompts)
-    by_protocol = {proto: sum(_metric(cluster[p], f'pdserve_kv_transfers_by_protocol{{protocol="{proto}"}}')
-                              for p in ("p0", "p1")) for proto in ("ipc", "tcp")}
-    assert by_protocol["ipc"] > 0 and by_protocol["tcp"] > 0, by_protocol  # same host: ipc; across: tcp
+    wait_for(lambda: sum(_transfers_by_protocol(cluster).values()) >= len(prompts), 5,  # metrics refresh: 1 s
+             "P did not count a KV transfer per request")
+    by_protocol = _transfers_by_protocol(cluster)
+    assert by_protocol["ipc"] > 0, by_protocol  # same host: ipc
+    if by_protocol["tcp"] == 0:
+        # The default policies can pair in lockstep (p0 with d0, p1 with d1) when every request is alike;
+        # a router that picks D at random makes cross-host pairs, which must go over tcp.
+        _send_through_random_decode_router(cluster, [prompts[i] for i in range(12)])
+        assert _transfers_by_protocol(cluster)["tcp"] > 0, _transfers_by_protocol(cluster)  # across hosts: tcp
     _blocks_free(cluster, [*INSTANCES, "mixed"], 20)
+
+
+def _transfers_by_protocol(cluster: dict) -> dict[str, float]:
+    return {proto: sum(_metric(cluster[p], f'pdserve_kv_transfers_by_protocol{{protocol="{proto}"}}')
+                       for p in ("p0", "p1")) for proto in ("ipc", "tcp")}
+
+
+def _send_through_random_decode_router(cluster: dict, prompts: list) -> None:
+    listing = cluster["tmp"] / "random-static.yaml"
+    listing.write_text(yaml.safe_dump({"instances": cluster["router"].registered()}))
+    router = Router(cluster["tmp"] / "random-router", "--instances", str(listing), "--decode-policy", "random",
+                    "--health-interval", "0.5")
+    before = sum(_transfers_by_protocol(cluster).values())
+    try:
+        wait_for(lambda: len(router.healthy_urls()) == 4, 20, "the static instances did not join")
+        for prompt in prompts:  # 12 random D choices: all on P's own host has odds 1 in 4096
+            _complete(_client(router.url), prompt)
+        # The metrics port refreshes once a second.
+        wait_for(lambda: sum(_transfers_by_protocol(cluster).values()) >= before + len(prompts), 5,
+                 "the transfers were not counted")
+    finally:
+        router.stop()
 
 
 def test_cache_aware_keeps_a_shared_prefix_on_one_prefill_until_the_load_is_imbalanced(
