@@ -14,6 +14,7 @@ import torch
 
 from pdserve.model.load import cpu_has_native_bf16, resolve_dtype
 from pdserve.model_runner import ModelRunner
+from pdserve.utils.cpu_features import cpu_flags
 from tests.test_embedded_model import CHAT_PROMPTS, NEW_TOKENS, _hf_greedy, _our_greedy
 
 BF16_TIE = 0.5
@@ -32,7 +33,9 @@ def hf_bf16_model(hf_gguf_model):
 
 
 def test_auto_dtype_is_bf16_exactly_where_the_cpu_has_bf16_dot_products():
-    expected = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    native = {"avx512_bf16", "amx_bf16"} & cpu_flags()  # what the kernel reports, not what torch says
+    assert cpu_has_native_bf16() == bool(native)
+    expected = torch.bfloat16 if native else torch.float32
     assert resolve_dtype("auto", torch.device("cpu")) == expected
     assert resolve_dtype("float32", torch.device("cpu")) == torch.float32
 

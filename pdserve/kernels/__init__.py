@@ -1,4 +1,5 @@
-"""pdserve's compiled CPU kernels (paged attention, KV writes), built once per CPU and torch version.
+"""pdserve's compiled CPU kernels (paged attention and KV writes; RoPE, SwiGLU and RMSNorm), built once
+per CPU, torch version and source.
 
 `make venv` builds them (`python -m pdserve.kernels`); a process that finds no build tries once
 itself. If the compiler or ninja is missing, or the build fails, `cpu_ops()` returns None, says so once
@@ -7,6 +8,7 @@ in the log, and the model falls back to gathering K/V and calling torch's SDPA.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -17,6 +19,7 @@ from typing import Any
 
 import torch
 
+from pdserve.model_config import ModelConfig
 from pdserve.utils.cpu_features import cpu_flags
 
 log = logging.getLogger("pdserve.kernels")
@@ -26,8 +29,6 @@ SOURCES = [CSRC / "paged_attention.cpp", CSRC / "fused_ops.cpp"]
 # -Wno-psabi: on AVX2 the 16-float vector type is passed in two registers; GCC warns about that ABI.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-Wno-psabi"]
 _DISABLE_ENV = "PDSERVE_DISABLE_KERNELS"  # "1": behave as if the build had failed (tests, comparisons)
-
-_state: dict[str, Any] = {}
 
 
 def build_tag() -> str:
@@ -43,21 +44,22 @@ def build_tag() -> str:
     return h.hexdigest()[:16]
 
 
-def build_dir() -> Path:
+def build_dir(tag: str) -> Path:
     from pdserve.loader.gguf_convert import cache_root
 
-    return cache_root() / "kernels" / build_tag()
+    return cache_root() / "kernels" / tag
 
 
-def build(verbose: bool = False) -> None:
-    """Compile (tens of seconds) or, when this tag was built before, just load the library."""
+def build(verbose: bool = False) -> Path:
+    """Compile (tens of seconds) or, when this tag was built before, just load the library; its folder."""
     from torch.utils import cpp_extension
 
-    folder = build_dir()
+    tag = build_tag()
+    folder = build_dir(tag)
     folder.mkdir(parents=True, exist_ok=True)
     _drop_stale_lock(folder / "lock")
     cpp_extension.load(
-        name=f"pdserve_kernels_{build_tag()}",
+        name=f"pdserve_kernels_{tag}",
         sources=[str(p) for p in SOURCES],
         extra_cflags=CFLAGS,
         extra_ldflags=["-fopenmp"],
@@ -65,6 +67,7 @@ def build(verbose: bool = False) -> None:
         is_python_module=False,
         verbose=verbose,
     )
+    return folder
 
 
 def _drop_stale_lock(lock: Path, max_age: float = 600.0) -> None:
@@ -77,20 +80,26 @@ def _drop_stale_lock(lock: Path, max_age: float = 600.0) -> None:
         pass
 
 
+@functools.cache
 def cpu_ops() -> Any | None:
     """torch.ops.pdserve_kernels, or None when the kernels cannot be had here (logged once)."""
-    if "ops" in _state:
-        return _state["ops"]
-    ops = None
     if os.environ.get(_DISABLE_ENV) == "1":
         log.info("compiled CPU kernels disabled by %s=1: attention gathers K/V and calls SDPA", _DISABLE_ENV)
-    else:
-        try:
-            build()
-            ops = torch.ops.pdserve_kernels
-        except Exception as e:  # noqa: BLE001 - any build failure means: run on the fallback path
-            last = str(e).strip().splitlines()[-1:] or [type(e).__name__]
-            log.warning("pdserve's CPU attention kernel could not be built (%s); running on the slower "
-                        "gather + SDPA path. `python -m pdserve.kernels` shows the whole build log.", last[0])
-    _state["ops"] = ops
-    return ops
+        return None
+    try:
+        build()
+    except Exception as e:  # noqa: BLE001 - any build failure means: run on the fallback path
+        last = str(e).strip().splitlines()[-1:] or [type(e).__name__]
+        log.warning("pdserve's CPU attention kernel could not be built (%s); running on the slower "
+                    "gather + SDPA path. `python -m pdserve.kernels` shows the whole build log.", last[0])
+        return None
+    return torch.ops.pdserve_kernels
+
+
+def kernels_for(config: ModelConfig, device: torch.device) -> Any | None:
+    """The CPU kernels when they are built and take this model's shapes (multiples of 16); else None."""
+    if device.type != "cpu" or config.head_dim > 256:
+        return None
+    if any(n % 16 for n in (config.head_dim, config.hidden_size, config.intermediate_size)):
+        return None
+    return cpu_ops()

@@ -8,13 +8,13 @@ from __future__ import annotations
 import sys
 import time
 
-from pdserve.kernels import build, build_dir
+from pdserve.kernels import build
 
 if __name__ == "__main__":
     t = time.perf_counter()
     try:
-        build(verbose=True)
+        folder = build(verbose=True)
     except Exception as e:  # noqa: BLE001
         print(f"pdserve kernels: build failed ({e}); pdserve will run on its gather + SDPA attention path.")
         sys.exit(0 if "--allow-failure" in sys.argv else 1)
-    print(f"pdserve kernels: built in {build_dir()} ({time.perf_counter() - t:.1f} s)")
+    print(f"pdserve kernels: built in {folder} ({time.perf_counter() - t:.1f} s)")

@@ -12,11 +12,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.kernels import kernels_for
 from pdserve.kv_cache import KVCache
 from pdserve.loader.errors import ModelLoadError
 from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.linear import DenseLinear, Linear, make_linear
-from pdserve.model.paged_attention import GatherBuffers, kernels_for, paged_attention
+from pdserve.model.paged_attention import GatherBuffers, paged_attention
 from pdserve.model.rope import RotaryEmbedding
 from pdserve.model_config import ModelConfig
 
@@ -78,11 +79,14 @@ class DecoderModel(nn.Module):
                                     device)
         self.scale = config.head_dim ** -0.5
         self.gather_buffers = GatherBuffers()
-        # pdserve's compiled CPU kernels (attention, RoPE, SwiGLU), or None: then torch ops, and ForwardBatch
-        # must carry the gather + SDPA path's metadata.
+        # pdserve's compiled CPU kernels (attention, RoPE, SwiGLU, RMSNorm), or None: then torch ops, and
+        # ForwardBatch must carry the gather + SDPA path's metadata.
         self.kernels = kernels_for(config, device)
-        self.uses_paged_kernel = self.kernels is not None
         self.quantization = quantization
+
+    @property
+    def uses_paged_kernel(self) -> bool:
+        return self.kernels is not None
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: KVCache | None,
@@ -96,9 +100,7 @@ class DecoderModel(nn.Module):
         ops = self.kernels
 
         def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-            if ops is None or x.shape[-1] % 16:
-                return F.rms_norm(x, (x.shape[-1],), weight, eps)
-            return ops.rms_norm(x, weight, eps)
+            return F.rms_norm(x, (x.shape[-1],), weight, eps) if ops is None else ops.rms_norm(x, weight, eps)
 
         cos_sin = self.rope.lookup(batch.positions) if ops is None else None
         heads, kv_heads, head_dim = c.num_heads, c.num_kv_heads, c.head_dim

@@ -8,14 +8,12 @@ without a cache) gathers K/V into padded buffers and calls torch's scaled_dot_pr
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from pdserve.kernels import cpu_ops
 from pdserve.model.forward_batch import DecodeAttention, FallbackAttention, ForwardBatch, PrefillAttention
-from pdserve.model_config import ModelConfig
 
 
 class GatherBuffers:
@@ -36,13 +34,6 @@ class GatherBuffers:
                                device=like.device)
             self._flat[name] = flat
         return flat[:numel].view(shape)
-
-
-def kernels_for(config: ModelConfig, device: torch.device) -> Any | None:
-    """pdserve's CPU kernels when they are built and take this model's shapes; else None."""
-    if device.type != "cpu" or config.head_dim % 16 or config.head_dim > 256 or config.intermediate_size % 16:
-        return None
-    return cpu_ops()
 
 
 def paged_attention(
