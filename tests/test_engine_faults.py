@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tempfile
 import time
 from pathlib import Path
 
@@ -16,6 +17,10 @@ def _segments() -> set[str]:
     return {p.name for p in Path("/dev/shm").glob("*pdserve*")}
 
 
+def _ipc_folders() -> set[str]:
+    return {p.name for p in Path(tempfile.gettempdir()).glob("pdserve-*")}
+
+
 def _wait_gone(pids: list[int], timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -27,7 +32,7 @@ def _wait_gone(pids: list[int], timeout: float = 10.0) -> bool:
 
 @pytest.mark.parametrize("victim", ["worker", "cache_service", "engine"])
 def test_killed_process_fails_requests_and_cleans_up(victim):
-    before = _segments()
+    before, folders_before = _segments(), _ipc_folders()
     llm = LLM(num_gpu_blocks_override=32, block_size=16, max_model_len=512)
     try:
         engine = psutil.Process(llm.engine.proc.pid)
@@ -47,3 +52,4 @@ def test_killed_process_fails_requests_and_cleans_up(victim):
         assert _segments() - before == set(), "the KV cache segment was left behind"
     finally:
         llm.close()
+    assert _ipc_folders() - folders_before == set(), "a socket folder outlived its processes"

@@ -1,4 +1,4 @@
-"""Engine process entry: `python -m pdserve.engine --config B64 --input ADDR --output ADDR`.
+"""Engine process entry: `python -m pdserve.engine --config B64 --input ADDR --output ADDR --sockdir DIR`.
 
 Starts the worker (and, per the startup truth table, the cache service), waits until the KV cache
 exists and both are attached, then serves the frontend. Any failure is reported to the frontend as
@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shutil
 import sys
-import tempfile
+from pathlib import Path
 
 import msgspec
 import zmq
@@ -24,6 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input", required=True)
     parser.add_argument("--output", required=True)
     parser.add_argument("--model-name", default="")
+    parser.add_argument("--sockdir", required=True,
+                        help="folder for the worker's and cache service's sockets, inside the client's own: "
+                             "the client removes it even when this process is killed")
     args, config = child_entry("engine", parser, argv)
     ctx = zmq.Context()
     inputs = ctx.socket(zmq.PULL)
@@ -33,13 +37,14 @@ def main(argv: list[str] | None = None) -> int:
     outputs.connect(args.output)
     encoder = msgspec.msgpack.Encoder()
     started = core = None
-    sockdir = tempfile.TemporaryDirectory(prefix="pdserve-engine-")
+    sockdir = Path(args.sockdir)
+    sockdir.mkdir(mode=0o700, exist_ok=True)
     try:
         from pdserve.disagg.connector import DecodeConnector, PrefillConnector
         from pdserve.disagg.startup import start_processes
         from pdserve.engine.engine_core import EngineCore
 
-        started = start_processes(config, ctx, sockdir.name)
+        started = start_processes(config, ctx, str(sockdir))
         layout = started.layout
         core = EngineCore(config, started.worker, layout.num_blocks, started.max_model_len, started.vocab_size)
         core.cache_service, core.layout = started.cache_service, layout
@@ -76,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         inputs.close()
         outputs.close()
         ctx.term()
-        sockdir.cleanup()
+        shutil.rmtree(sockdir, ignore_errors=True)
 
 
 if __name__ == "__main__":

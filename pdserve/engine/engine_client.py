@@ -50,7 +50,8 @@ class EngineClient:
         self.proc = subprocess.Popen([sys.executable, "-m", "pdserve.engine", "--config", config.encode(),
                                       "--input", f"ipc://{Path(self._dir) / 'input'}",
                                       "--output", f"ipc://{Path(self._dir) / 'output'}",
-                                      "--model-name", model_name], env=child_env())
+                                      "--model-name", model_name, "--sockdir", str(Path(self._dir) / "engine")],
+                                     env=child_env())
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(EngineMessage)
         self._call_ids = itertools.count()
