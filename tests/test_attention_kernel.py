@@ -80,6 +80,17 @@ def test_decode_batch_matches_sdpa(ops, dtype, heads, kv_heads):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("num_seqs", [2, 24], ids=["one-head-items", "all-head-items"])
+def test_short_chunks_match_sdpa(ops, dtype, num_seqs):
+    # 1-4 queries per sequence with group size 2: few-row tiles whose rows see different lengths,
+    # split by KV head for a small batch and one item per sequence for a large one
+    context = [[3, 17, 64, 301][i % 4] for i in range(num_seqs)]
+    queries = [[1, 2, 3, 4][i % 4] for i in range(num_seqs)]
+    out, ref = run_case(ops, dtype, 8, 4, 16, context, queries, seed=2)
+    torch.testing.assert_close(out.float(), ref.float(), atol=TOLERANCE[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("block", [16, 64])
 def test_mixed_step_with_prefill_chunks_matches_sdpa(ops, dtype, block):
     # decode, fresh prefill, a chunk continuing a 2-block cached prefix, decode, a long fresh prefill,

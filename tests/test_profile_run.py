@@ -46,6 +46,7 @@ def test_impossible_config_fails_with_a_message():
 
 def test_impossible_config_exits_the_cli_non_zero():
     proc = subprocess.run([sys.executable, "-m", "pdserve.cli", "generate", "--prompt", "hi",
-                           "--kv-cache-memory", "600M", "--dtype", "float32"], capture_output=True, text=True, timeout=300)
+                           "--kv-cache-memory", "600M", "--dtype", "float32"],
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     assert "pdserve: error:" in proc.stderr and "--max-model-len" in proc.stderr

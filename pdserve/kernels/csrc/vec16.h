@@ -71,6 +71,25 @@ inline float hsum(f32x16 v) {  // a log tree of halves: 4 shuffles and 4 adds
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
+// out[i] = the sum of v[i]'s lanes, for 16 vectors at once: a transpose tree of 45 shuffles and adds
+// where 16 separate horizontal sums take 128.
+inline f32x16 reduce16(const f32x16* v) {
+  f32x16 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)  // a[i]: 8 partial sums of v[2i], then 8 of v[2i + 1]
+    a[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)  // b[i]: 4 each of v[4i .. 4i + 3]
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)  // c[i]: 2 each of v[8i .. 8i + 7]
+    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+inline f32x16 vmax(f32x16 a, f32x16 b) { return a > b ? a : b; }
+
 inline float hmax(f32x16 v) {
   float m = v[0];
   for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
