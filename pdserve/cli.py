@@ -77,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
 
             return bench_serve(args)
     except (ModelLoadError, ValueError, EngineError, OSError) as e:
-        print(f"pdserve: error: {e}", file=sys.stderr)
+        for line in str(e).splitlines() or [type(e).__name__]:
+            print(f"pdserve: error: {line}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from pdserve.config import EngineConfig, parse_size
+from pdserve.fastdeploy_flags import first_port
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -34,14 +35,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-gpu-blocks-override", type=int, default=None,
                    help="number of KV blocks; skips the profile run")
     g.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size)
-    g.add_argument("--quantization", choices=["w8a8"], default=None,
-                   help="opt-in, not exact: int8 weights and dynamic int8 activations (CPU, fbgemm)")
+    g.add_argument("--quantization", default=None,
+                   help="w8a8: opt-in, not exact: int8 weights and dynamic int8 activations (CPU, fbgemm)")
     g.add_argument("--startup-log", default=None, help="write the startup order (JSON lines) to this file")
     pd = p.add_argument_group("prefill/decode disaggregation")
     pd.add_argument("--splitwise-role", choices=["mixed", "prefill", "decode"], default=d.splitwise_role,
                     help="mixed: whole requests; prefill: prompts, KV sent to a decode instance; decode: the rest")
-    pd.add_argument("--pd-comm-port", type=int, default=None,
-                    help="control-plane port of a prefill/decode instance (default: a free port)")
+    pd.add_argument("--pd-comm-port", type=first_port, default=None,
+                    help="control-plane port of a prefill/decode instance (default: a free port); FastDeploy's "
+                         "per-rank list '9800,9801' is accepted, its first port used")
     pd.add_argument("--cache-transfer-protocol", type=_protocols, default=d.cache_transfer_protocol,
                     help="KV transports in preference order, e.g. ipc,tcp (ipc: same host, tcp: any host)")
     pd.add_argument("--pd-transfer-timeout", type=float, default=d.pd_transfer_timeout,

@@ -2,7 +2,10 @@
 
 The deployment is data (a list of `InstanceSpec`); the start order is: router first (instances
 register with it), then every instance at once. It is ready when the router's /health is 200 and
-every instance is in its pool. Ctrl-C or SIGTERM stops everything; so does any process dying.
+every instance is in its pool. A process that exits before then stops the deployment (a bad flag or
+model is not transient). After that, `Supervisor` restarts any process that exits (router included)
+on its own address and ports, while the router keeps serving on the others; one that crash-loops
+stops the deployment, named. Ctrl-C or SIGTERM stops everything.
 
 With the router on a loopback address, each instance gets its own (127.0.0.2, 127.0.0.3, ...), as
 it would on its own host; `--separate-hosts` also gives each its own host id, so P and D talk tcp
@@ -15,7 +18,6 @@ import argparse
 import os
 import secrets
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -23,9 +25,9 @@ from dataclasses import dataclass
 
 import httpx
 
-from pdserve.api.serve import free_port
+from pdserve.api.serve import DEMO_REQUEST, free_port
 from pdserve.cluster_auth import ENV
-from pdserve.utils.process import child_env
+from pdserve.supervisor import Supervisor
 
 
 def add_launch_args(p: argparse.ArgumentParser) -> None:
@@ -52,12 +54,16 @@ class InstanceSpec:
     role: str
     host: str
     port: int
+    metrics_port: int
+    pd_comm_port: int | None  # prefill and decode: fixed, so a restarted instance comes back where it was
     host_id: str | None = None  # None: the machine's own
 
     def command(self, router_url: str, extra: list[str]) -> list[str]:
         host_id = ["--host-id", self.host_id] if self.host_id else []
+        pd_port = ["--pd-comm-port", str(self.pd_comm_port)] if self.pd_comm_port else []
         return [sys.executable, "-m", "pdserve.cli", "serve", "--splitwise-role", self.role, "--host", self.host,
-                "--port", str(self.port), "--router", router_url, *host_id, *extra]
+                "--port", str(self.port), "--metrics-port", str(self.metrics_port), *pd_port,
+                "--router", router_url, *host_id, *extra]
 
 
 def instance_hosts(router_host: str, n: int) -> list[str]:
@@ -75,38 +81,10 @@ def plan(args: argparse.Namespace) -> list[InstanceSpec]:
     names = [(role, f"{role}-{i}") for role, count in (("prefill", args.prefill), ("decode", args.decode),
                                                          ("mixed", args.mixed)) for i in range(count)]
     hosts = instance_hosts(args.host, len(names))
-    return [InstanceSpec(name, role, host, free_port(host), f"launch-{host}" if args.separate_hosts else None)
+    return [InstanceSpec(name, role, host, free_port(host), free_port(host),
+                         free_port(host) if role != "mixed" else None,
+                         f"launch-{host}" if args.separate_hosts else None)
             for (role, name), host in zip(names, hosts, strict=True)]
-
-
-class Deployment:
-    def __init__(self, env: dict[str, str]) -> None:
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.env = env
-
-    def start(self, name: str, cmd: list[str], cpus: set[int] | None = None) -> None:
-        env = {**child_env(), **self.env}
-        if cpus:
-            env["OMP_NUM_THREADS"] = str(len(cpus))
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-                                preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
-        self.procs[name] = proc
-        threading.Thread(target=_prefix_output, args=(name, proc), daemon=True).start()
-
-    def dead(self) -> list[tuple[str, int]]:
-        return [(n, p.returncode) for n, p in self.procs.items() if p.poll() is not None]
-
-    def stop(self, timeout: float = 20.0) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.terminate()
-        deadline = time.monotonic() + timeout
-        for proc in self.procs.values():
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 def split_cpus(n: int) -> list[set[int] | None]:
@@ -137,16 +115,10 @@ def _cpu_only() -> bool:
     return not torch.cuda.is_available()
 
 
-def _prefix_output(name: str, proc: subprocess.Popen) -> None:
-    for line in proc.stdout:
-        sys.stdout.write(f"[{name}] {line.decode(errors='replace')}")
-        sys.stdout.flush()
-
-
 def launch(args: argparse.Namespace) -> int:
     specs = plan(args)
     router_url = f"http://{args.host}:{args.port}"
-    deployment = Deployment({ENV: os.environ.get(ENV) or secrets.token_hex(16)})
+    deployment = Supervisor({ENV: os.environ.get(ENV) or secrets.token_hex(16)})
     stop = threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:
@@ -175,19 +147,17 @@ def launch(args: argparse.Namespace) -> int:
                                                     ("mixed", args.mixed)) if n)
         print(f"pdserve launch: ready on {router_url} ({roles}); Ctrl-C stops everything", flush=True)
         print(f"  curl {router_url}/v1/chat/completions -H 'Content-Type: application/json' "
-              "-d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hello!\"}], \"max_tokens\": 32}'", flush=True)
+              f"-d '{DEMO_REQUEST}'", flush=True)
         while not stop.wait(0.5):
-            if dead := deployment.dead():
-                name, code = dead[0]
-                print(f"pdserve launch: {name} exited (code {code}); stopping the deployment", file=sys.stderr,
-                      flush=True)
+            if crash_loop := deployment.tend():
+                print(f"pdserve launch: {crash_loop}", file=sys.stderr, flush=True)
                 return 1
         return 0
     finally:
         deployment.stop()
 
 
-def _wait_ready(deployment: Deployment, router_url: str, expected: int, timeout: float,
+def _wait_ready(deployment: Supervisor, router_url: str, expected: int, timeout: float,
                 stop: threading.Event) -> str | None:
     deadline = time.monotonic() + timeout
     registered: list = []

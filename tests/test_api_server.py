@@ -354,6 +354,43 @@ def test_bad_request_through_openai_client(client):
     assert client.chat.completions.create(model=MODEL, messages=CHATS[0], max_tokens=2).choices
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_content_as_text_parts(client, stream):
+    parts = [{"type": "text", "text": "What is the capital"}, {"type": "text", "text": "of France?"}]
+
+    def chat(content: object) -> str:
+        out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
+                                             max_tokens=8, temperature=0, stream=stream)
+        if not stream:
+            return out.choices[0].message.content
+        return "".join(c.choices[0].delta.content or "" for c in out if c.choices)
+
+    assert chat(parts) == chat("What is the capital\nof France?")
+    with pytest.raises(openai.BadRequestError) as e:
+        chat([{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}])
+    assert "input_audio" in e.value.body["message"]
+
+
+def test_generation_config_sets_default_sampling(tmp_path_factory):
+    """A model folder's generation_config.json (here given with --generation-config) decides the sampling
+    of requests that leave it out; a request's own temperature still wins."""
+    folder = tmp_path_factory.mktemp("genconfig")
+    (folder / "generation_config.json").write_text('{"do_sample": false}')
+    s = _start(tmp_path_factory, "genconfig-server", "--generation-config", str(folder), "--max-model-len", "512",
+               "--num-gpu-blocks-override", "64")
+    try:
+        c = openai.OpenAI(base_url=f"{s.url}/v1", api_key="x", max_retries=0, timeout=120)
+
+        def complete(**kw: object) -> str:
+            return c.completions.create(model=MODEL, prompt="Once upon a time,", max_tokens=12, **kw).choices[0].text
+
+        greedy = complete(temperature=0)
+        assert complete(seed=1) == complete(seed=2) == greedy  # the file's greedy default
+        assert len({complete(temperature=1.5, seed=i) for i in range(3)}) > 1  # the request's own value
+    finally:
+        s.stop()
+
+
 def test_unknown_route_is_404_with_openai_error(server):
     r = httpx.get(f"{server.url}/v1/nothing-here", timeout=10)
     assert r.status_code == 404
@@ -489,42 +526,42 @@ def test_max_concurrency_answers_429(limited_server):
 
 # ---- 11. a dead worker ---------------------------------------------------------------------
 
-@pytest.fixture
-def doomed_server(tmp_path_factory) -> Iterator[Server]:
-    s = _start(tmp_path_factory, "doomed", *SMALL)
+def _health(url: str) -> int | None:
     try:
-        yield s
+        return httpx.get(f"{url}/health", timeout=5).status_code
+    except httpx.HTTPError:
+        return None  # gone
+
+
+def test_killed_worker_fails_fast_and_the_instance_exits_for_its_supervisor(tmp_path_factory):
+    """No zombie instance: the request in flight ends with an error event, /health never says 200 again,
+    and the instance exits with code 1 (for `pdserve launch` or another supervisor to restart it),
+    leaving no process, KV segment or IPC folder behind."""
+    doomed = _start(tmp_path_factory, "doomed", *SMALL)
+    try:
+        url = doomed.url
+        worker = doomed.worker()
+        body = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 400, "ignore_eos": True, "stream": True}
+        events: list = []
+        with httpx.Client(timeout=httpx.Timeout(30, read=15)) as http, \
+                http.stream("POST", f"{url}/v1/completions", json=body) as r:
+            stream = _sse_events(r.iter_lines())
+            events.append(next(stream))
+            worker.kill()
+            start = time.monotonic()
+            events.extend(stream)  # must end, not hang
+            assert time.monotonic() - start < 15
+        assert events[-1] != "[DONE]" and "error" in events[-1], events[-3:]
+        assert events[-1]["error"]["code"] >= 500
+
+        deadline = time.monotonic() + 20
+        while doomed.proc.poll() is None and time.monotonic() < deadline:
+            assert _health(url) != 200, "/health said 200 after the worker died"
+            time.sleep(0.1)
+        assert doomed.proc.returncode == 1, f"exit code {doomed.proc.returncode}:\n{doomed.log()}"
+        assert "the engine died" in doomed.log() and "Traceback" not in doomed.log()
+        doomed.wait_gone(10)
+        assert not [p for p in doomed.tmpdir.iterdir() if p.name.startswith("pdserve-")], "IPC folder left"
     finally:
-        s.stop()
-
-
-def test_killed_worker_fails_fast(doomed_server):
-    url = doomed_server.url
-    worker = doomed_server.worker()
-    body = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 400, "ignore_eos": True, "stream": True}
-    events: list = []
-    with httpx.Client(timeout=httpx.Timeout(30, read=15)) as http, \
-            http.stream("POST", f"{url}/v1/completions", json=body) as r:
-        stream = _sse_events(r.iter_lines())
-        events.append(next(stream))
-        worker.kill()
-        start = time.monotonic()
-        events.extend(stream)  # must end, not hang
-        assert time.monotonic() - start < 15
-    assert events[-1] != "[DONE]" and "error" in events[-1], events[-3:]
-    assert events[-1]["error"]["code"] >= 500
-
-    _wait_for(lambda: httpx.get(f"{url}/health", timeout=5).status_code != 200, 10, "/health still says 200")
-    assert httpx.get(f"{url}/health", timeout=5).status_code == 503
-    for path, payload in (("completions", {"prompt": "Hi", "max_tokens": 2}),
-                          ("chat/completions", {"messages": CHATS[0], "max_tokens": 2})):
-        start = time.monotonic()
-        r = httpx.post(f"{url}/v1/{path}", json=payload, timeout=10)
-        assert time.monotonic() - start < 5
-        assert r.status_code >= 500, r.text
-        assert r.json()["error"]["code"] == r.status_code
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=10)
-    with pytest.raises(openai.InternalServerError):
-        client.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
-    assert httpx.get(f"{url}/metrics", timeout=5).status_code == 200  # still scrapeable
-    assert doomed_server.proc.poll() is None  # the HTTP server stays up to say so
+        if doomed.proc.poll() is None:
+            doomed.stop()

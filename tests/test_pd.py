@@ -142,6 +142,29 @@ def test_chat_and_completion_through_the_router(pd: dict, stream: bool) -> None:
         assert text and text == call(mixed)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_content_as_text_parts_through_the_router(pd: dict, stream: bool) -> None:
+    """The shape vLLM's `bench serve --backend openai-chat` and many SDKs send: content as a list of parts,
+    joined in order. An image part is a 400 that names it."""
+    router, mixed = _client(pd["router"].url), _client(pd["mixed"].url)
+    parts = [{"type": "text", "text": "What is the capital"}, {"type": "text", "text": "of France?"}]
+    joined = "What is the capital\nof France?"
+
+    def chat(client: openai.OpenAI, content: object) -> str:
+        out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
+                                             max_tokens=10, temperature=0, stream=stream)
+        if not stream:
+            return out.choices[0].message.content
+        return "".join(c.choices[0].delta.content or "" for c in out if c.choices)
+
+    text = chat(router, parts)
+    assert text and text == chat(mixed, joined) == chat(mixed, parts)
+    image = [*parts, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(router, image)
+    assert "image_url" in e.value.body["message"] and "text parts only" in e.value.body["message"]
+
+
 def test_router_models_health_and_bad_input(pd: dict) -> None:
     router = _client(pd["router"].url)
     assert [m.id for m in router.models.list().data] == [MODEL]

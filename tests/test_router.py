@@ -101,6 +101,12 @@ def test_health_thresholds_and_lost_requests() -> None:
     assert instance.healthy
     again, probe = registry.register(Registration(role="decode", url="http://d", pid=2))  # restarted
     assert probe and again is not instance and not again.healthy
+    assert (instance.restarts, again.restarts) == (0, 1) and again.as_dict()["restarts"] == 1
+    registry.expiry = 0
+    registry.expire()  # forgotten (no heartbeat) while it restarts: the count survives
+    assert not registry.all()
+    third, _ = registry.register(Registration(role="decode", url="http://d", pid=3))
+    assert third.restarts == 2
 
 
 # ---- a router process with stand-in instances --------------------------------------------------

@@ -40,6 +40,7 @@ class AsyncEngine:
         self._call_ids = itertools.count(1 << 20)
         self._pump: asyncio.Task | None = None
         self.error: str | None = None  # set once the engine is gone
+        self.dead = asyncio.Event()  # ... and this with it
 
     @property
     def healthy(self) -> bool:
@@ -128,6 +129,7 @@ class AsyncEngine:
 
     def _fail_all(self, error: str) -> None:
         self.error = error
+        self.dead.set()
         for queue in self._queues.values():
             queue.put_nowait(EngineError(error))
         for future in self._calls.values():

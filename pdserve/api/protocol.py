@@ -8,8 +8,9 @@ from typing import Any, Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from pdserve.api.chat_content import text_content
 from pdserve.sampling import SamplingParams
 
 
@@ -49,13 +50,19 @@ class _SamplingFields(BaseModel):
     collect_metrics: bool = False  # pdserve: per-request server timestamps in the response
     pd: PDRequest | None = None  # pdserve: set by the router on requests to prefill/decode instances
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """`defaults` (the model's generation_config) fill what the request leaves out."""
+        d = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, **(defaults or {})}
+
+        def pick(name: str) -> Any:
+            value = getattr(self, name)
+            return d[name] if value is None else value
+
         return SamplingParams(
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0, min_p=self.min_p or 0.0,
+            temperature=pick("temperature"), top_p=pick("top_p"), top_k=pick("top_k"), min_p=pick("min_p"),
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=self.repetition_penalty or 1.0, seed=self.seed, stop=self.stop,
+            repetition_penalty=pick("repetition_penalty"), seed=self.seed, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
             max_tokens=max_tokens, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens)
 
@@ -72,6 +79,11 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: str
     content: str | list[dict[str, Any]] | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _join_text_parts(cls, content: Any) -> Any:
+        return text_content(content)
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -12,11 +12,13 @@ import uvicorn
 
 from pdserve.api.async_engine import AsyncEngine
 from pdserve.api.metrics import ServerMetrics
+from pdserve.api.sampling_defaults import load_sampling_defaults
 from pdserve.api.server import ServerState, build_app
 from pdserve.cluster_auth import ENV
 from pdserve.disagg.transport.base import HOST_ID_ENV, host_id
 from pdserve.engine.engine_client import EngineClient
 from pdserve.engine_args import engine_config_from_args
+from pdserve.fastdeploy_flags import add_fastdeploy_args, fastdeploy_refusals
 from pdserve.loader import model_name, resolve_model_folder
 from pdserve.tokenizer import Tokenizer
 from pdserve.utils.process import die_with_parent, exit_on_sigterm
@@ -32,7 +34,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (default: a free port, logged)")
     g.add_argument("--served-model-name", default=None, help="the model name clients send (default: from the path)")
     g.add_argument("--max-concurrency", type=int, default=256, help="requests in flight before answering 429")
-    g.add_argument("--router", default=None, help="router URL to register with, e.g. http://127.0.0.1:8000")
+    g.add_argument("--router", type=router_url, default=None,
+                   help="router URL to register with, e.g. http://127.0.0.1:8000 (host:port means http://host:port)")
     g.add_argument("--advertise-host", default=None,
                    help="the address the router and peers should use for this instance (default: --host, or "
                         "this machine's address when --host is 0.0.0.0)")
@@ -42,8 +45,20 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cluster-secret", default=os.environ.get(ENV),
                    help=f"shared by the router and every instance: signs registration, control messages and KV "
                         f"connections (default: ${ENV}; prefer the variable, a command line is visible to all)")
+    g.add_argument("--generation-config", default="auto",
+                   help="default sampling for fields a request leaves out: auto (the model folder's "
+                        "generation_config.json, as vLLM), none (OpenAI's defaults), or a folder holding one")
     g.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
                    help="clients must send 'Authorization: Bearer KEY' on /v1 (default: $PDSERVE_API_KEY)")
+    add_fastdeploy_args(p)
+
+
+def router_url(text: str) -> str:
+    return text if "://" in text else f"http://{text}"
+
+
+# The ready-to-paste request: a low temperature, since a small model at temperature 1 rambles.
+DEMO_REQUEST = '{"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32, "temperature": 0.2}'
 
 
 def advertised_host(host: str, explicit: str | None) -> str:
@@ -77,15 +92,19 @@ def serve(args: argparse.Namespace) -> int:
         os.environ[ENV] = args.cluster_secret
     if args.host_id:
         os.environ[HOST_ID_ENV] = args.host_id
+    if refusals := fastdeploy_refusals(args):
+        raise ValueError("\n".join(refusals))
     advertise = advertised_host(args.host, args.advertise_host)
     config = engine_config_from_args(args, pd_host=args.host, advertise_host=advertise)
     name = args.served_model_name or model_name(args.model)
-    tokenizer = Tokenizer(resolve_model_folder(args.model))
+    folder = resolve_model_folder(args.model)
+    tokenizer = Tokenizer(folder)
+    sampling_defaults = load_sampling_defaults(args.generation_config, folder)
     client = EngineClient(config, name)
     try:
         metrics = ServerMetrics()
         state = ServerState(AsyncEngine(client), tokenizer, name, client.ready.max_model_len, args.max_concurrency,
-                            metrics, api_key=args.api_key)
+                            metrics, api_key=args.api_key, sampling_defaults=sampling_defaults)
         ready = client.ready
         metrics_port = args.metrics_port or free_port(args.host)
         if args.router:
@@ -100,16 +119,17 @@ def serve(args: argparse.Namespace) -> int:
 
         start_http_server(metrics_port, addr=args.host, registry=metrics.registry)
         server = uvicorn.Server(uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level="warning"))
+        state.request_shutdown = lambda: setattr(server, "should_exit", True)
         asyncio.run(serve_and_announce(server, _announcement(args.host, args.port, metrics_port, name, ready.role,
                                                              ready.pd_comm_port)))
     finally:
         client.close()
-    return 0
+    return state.exit_code
 
 
 def _announcement(host: str, port: int, metrics_port: int, name: str, role: str, pd_comm_port: int | None) -> str:
     pd = f", pd-comm-port {pd_comm_port}" if pd_comm_port else ""
-    example = '{"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32}'
+    example = DEMO_REQUEST
     return (f"pdserve: serving {name} on http://{host}:{port} (OpenAI API under /v1, metrics on port {metrics_port}, "
             f"role {role}{pd})\n  curl http://{host}:{port}/v1/chat/completions "
             f"-H 'Content-Type: application/json' -d '{example}'")

@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,8 @@ from pdserve.api.registration import register_forever
 from pdserve.engine.engine_client import EngineError
 from pdserve.engine.messages import PDParams, TokenLogprobs
 from pdserve.tokenizer import Tokenizer
+
+log = logging.getLogger("pdserve.serve")
 
 
 class APIError(Exception):
@@ -52,6 +55,9 @@ class ServerState:
     router_url: str | None = None  # --router: register there every few seconds
     instance: dict | None = None  # what to register: role, url, control-plane address, transports
     api_key: str | None = None  # --api-key: /v1 requests must carry it as a Bearer token
+    sampling_defaults: dict | None = None  # the model's generation_config values for omitted fields
+    request_shutdown: Callable[[], None] | None = None  # stops the HTTP server (set by `pdserve serve`)
+    exit_code: int = 0  # 1 once the engine died
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -60,7 +66,7 @@ def build_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.engine.start()
-        tasks = [asyncio.create_task(_refresh_metrics(state))]
+        tasks = [asyncio.create_task(_refresh_metrics(state)), asyncio.create_task(_exit_when_engine_dies(state))]
         if state.router_url and state.instance:
             tasks.append(asyncio.create_task(register_forever(state.router_url, state.instance)))
         yield
@@ -136,7 +142,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def completions(body: CompletionRequest, raw: Request) -> Any:
         _check_model(state, body.model)
         prompt_ids = _completion_prompt(state, body)
-        params = _sampling_params(body, body.max_tokens, body.logprobs)
+        params = _sampling_params(state, body, body.max_tokens, body.logprobs)
         gen = Generation(f"cmpl-{next(ids)}", prompt_ids, pd=_pd_params(body))
         return await _respond(state, raw, body, gen, params, "text_completion", _completion_choice)
 
@@ -153,11 +159,24 @@ def build_app(state: ServerState) -> FastAPI:
         _check_length(state, prompt_ids)
         max_tokens = body.max_completion_tokens or body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = _sampling_params(body, max_tokens, logprobs)
+        params = _sampling_params(state, body, max_tokens, logprobs)
         gen = Generation(f"chatcmpl-{next(ids)}", prompt_ids, pd=_pd_params(body))
         return await _respond(state, raw, body, gen, params, "chat.completion", _chat_choice)
 
     return app
+
+
+async def _exit_when_engine_dies(state: ServerState, grace: float = 0.5) -> None:
+    """An instance without its engine (or the engine's worker or cache service) cannot serve again: it
+    stops, exit code 1, so that its supervisor (`pdserve launch`, systemd, Kubernetes) starts it afresh,
+    as vLLM's server does. /health says 503 meanwhile; requests in flight get their errors first."""
+    await state.engine.dead.wait()
+    log.error("the engine died (%s): this instance stops (exit code 1) for its supervisor to restart it",
+              state.engine.error)
+    state.exit_code = 1
+    await asyncio.sleep(grace)
+    if state.request_shutdown is not None:
+        state.request_shutdown()
 
 
 async def _refresh_metrics(state: ServerState, period: float = 1.0) -> None:
@@ -311,9 +330,9 @@ def _pd_params(body: Any) -> PDParams | None:
     return None if pd is None else PDParams(pd.transfer_id, pd.role, pd.prefill_addr, pd.transport)
 
 
-def _sampling_params(body: Any, max_tokens: int | None, logprobs: int | None) -> Any:
+def _sampling_params(state: ServerState, body: Any, max_tokens: int | None, logprobs: int | None) -> Any:
     try:
-        return body.sampling_params(max_tokens, logprobs)
+        return body.sampling_params(max_tokens, logprobs, state.sampling_defaults)
     except ValueError as e:  # a combination the field checks cannot see (min_tokens > max_tokens, ...)
         raise APIError(str(e)) from None
 

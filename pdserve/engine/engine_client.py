@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import shutil
 import subprocess
 import sys
@@ -28,6 +29,7 @@ from pdserve.engine.messages import (
 )
 from pdserve.sampling import SamplingParams
 from pdserve.utils.process import child_env, stop_process
+from pdserve.utils.stale_ipc import ipc_folder_prefix, sweep_stale
 
 
 class EngineError(RuntimeError):
@@ -38,7 +40,8 @@ class EngineClient:
     POLL_MS = 200
 
     def __init__(self, config: EngineConfig, model_name: str = "") -> None:
-        self._dir = tempfile.mkdtemp(prefix="pdserve-")
+        sweep_stale()
+        self._dir = tempfile.mkdtemp(prefix=ipc_folder_prefix(os.getpid()))
         self.ctx = zmq.Context()
         self.inputs = self.ctx.socket(zmq.PUSH)
         self.inputs.setsockopt(zmq.LINGER, 0)

@@ -8,6 +8,7 @@ A prompt the router cannot read is left for the instance to reject with its own 
 
 from __future__ import annotations
 
+from pdserve.api.chat_content import template_messages
 from pdserve.router.policies import RoutedRequest
 from pdserve.tokenizer import Tokenizer
 
@@ -43,6 +44,7 @@ class PromptReader:
         messages = body.get("messages")
         if not isinstance(messages, list):
             return RoutedRequest(None, 0)
+        messages = template_messages(messages)
         if self.tokenizer is None:
             chars = sum(len(m.get("content") or "") if isinstance(m.get("content"), str) else 0 for m in messages)
             return RoutedRequest(None, chars // CHARS_PER_TOKEN + 1)

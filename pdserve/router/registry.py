@@ -53,6 +53,7 @@ class Instance:
     in_flight_tokens: int = 0  # prompt tokens of the requests in flight
     served: int = 0  # requests sent here
     failed: int = 0  # requests that failed here
+    restarts: int = 0  # new pids seen at this url since the router started
     watchers: set[Callable[[str], None]] = field(default_factory=set)  # told when the instance is lost
 
     @property
@@ -66,7 +67,7 @@ class Instance:
     def as_dict(self) -> dict:
         return {**self.info.model_dump(), "healthy": self.healthy, "static": self.static,
                 "in_flight_requests": self.in_flight_requests, "in_flight_tokens": self.in_flight_tokens,
-                "served": self.served, "failed": self.failed,
+                "served": self.served, "failed": self.failed, "restarts": self.restarts,
                 "seconds_since_heartbeat": None if self.static else round(time.monotonic() - self.last_seen, 1)}
 
 
@@ -76,6 +77,7 @@ class Registry:
         self.fail_threshold = fail_threshold
         self.success_threshold = success_threshold
         self._instances: dict[str, Instance] = {}
+        self._pids: dict[str, tuple[int | None, int]] = {}  # url -> (last pid, restarts): outlives expiry
 
     # ---- membership ------------------------------------------------------------------------------
 
@@ -89,7 +91,10 @@ class Registry:
         if known is not None:
             log.info("%s restarted (pid %s -> %s)", info.url, known.info.pid, info.pid)
             self._lose(known, "the instance restarted")
-        instance = self._instances[info.url] = Instance(info, static=static)
+        last_pid, restarts = self._pids.get(info.url, (info.pid, 0))
+        restarts += last_pid != info.pid
+        self._pids[info.url] = (info.pid, restarts)
+        instance = self._instances[info.url] = Instance(info, static=static, restarts=restarts)
         log.info("%s instance %s announced itself (host %s); probing it", info.role, info.url, info.host_id)
         return instance, True
 

@@ -1,0 +1,275 @@
+"""Chaos: a 2P2D `pdserve launch` deployment under steady load while a random process is SIGKILLed
+every few seconds; what the clients saw, how fast the deployment healed, and what leaked.
+
+    .venv/bin/python bench/chaos.py [--duration 180] [--kill-every 20] [--clients 4] [--seed 0]
+                                    [--out bench-results/chaos.md] [-- extra flags for every instance]
+
+Victims, drawn at random: an instance's server process, its engine, worker or cache service, or the
+router. Clients stream completions through the router; a connection the router refuses (it is
+restarting) is retried up to 3 times, as the `openai` client does; the router itself retries a request
+on another route when an instance fails before answering. Reported: requests sent / succeeded /
+failed (and how many of those had started streaming), client and router retries, latency
+percentiles, each kill with the time until the victim's instance (or the router) served again,
+restarts, and at the end: KV blocks not given back, shared-memory segments and IPC folders left.
+Goal (issue 13): >= 99% succeed, every victim back within 30 s, nothing leaks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import psutil
+
+from pdserve.api.serve import free_port
+
+PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):",
+           "The three primary colors are", "Once upon a time, in a small village,"]
+VICTIMS = ("instance", "engine", "worker", "cache_service", "router")
+
+
+@dataclass
+class Outcome:
+    start: float
+    latency: float
+    ok: bool
+    streamed: bool  # a token had arrived before it failed
+    client_retries: int
+    error: str = ""
+
+
+@dataclass
+class Kill:
+    at: float
+    victim: str
+    target: str  # instance url or "router"
+    pid: int
+    back_after: float | None = None
+
+
+@dataclass
+class Load:
+    url: str
+    max_tokens: int
+    stop: threading.Event = field(default_factory=threading.Event)
+    outcomes: list[Outcome] = field(default_factory=list)
+
+    def client(self, seed: int) -> None:
+        rng = random.Random(seed)
+        with httpx.Client(timeout=httpx.Timeout(60, connect=5)) as http:
+            while not self.stop.is_set():
+                self.outcomes.append(self.one(http, rng.choice(PROMPTS)))
+
+    def one(self, http: httpx.Client, prompt: str) -> Outcome:
+        start, retries = time.monotonic(), 0
+        body = {"prompt": prompt, "max_tokens": self.max_tokens, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        while True:
+            streamed = False
+            try:
+                with http.stream("POST", f"{self.url}/v1/completions", json=body) as r:
+                    if r.status_code != 200:
+                        r.read()
+                        return Outcome(start, time.monotonic() - start, False, False, retries,
+                                       f"{r.status_code} {r.text[:200]}")
+                    for line in r.iter_lines():
+                        if not line.startswith("data: "):
+                            continue
+                        data = line[6:]
+                        if data == "[DONE]":
+                            return Outcome(start, time.monotonic() - start, True, streamed, retries)
+                        event = json.loads(data)
+                        if "error" in event:
+                            return Outcome(start, time.monotonic() - start, False, streamed, retries,
+                                           str(event["error"].get("message"))[:200])
+                        streamed = True
+                return Outcome(start, time.monotonic() - start, False, streamed, retries, "stream ended early")
+            except httpx.ConnectError as e:  # nothing reached a server: safe to send again
+                if retries == 3:
+                    return Outcome(start, time.monotonic() - start, False, False, retries, repr(e))
+                retries += 1
+                time.sleep(1.0)
+            except httpx.HTTPError as e:
+                return Outcome(start, time.monotonic() - start, False, streamed, retries, repr(e))
+
+
+class Deployment:
+    def __init__(self, args: argparse.Namespace, tmp: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = tmp / "launch.log"
+        self.tmp = tmp
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "pdserve.cli", "launch", "--prefill", "2", "--decode", "2", "--port",
+                 str(self.port), *args.instance_args], stdout=log, stderr=subprocess.STDOUT,
+                env={**os.environ, "TMPDIR": str(tmp)}, start_new_session=True)
+        deadline = time.monotonic() + 600
+        while "ready on" not in self.log_path.read_text(errors="replace"):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"the deployment did not start:\n{self.log_path.read_text()[-3000:]}")
+            time.sleep(1)
+
+    def instances(self) -> list[dict]:
+        try:
+            return httpx.get(f"{self.url}/registered", timeout=3).json()["instances"]
+        except (httpx.HTTPError, ValueError, KeyError):
+            return []
+
+    def router_pid(self) -> int:
+        (router,) = [p for p in psutil.Process(self.proc.pid).children()
+                     if "router" in p.cmdline()[3:5]]
+        return router.pid
+
+    def pick(self, victim: str, rng: random.Random) -> tuple[str, int] | None:
+        if victim == "router":
+            return "router", self.router_pid()
+        live = [i for i in self.instances() if i["healthy"]]
+        if not live:
+            return None
+        inst = rng.choice(live)
+        if victim == "instance":
+            return inst["url"], inst["pid"]
+        module = {"engine": "pdserve.engine", "worker": "pdserve.worker",
+                  "cache_service": "pdserve.disagg.cache_service"}[victim]
+        found = [p for p in psutil.Process(inst["pid"]).children(recursive=True) if module in p.cmdline()]
+        return (inst["url"], found[0].pid) if found else None
+
+    def serving_again(self, kill: Kill, restarts_before: dict[str, int]) -> bool:
+        instances = self.instances()
+        if kill.target == "router":
+            return len([i for i in instances if i["healthy"]]) == 4
+        return any(i["url"] == kill.target and i["healthy"] and i["restarts"] > restarts_before.get(i["url"], 0)
+                   for i in instances)
+
+    def leaked_blocks(self) -> dict[str, float]:
+        out = {}
+        for inst in self.instances():
+            text = httpx.get(f"http://{inst['host']}:{inst['metrics_port']}/metrics", timeout=5).text
+            values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+                      if line.startswith("pdserve_kv_cache_") and "{" not in line}
+            out[inst["url"]] = values["pdserve_kv_cache_total_blocks"] - values["pdserve_kv_cache_free_blocks"]
+        return out
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            return self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            return -9
+
+
+def segments() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("pdserve-kv-*")}
+
+
+def run(args: argparse.Namespace) -> str:
+    rng = random.Random(args.seed)
+    tmp = Path(tempfile.mkdtemp(prefix="chaos-"))
+    segments_before = segments()
+    dep = Deployment(args, tmp)
+    print(f"deployment ready on {dep.url}; load and kills for {args.duration:.0f} s", flush=True)
+    load = Load(dep.url, args.max_tokens)
+    threads = [threading.Thread(target=load.client, args=(args.seed + i,), daemon=True) for i in range(args.clients)]
+    for t in threads:
+        t.start()
+    kills: list[Kill] = []
+    end = time.monotonic() + args.duration
+    try:
+        while time.monotonic() < end:
+            time.sleep(args.kill_every)
+            victim = rng.choice(VICTIMS)
+            picked = dep.pick(victim, rng)
+            if picked is None:
+                continue
+            restarts = {i["url"]: i["restarts"] for i in dep.instances()}
+            kill = Kill(time.monotonic(), victim, *picked)
+            psutil.Process(kill.pid).kill()
+            kills.append(kill)
+            print(f"  t={kill.at - end + args.duration:5.0f} s  SIGKILL {victim} of {kill.target} (pid {kill.pid})",
+                  flush=True)
+            while time.monotonic() < kill.at + 120 and not dep.serving_again(kill, restarts):
+                time.sleep(0.25)
+            if dep.serving_again(kill, restarts):
+                kill.back_after = time.monotonic() - kill.at
+    finally:
+        load.stop.set()
+        for t in threads:
+            t.join(120)
+    time.sleep(3)  # transfers and acknowledgements of the last requests settle
+    leaked = dep.leaked_blocks()
+    restarts = {i["url"]: i["restarts"] for i in dep.instances()}
+    launch_log = dep.log_path.read_text(errors="replace")
+    code = dep.stop()
+    time.sleep(2)
+    left_segments = segments() - segments_before
+    left_folders = [p.name for p in tmp.iterdir() if p.name.startswith("pdserve-")]
+    return report(args, load.outcomes, kills, leaked, restarts, launch_log, code, left_segments, left_folders)
+
+
+def _pct(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
+
+
+def report(args: argparse.Namespace, outcomes: list[Outcome], kills: list[Kill], leaked: dict[str, float],
+           restarts: dict[str, int], launch_log: str, code: int, left_segments: set[str],
+           left_folders: list[str]) -> str:
+    ok = [o for o in outcomes if o.ok]
+    failed = [o for o in outcomes if not o.ok]
+    lat = sorted(o.latency * 1000 for o in ok) or [0.0]
+    router_retries = launch_log.count("retrying a request without")
+    lines = [f"# Chaos: 2P2D, {args.duration:.0f} s, a SIGKILL every {args.kill_every:.0f} s, {args.clients} "
+             f"streaming clients, {args.max_tokens} tokens each", "",
+             "| requests | succeeded | failed | failed after streaming began | client retries (refused "
+             "connections) | router retries | success | latency p50 / p90 / p99 ms |",
+             "|---|---|---|---|---|---|---|---|",
+             f"| {len(outcomes)} | {len(ok)} | {len(failed)} | {sum(o.streamed for o in failed)} | "
+             f"{sum(o.client_retries for o in outcomes)} | {router_retries} | "
+             f"{100 * len(ok) / max(1, len(outcomes)):.1f}% | {_pct(lat, 50):.0f} / {_pct(lat, 90):.0f} / "
+             f"{_pct(lat, 99):.0f} |", "", "| kill | victim | of | back in service after |", "|---|---|---|---|"]
+    for i, k in enumerate(kills, 1):
+        back = f"{k.back_after:.1f} s" if k.back_after is not None else "NOT BACK within 120 s"
+        lines.append(f"| {i} | {k.victim} | {k.target} | {back} |")
+    lines += ["", f"restarts seen by the router: {json.dumps(restarts)}; by launch: "
+              f"{launch_log.count(' restarted (restart ')}",
+              f"KV blocks not given back at the end: {json.dumps(leaked)}",
+              f"after Ctrl-C (launch exit code {code}): shared-memory segments left {sorted(left_segments) or 'none'}, "
+              f"IPC folders left {left_folders or 'none'}"]
+    if failed:
+        lines += ["", "failures (first 10):"] + [f"- {o.error}" for o in failed[:10]]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--duration", type=float, default=180)
+    parser.add_argument("--kill-every", type=float, default=20)
+    parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None, help="also write the report here (markdown)")
+    args, rest = parser.parse_known_args()
+    args.instance_args = [a for a in rest if a != "--"] or ["--num-gpu-blocks-override", "300", "--max-model-len",
+                                                           "1024"]
+    text = run(args)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""`pdserve launch` supervises its deployment: a killed instance (or one whose worker died) is restarted
+on its address and ports and rejoins the router's pool while the others keep serving; Ctrl-C still
+stops everything and leaves nothing behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+from tests.servers import REPO, free_port, segments, wait_for
+
+
+class Launch:
+    def __init__(self, tmp: Path, *flags: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.tmp = tmp
+        self.log_path = tmp / "launch.log"
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "launch", "--port", str(self.port),
+                                          *flags], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                         env={**os.environ, "TMPDIR": str(tmp)})
+        wait_for(lambda: "ready on" in self.log() or self.proc.poll() is not None, 300,
+                 "the deployment was not ready")
+        assert self.proc.poll() is None, self.log()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def instances(self) -> dict[str, dict]:
+        """By role and index in url order: prefill-0, decode-0, decode-1, ..."""
+        found = httpx.get(f"{self.url}/registered", timeout=5).json()["instances"]
+        out: dict[str, dict] = {}
+        for role in ("prefill", "decode", "mixed"):
+            for i, inst in enumerate(sorted((x for x in found if x["role"] == role), key=lambda x: x["url"])):
+                out[f"{role}-{i}"] = inst
+        return out
+
+    def rejoined(self, url: str, restarts: int) -> bool:
+        return any(i["url"] == url and i["healthy"] and i["restarts"] == restarts
+                   for i in self.instances().values())
+
+
+class Load(threading.Thread):
+    """Requests one after another from two client threads; records (start time, ok, error)."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url, self.results, self.stop = url, [], threading.Event()
+
+    def run(self) -> None:
+        def client() -> None:
+            with httpx.Client(timeout=60) as http:
+                while not self.stop.is_set():
+                    start = time.monotonic()
+                    try:
+                        r = http.post(f"{self.url}/v1/completions", json={
+                            "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0})
+                        self.results.append((start, r.status_code == 200, r.text[:300]))
+                    except httpx.HTTPError as e:
+                        self.results.append((start, False, repr(e)))
+
+        threads = [threading.Thread(target=client) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    def failures_after(self, t: float) -> list:
+        return [r for r in self.results if r[0] > t and not r[1]]
+
+
+def test_launch_restarts_killed_instances_and_ctrl_c_stops_all(tmp_path: Path):
+    before = segments()
+    launch = Launch(tmp_path, "--prefill", "1", "--decode", "2", "--num-gpu-blocks-override", "200",
+                    "--max-model-len", "1024")
+    pids = {p.pid for p in psutil.Process(launch.proc.pid).children(recursive=True)}
+    load = Load(launch.url)
+    load.start()
+    try:
+        time.sleep(2)
+        victim = launch.instances()["decode-0"]
+        psutil.Process(victim["pid"]).kill()  # the instance's server process, as a crash would
+        killed_at = time.monotonic()
+        wait_for(lambda: launch.rejoined(victim["url"], 1), 90, "the killed decode instance did not rejoin")
+        assert "decode-0 exited (code -9); restarting it" in launch.log()
+
+        # a worker dies: its instance exits (code 1) and launch restarts it too
+        other = launch.instances()["decode-1"]
+        (worker,) = [p for p in psutil.Process(other["pid"]).children(recursive=True)
+                     if "pdserve.worker" in " ".join(p.cmdline())]
+        worker.kill()
+        wait_for(lambda: launch.rejoined(other["url"], 1), 90, "the decode instance whose worker died did not rejoin")
+        assert "decode-1 exited (code 1); restarting it" in launch.log()
+        time.sleep(2)
+    finally:
+        load.stop.set()
+        load.join(90)
+    ok = [r for r in load.results if r[1]]
+    late = [r for r in load.results if r[0] > killed_at + 1]
+    assert len(ok) > 20 and late, "too little load went through"
+    # A request that had reached the killed instance may fail; none started a second after the kill did.
+    assert not load.failures_after(killed_at + 1), load.failures_after(killed_at + 1)[:3]
+
+    pids |= {p.pid for p in psutil.Process(launch.proc.pid).children(recursive=True)}
+    launch.proc.send_signal(signal.SIGINT)
+    assert launch.proc.wait(60) in (0, 130), launch.log()[-3000:]
+    wait_for(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+                             for p in pids), 20, "processes of the deployment outlived Ctrl-C")
+    wait_for(lambda: segments() <= before, 10, "KV segments were left behind")
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("pdserve-")], "IPC folders were left behind"
+
+
+def test_a_crash_looping_instance_stops_the_deployment_naming_it(tmp_path: Path):
+    from pdserve.supervisor import Supervisor
+
+    sup = Supervisor({}, max_restarts=3, window=60, backoff=(0.1,))
+    sup.start("flaky", [sys.executable, "-c", "import sys; sys.exit(3)"])
+    sup.start("steady", [sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        message = None
+        deadline = time.monotonic() + 30
+        while message is None and time.monotonic() < deadline:
+            message = sup.tend()
+            time.sleep(0.05)
+        assert message and message.startswith("flaky exited 3 times") and "exit code 3" in message
+        assert sup.members["flaky"].restarts == 2 and sup.members["steady"].restarts == 0
+    finally:
+        sup.stop()
+    assert all(p.poll() is not None for p in sup.procs.values())
