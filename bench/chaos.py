@@ -6,17 +6,19 @@ every few seconds; what the clients saw, how fast the deployment healed, and wha
 
 Victims, drawn at random: an instance's server process, its engine, worker or cache service, or the
 router. Clients stream completions through the router; a connection the router refuses (it is
-restarting) is retried up to 3 times, as the `openai` client does; the router itself retries a request
-on another route when an instance fails before answering. Reported: requests sent / succeeded /
-failed (and how many of those had started streaming), client and router retries, latency
-percentiles, each kill with the time until the victim's instance (or the router) served again,
-restarts, and at the end: KV blocks not given back, shared-memory segments and IPC folders left.
+restarting) or a 5xx before any token is retried up to 3 times with backoff, as the `openai` client
+does; the router itself retries a request on another route when an instance fails before answering.
+Reported: requests sent / succeeded / failed (and how many of those had started streaming), client
+and router retries, latency percentiles, each kill with the time until the victim's instance (or the
+router) served again, restarts, and at the end: KV blocks not given back, shared-memory segments and
+IPC folders left.
 Goal (issue 13): >= 99% succeed, every victim back within 30 s, nothing leaks.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import random
@@ -73,36 +75,40 @@ class Load:
                 self.outcomes.append(self.one(http, rng.choice(PROMPTS)))
 
     def one(self, http: httpx.Client, prompt: str) -> Outcome:
-        start, retries = time.monotonic(), 0
+        """One request, tried again (up to 3 times, 0.5 s then 1 s then 2 s apart) when the answer is a
+        refused connection or a 5xx before any token: what the `openai` client does by default."""
+        start = time.monotonic()
         body = {"prompt": prompt, "max_tokens": self.max_tokens, "temperature": 0, "ignore_eos": True,
                 "stream": True}
-        while True:
-            streamed = False
-            try:
-                with http.stream("POST", f"{self.url}/v1/completions", json=body) as r:
-                    if r.status_code != 200:
-                        r.read()
-                        return Outcome(start, time.monotonic() - start, False, False, retries,
-                                       f"{r.status_code} {r.text[:200]}")
-                    for line in r.iter_lines():
-                        if not line.startswith("data: "):
-                            continue
-                        data = line[6:]
-                        if data == "[DONE]":
-                            return Outcome(start, time.monotonic() - start, True, streamed, retries)
-                        event = json.loads(data)
-                        if "error" in event:
-                            return Outcome(start, time.monotonic() - start, False, streamed, retries,
-                                           str(event["error"].get("message"))[:200])
-                        streamed = True
-                return Outcome(start, time.monotonic() - start, False, streamed, retries, "stream ended early")
-            except httpx.ConnectError as e:  # nothing reached a server: safe to send again
-                if retries == 3:
-                    return Outcome(start, time.monotonic() - start, False, False, retries, repr(e))
-                retries += 1
-                time.sleep(1.0)
-            except httpx.HTTPError as e:
-                return Outcome(start, time.monotonic() - start, False, streamed, retries, repr(e))
+        for retries in range(4):
+            ok, streamed, error, retryable = self.attempt(http, body)
+            if ok or not retryable or retries == 3:
+                return Outcome(start, time.monotonic() - start, ok, streamed, retries, error)
+            time.sleep(0.5 * 2 ** retries)
+        raise AssertionError("unreachable")
+
+    def attempt(self, http: httpx.Client, body: dict) -> tuple[bool, bool, str, bool]:
+        """(succeeded, a token had arrived, error, worth retrying)"""
+        streamed = False
+        try:
+            with http.stream("POST", f"{self.url}/v1/completions", json=body) as r:
+                if r.status_code != 200:
+                    r.read()
+                    return False, False, f"{r.status_code} {r.text[:160]}", r.status_code >= 500 or r.status_code == 429
+                for line in r.iter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    if line == "data: [DONE]":
+                        return True, streamed, "", False
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        return False, streamed, f"error event: {event['error'].get('message', '')[:160]}", False
+                    streamed = True
+            return False, streamed, "the stream ended without [DONE]", False
+        except httpx.ConnectError as e:  # nothing reached a server
+            return False, False, repr(e), True
+        except httpx.HTTPError as e:
+            return False, streamed, repr(e)[:160], not streamed
 
 
 class Deployment:
@@ -249,7 +255,8 @@ def report(args: argparse.Namespace, outcomes: list[Outcome], kills: list[Kill],
               f"after Ctrl-C (launch exit code {code}): shared-memory segments left {sorted(left_segments) or 'none'}, "
               f"IPC folders left {left_folders or 'none'}"]
     if failed:
-        lines += ["", "failures (first 10):"] + [f"- {o.error}" for o in failed[:10]]
+        kinds = collections.Counter(o.error[:90] for o in failed)
+        lines += ["", "failures by kind:"] + [f"- {n} x {kind}" for kind, n in kinds.most_common(10)]
     return "\n".join(lines)
 
 

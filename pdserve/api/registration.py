@@ -17,6 +17,7 @@ from pdserve.cluster_auth import SIGNATURE_HEADER, cluster_secret, sign_body
 log = logging.getLogger("pdserve.registration")
 
 INTERVAL = 2.0  # seconds; the router drops an instance it has not heard from in a few intervals
+RETRY = 0.5  # seconds between tries while the router cannot be reached
 
 
 async def post_signed(client: httpx.AsyncClient, base: str, path: str, payload: dict,
@@ -43,9 +44,9 @@ async def register_forever(router_url: str, instance: dict, interval: float = IN
                 except httpx.HTTPError as e:
                     if not failing:
                         log.warning("cannot register with the router at %s: %s (retrying every %g s)", url, e,
-                                    interval)
+                                    min(interval, RETRY))
                     failing = True
-                await asyncio.sleep(interval)
+                await asyncio.sleep(min(interval, RETRY) if failing else interval)  # a restarted router: rejoin fast
         finally:
             try:
                 await post_signed(client, url, "/unregister", {"url": instance["url"]}, timeout=1.0)
