@@ -68,3 +68,11 @@ def test_the_seed_command_line_serves_with_what_pdserve_has(tmp_path: Path):
         assert "--engine-worker-queue-port accepted, not needed" in log
     finally:
         server.stop()
+
+
+def test_router_without_a_scheme_means_http():
+    from pdserve.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--router", "10.0.0.5:8000"])
+    assert args.router == "http://10.0.0.5:8000"
+    assert build_parser().parse_args(["serve", "--router", "https://r:1"]).router == "https://r:1"
