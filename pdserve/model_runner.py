@@ -7,6 +7,7 @@ only turns `SequenceChunk`s plus their `SamplingRow`s into next tokens.
 from __future__ import annotations
 
 import gc
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,6 +18,8 @@ from pdserve.loader import resolve_model_folder
 from pdserve.model import DecoderModel, ForwardBatch, SequenceChunk, default_device, load_decoder, resolve_dtype
 from pdserve.model.load import resolve_kv_cache_dtype
 from pdserve.sampling import Sampler
+
+log = logging.getLogger("pdserve.model")
 
 
 class ModelRunner:
@@ -41,6 +44,9 @@ class ModelRunner:
         self.config = self.model.config
         self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
                                  self.config.max_position_embeddings)
+        if max_model_len and max_model_len > self.max_model_len:
+            log.warning("--max-model-len %d is beyond the model's %d positions; serving %d", max_model_len,
+                        self.max_model_len, self.max_model_len)
         self.sampler = Sampler()
         self.kv_cache: KVCache | None = None
 
