@@ -25,7 +25,7 @@ from functools import partial
 
 import torch
 
-from pdserve import kv_cache
+from pdserve import kv_segment
 from pdserve.disagg.kv_layout import KVLayout, block_ranges, layer_ranges
 from pdserve.disagg.transport import CacheBuffer, IpcEndpoint, TcpEndpoint, host_id, open_writer
 from pdserve.disagg.transport.ipc import buffer_address
@@ -93,7 +93,7 @@ def main() -> None:
     scratch = torch.empty(LAYOUT.nbytes, dtype=torch.uint8)
     scratch.zero_()
     # The spawned child shares this process's resource tracker; keep its registration of its segment.
-    kv_cache._created_here.add(segment)
+    kv_segment._created_here.add(segment)
     ipc = open_writer(IpcEndpoint(segment, LAYOUT.nbytes, host_id()), src)
     tcp = open_writer(TcpEndpoint("127.0.0.1", tcp_port), src)
     raw = socket.create_connection(("127.0.0.1", raw_port))

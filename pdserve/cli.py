@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     bench_serve = bench_sub.add_parser("serve", help="measure a running server (or router): the seed 003 table")
-    from pdserve.benchmark.run import add_bench_args
+    from pdserve.benchmark.args import add_bench_args
 
     add_bench_args(bench_serve)
     return parser

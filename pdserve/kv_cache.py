@@ -7,13 +7,12 @@ layers. The P->D transfer sends exactly those regions, and runs of adjacent bloc
 
 from __future__ import annotations
 
-import os
-import secrets
 from dataclasses import dataclass
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 
 import torch
 
+from pdserve.kv_segment import attach_segment, create_segment, release_segment
 from pdserve.model_config import ModelConfig
 
 
@@ -72,19 +71,12 @@ class KVCache:
         Pages are not touched here: the kernel zero-fills them on first use, so a large cache costs
         memory only as far as the load reaches.
         """
-        name = f"pdserve-kv-{os.getpid()}-{secrets.token_hex(4)}"
-        nbytes = spec.num_blocks * spec.bytes_per_block
-        shm = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
-        _created_here.add(name)
+        shm = create_segment(spec.num_blocks * spec.bytes_per_block)
         return cls(spec, _tensor_over(shm, spec), shm, owner=True)
 
     @classmethod
     def attach_shared(cls, spec: KVCacheSpec, name: str) -> KVCache:
-        shm = attach_segment(name)
-        if shm.size < spec.num_blocks * spec.bytes_per_block:
-            shm.close()
-            raise ValueError(f"shared-memory segment {name} holds {shm.size} bytes, less than the cache's "
-                             f"{spec.num_blocks * spec.bytes_per_block}")
+        shm = attach_segment(name, spec.num_blocks * spec.bytes_per_block)
         return cls(spec, _tensor_over(shm, spec), shm, owner=False)
 
     def close(self) -> None:
@@ -92,32 +84,8 @@ class KVCache:
         self.layers = []
         self.tensor = None  # type: ignore[assignment]
         if self.shm is not None:
-            try:
-                self.shm.close()
-            except BufferError:  # a view of the buffer is still alive somewhere; the OS unmaps at exit
-                pass
-            if self._owns_shm:
-                try:
-                    self.shm.unlink()
-                except FileNotFoundError:
-                    pass
+            release_segment(self.shm, self._owns_shm)
             self.shm = None
-
-
-_created_here: set[str] = set()
-
-
-def attach_segment(name: str) -> shared_memory.SharedMemory:
-    """Map a segment another process owns, without Python 3.11's resource tracker adopting it
-    (it would unlink the segment when this process exits)."""
-    shm = shared_memory.SharedMemory(name=name)
-    if name in _created_here:  # ours: the tracker's one registration is the creator's, keep it
-        return shm
-    try:
-        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-    except Exception:
-        pass
-    return shm
 
 
 def _tensor_over(shm: shared_memory.SharedMemory, spec: KVCacheSpec) -> torch.Tensor:

@@ -83,6 +83,12 @@ def test_launch_restarts_killed_instances_and_ctrl_c_stops_all(tmp_path: Path):
     launch = Launch(tmp_path, "--prefill", "1", "--decode", "2", "--num-gpu-blocks-override", "200",
                     "--max-model-len", "1024")
     pids = {p.pid for p in psutil.Process(launch.proc.pid).children(recursive=True)}
+    # Only the workers compute, so only they load torch: launch, the router, the API servers, engines
+    # and cache services stay small.
+    with_torch = {" ".join(p.cmdline()[2:4]) for p in psutil.Process(launch.proc.pid).children(recursive=True)
+                  if any("libtorch" in m.path for m in p.memory_maps())}
+    assert with_torch == {"pdserve.worker --address"}, with_torch
+    assert not any("libtorch" in m.path for m in psutil.Process(launch.proc.pid).memory_maps())
     load = Load(launch.url)
     load.start()
     try:

@@ -1,16 +1,12 @@
-"""OpenAI request bodies (pydantic, so bad input becomes a 400 naming the field) and error bodies."""
+"""OpenAI request bodies (pydantic, so bad input becomes a 400 naming the field)."""
 
 from __future__ import annotations
 
-import hmac
-from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
-from fastapi import Request
-from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from pdserve.api.chat_content import text_content
+from pdserve.http.chat_content import text_content
 from pdserve.sampling import SamplingParams
 
 
@@ -94,23 +90,3 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-
-
-def error_body(message: str, status: int, err_type: str = "invalid_request_error",
-               param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
-
-
-def bearer_auth(api_key: str) -> Callable[[Request, Callable], Awaitable[Response]]:
-    """HTTP middleware: /v1 requests without `Authorization: Bearer <api_key>` get an OpenAI 401."""
-    expected = f"Bearer {api_key}".encode()
-
-    async def check(request: Request, call_next: Callable) -> Response:
-        if request.url.path.startswith("/v1/"):
-            given = request.headers.get("authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
-                message = "invalid API key" if given else "missing API key: send 'Authorization: Bearer <key>'"
-                return JSONResponse(error_body(message, 401, "authentication_error"), status_code=401)
-        return await call_next(request)
-
-    return check

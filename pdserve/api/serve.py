@@ -21,6 +21,7 @@ from pdserve.engine_args import engine_config_from_args
 from pdserve.fastdeploy_flags import add_fastdeploy_args, fastdeploy_refusals
 from pdserve.loader import model_name, resolve_model_folder
 from pdserve.tokenizer import Tokenizer
+from pdserve.utils.memory import release_freed_memory
 from pdserve.utils.process import die_with_parent, exit_on_sigterm
 from pdserve.utils.uvicorn_run import serve_and_announce
 
@@ -99,6 +100,7 @@ def serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or model_name(args.model)
     folder = resolve_model_folder(args.model)
     tokenizer = Tokenizer(folder)
+    release_freed_memory()  # what parsing tokenizer.json left in the heap
     sampling_defaults = load_sampling_defaults(args.generation_config, folder)
     client = EngineClient(config, name)
     try:

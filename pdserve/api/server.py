@@ -23,13 +23,15 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.api.async_engine import AsyncEngine
-from pdserve.api.disconnect import until_disconnect
 from pdserve.api.generation import Generation, generate_choices
 from pdserve.api.metrics import ServerMetrics
-from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest, bearer_auth, error_body
+from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.api.registration import register_forever
 from pdserve.engine.engine_client import EngineError
 from pdserve.engine.messages import PDParams, TokenLogprobs
+from pdserve.http.auth import bearer_auth
+from pdserve.http.disconnect import until_disconnect
+from pdserve.http.errors import error_body
 from pdserve.tokenizer import Tokenizer
 
 log = logging.getLogger("pdserve.serve")

@@ -35,7 +35,7 @@ from pdserve.disagg.messages import (
 )
 from pdserve.disagg.transport import CacheBuffer, KVReceiver, start_receiver
 from pdserve.disagg.transport.ipc import buffer_address
-from pdserve.kv_cache import KVCache
+from pdserve.kv_segment import KVSegment
 from pdserve.utils.process import STOP_CHECK_MS, child_entry, raise_if_stopping, recv_until_stopped
 
 log = logging.getLogger("pdserve.cache_service")
@@ -44,18 +44,17 @@ log = logging.getLogger("pdserve.cache_service")
 class CacheService:
     def __init__(self, config: EngineConfig, command: CreateCache | AttachCache, ctx: zmq.Context,
                  messager_address: str, report: object) -> None:
-        spec = command.layout.spec()
         if isinstance(command, CreateCache):
-            self.cache = KVCache.create_shared(spec)
+            self.cache = KVSegment.create(command.layout.nbytes)
         else:
-            self.cache = KVCache.attach_shared(spec, command.segment)
+            self.cache = KVSegment.attach(command.segment, command.layout.nbytes)
         self.created = isinstance(command, CreateCache)
         buffer = CacheBuffer(self.cache.shm.buf, buffer_address(self.cache.shm.buf))
         self.receivers: list[KVReceiver] = []
         self.messager: CacheMessager | None = None
         self.inbox: zmq.Socket | None = None
         if config.splitwise_role == "decode":
-            self.receivers = [start_receiver(p, buffer, self.cache.shm_name, config.pd_host,
+            self.receivers = [start_receiver(p, buffer, self.cache.name, config.pd_host,
                                              config.advertise_host or config.pd_host)
                               for p in config.cache_transfer_protocol]
         elif config.splitwise_role == "prefill":
@@ -66,7 +65,7 @@ class CacheService:
         self.messager_address = messager_address if self.messager is not None else None
 
     def ready_message(self) -> CacheServiceReady:
-        return CacheServiceReady(self.cache.shm_name, self.created, [r.endpoint for r in self.receivers],
+        return CacheServiceReady(self.cache.name, self.created, [r.endpoint for r in self.receivers],
                                  self.messager_address)
 
     def close(self) -> None:
@@ -77,8 +76,7 @@ class CacheService:
             self.messager.source = None  # type: ignore[assignment]
         if self.inbox is not None:
             self.inbox.close()
-        if self.cache.shm is not None:
-            self.cache.close()
+        self.cache.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,7 +141,7 @@ def _serve(engine: zmq.Socket, service: CacheService) -> None:
             elif isinstance(msg, DetachCache):  # mixed role only: nothing but the mapping to drop
                 service.cache.close()
             elif isinstance(msg, AttachCache):
-                service.cache = KVCache.attach_shared(msg.layout.spec(), msg.segment)
+                service.cache = KVSegment.attach(msg.segment, msg.layout.nbytes)
 
 
 if __name__ == "__main__":

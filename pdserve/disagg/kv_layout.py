@@ -9,13 +9,15 @@ layer of one block is one contiguous region, and a whole block is too.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import msgspec
-import torch
 
-from pdserve.kv_cache import KVCacheSpec
+if TYPE_CHECKING:  # torch stays out of the processes that only pass layouts around (API server, engine)
+    from pdserve.kv_cache import KVCacheSpec
 
 ByteRange = tuple[int, int, int]  # (source offset, destination offset, nbytes)
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "int8": 1, "uint8": 1}
 
 
 class KVLayout(msgspec.Struct, frozen=True):
@@ -32,6 +34,10 @@ class KVLayout(msgspec.Struct, frozen=True):
                    str(spec.dtype).removeprefix("torch."))
 
     def spec(self) -> KVCacheSpec:
+        import torch
+
+        from pdserve.kv_cache import KVCacheSpec
+
         return KVCacheSpec(self.num_blocks, self.num_layers, self.block_size, self.num_kv_heads, self.head_dim,
                            getattr(torch, self.dtype))
 
@@ -46,7 +52,7 @@ class KVLayout(msgspec.Struct, frozen=True):
 
     @property
     def layer_block_bytes(self) -> int:
-        return 2 * self.block_size * self.num_kv_heads * self.head_dim * getattr(torch, self.dtype).itemsize
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
 
     @property
     def block_bytes(self) -> int:

@@ -102,19 +102,25 @@ def remove_segment(name: str | None) -> None:
 
 def layout_without_profile(config: EngineConfig, num_blocks: int) -> KVLayout:
     """The cache layout from the model's config.json alone (no weights): for the rows where the
-    cache service creates the cache before the worker has started."""
-    import torch
-
+    cache service creates the cache before the worker has started. On a CPU it is worked out without
+    torch; the worker's own layout is checked against it once it has loaded."""
     from pdserve.disagg.kv_layout import KVLayout
-    from pdserve.kv_cache import KVCacheSpec
     from pdserve.loader import resolve_model_folder
-    from pdserve.model.load import default_device, load_config, resolve_dtype, resolve_kv_cache_dtype
+    from pdserve.loader.hf_folder import read_config
+    from pdserve.model_config import ModelConfig
+    from pdserve.utils.dtype_names import cpu_kv_cache_dtype
 
-    model = load_config(resolve_model_folder(config.model))
-    device = torch.device(config.device) if config.device else default_device()
-    dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, resolve_dtype(config.dtype, device))
-    spec = KVCacheSpec.for_model(model, num_blocks, config.block_size, dtype)
-    return KVLayout.of(spec)
+    model = ModelConfig.from_hf_dict(read_config(resolve_model_folder(config.model)))
+    dtype = cpu_kv_cache_dtype(config.device, config.dtype, config.kv_cache_dtype)
+    if dtype is None:  # a GPU (or a name only torch can judge): ask torch
+        import torch
+
+        from pdserve.model.load import default_device, resolve_dtype, resolve_kv_cache_dtype
+
+        device = torch.device(config.device) if config.device else default_device()
+        dtype = str(resolve_kv_cache_dtype(config.kv_cache_dtype, resolve_dtype(config.dtype, device)))
+        dtype = dtype.removeprefix("torch.")
+    return KVLayout(num_blocks, model.num_layers, config.block_size, model.num_kv_heads, model.head_dim, dtype)
 
 
 def start_processes(config: EngineConfig, ctx: zmq.Context, sockdir: str) -> StartedProcesses:

@@ -15,11 +15,12 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from pdserve.loader.errors import ModelLoadError
+
+if TYPE_CHECKING:  # numpy loads only to convert: the router and API server just read the cached folder
+    import numpy as np
 
 # GGUF architecture name -> HF model_type. llama.cpp stores Llama-arch Q/K rows permuted for its
 # interleaved RoPE; qwen2/qwen3 use NEOX RoPE in llama.cpp and are stored unpermuted.
@@ -182,6 +183,7 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _hf_tensors(reader: Any, arch: str, config: dict[str, Any]) -> dict[str, np.ndarray]:
+    import numpy as np
     from gguf.quants import dequantize
     from tqdm import tqdm
 

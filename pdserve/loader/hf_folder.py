@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from pdserve.loader.errors import ModelLoadError
+
+if TYPE_CHECKING:  # read_config is used where torch is not loaded (the engine)
+    import torch
 
 
 def read_config(folder: Path) -> dict:

@@ -15,9 +15,9 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from pdserve.api.disconnect import until_disconnect
-from pdserve.api.protocol import bearer_auth
 from pdserve.cluster_auth import SIGNATURE_HEADER, AuthError, SignatureCheck
+from pdserve.http.auth import bearer_auth
+from pdserve.http.disconnect import until_disconnect
 from pdserve.router.forward import Forwarder, error_response
 from pdserve.router.health import HealthChecker
 from pdserve.router.metrics import RouterMetrics

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import aiohttp
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pdserve.api.protocol import error_body
+from pdserve.http.errors import error_body
 from pdserve.router.policies import RoutedRequest
 from pdserve.router.registry import Instance, InstanceLost, Registry
 from pdserve.router.selector import Route, Selector

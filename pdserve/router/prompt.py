@@ -8,7 +8,7 @@ A prompt the router cannot read is left for the instance to reject with its own 
 
 from __future__ import annotations
 
-from pdserve.api.chat_content import template_messages
+from pdserve.http.chat_content import template_messages
 from pdserve.router.policies import RoutedRequest
 from pdserve.tokenizer import Tokenizer
 

@@ -91,8 +91,11 @@ def prompt_reader(tokenizer: str | None, policies: tuple[str, str]) -> PromptRea
         return PromptReader(None)
     from pdserve.loader import resolve_model_folder
     from pdserve.tokenizer import Tokenizer
+    from pdserve.utils.memory import release_freed_memory
 
-    return PromptReader(Tokenizer(resolve_model_folder(tokenizer)))
+    reader = PromptReader(Tokenizer(resolve_model_folder(tokenizer)))
+    release_freed_memory()  # what parsing tokenizer.json left in the heap
+    return reader
 
 
 def serve_router(args: argparse.Namespace) -> int:

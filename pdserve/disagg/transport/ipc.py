@@ -18,7 +18,7 @@ from pdserve.disagg.transport.base import (
     TransferError,
     host_id,
 )
-from pdserve.kv_cache import attach_segment
+from pdserve.kv_segment import attach_segment
 
 
 def buffer_address(view: memoryview) -> int:

@@ -1,0 +1,32 @@
+"""`pdserve bench serve`'s flags (vLLM's `bench serve` names), apart from the code that runs it: the CLI
+parser is built in every pdserve process, and the benchmark's imports (numpy, matplotlib) are not."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (or router) to measure")
+    p.add_argument("--backend", choices=["openai", "openai-chat"], default="openai",
+                   help="openai: /v1/completions; openai-chat: /v1/chat/completions")
+    p.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
+    p.add_argument("--tokenizer", default=None,
+                   help="HF folder or .gguf whose tokenizer makes the random prompts (default: the embedded model)")
+    p.add_argument("--dataset", nargs="+", default=["random"], metavar="random|jsonl PATH",
+                   help="random, or jsonl PATH (one {\"messages\": [...]} or {\"prompt\": ...} per line)")
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--request-rate", default="inf", help="requests per second (Poisson arrivals), or inf")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps: 1 = Poisson")
+    p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
+    p.add_argument("--random-input-len", type=int, default=512)
+    p.add_argument("--random-output-len", type=int, default=128)
+    p.add_argument("--random-range-ratio", type=float, default=0.0)
+    p.add_argument("--ignore-eos", action="store_true", help="always generate max_tokens")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--goodput", nargs="*", default=None, metavar="SLO", help="SLOs: ttft:MS tpot:MS e2el:MS")
+    p.add_argument("--metric-percentiles", default="80,95,99,99.9,99.95,99.99")
+    p.add_argument("--save-result", type=Path, default=None, help="write every request and the summary as JSON")
+    p.add_argument("--plot", type=Path, default=None, help="write a PNG: TTFT and ITL histograms, tokens/s")
+    p.add_argument("--no-progress", action="store_true")
