@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.pdserve-installed
 
-.PHONY: venv test demo lint bench clean
+.PHONY: venv test test-fast demo lint bench clean
 
 venv: $(STAMP)
 
@@ -21,6 +21,10 @@ $(STAMP): pyproject.toml
 
 test: venv
 	$(BIN)/python -m pytest -q
+
+# Unit tests only (no pdserve process, no model load): under a minute, for the edit loop.
+test-fast: venv
+	$(BIN)/python -m pytest -q -m "not e2e"
 
 lint: venv
 	$(BIN)/ruff check pdserve tests bench

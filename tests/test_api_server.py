@@ -26,6 +26,8 @@ from tests.servers import BLOCK, Server
 from tests.servers import metrics as _metrics
 from tests.servers import wait_for as _wait_for
 
+pytestmark = pytest.mark.e2e  # starts pdserve processes or loads the model: not in `make test-fast`
+
 MODEL = "SmolLM2-135M-Instruct"
 MAX_LEN = 2048
 

@@ -152,6 +152,7 @@ def _tokens(env: dict[str, str]) -> tuple[list[int], str]:
     return json.loads(line.removeprefix("TOKENS")), proc.stderr
 
 
+@pytest.mark.e2e
 def test_a_failed_build_falls_back_with_one_warning(tmp_path, ops, embedded_runner):
     # A compiler that does not exist, and an empty build cache: the build fails, pdserve runs on.
     tokens, log = _tokens({"CXX": str(tmp_path / "no-compiler"), "PDSERVE_CACHE_DIR": str(tmp_path)})

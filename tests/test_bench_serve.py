@@ -21,6 +21,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pdserve.cli import main as cli_main
 from tests.servers import REPO, Server, free_port
 
+pytestmark = pytest.mark.e2e  # starts pdserve processes or loads the model: not in `make test-fast`
+
 FIRST, GAP, TOKENS = 0.2, 0.1, 6  # the stub: first token after 200 ms, then one every 100 ms
 
 

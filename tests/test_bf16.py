@@ -17,6 +17,8 @@ from pdserve.model_runner import ModelRunner
 from pdserve.utils.cpu_features import cpu_flags
 from tests.test_embedded_model import CHAT_PROMPTS, NEW_TOKENS, _hf_greedy, _our_greedy
 
+pytestmark = pytest.mark.e2e  # starts pdserve processes or loads the model: not in `make test-fast`
+
 BF16_TIE = 0.5
 
 

@@ -8,6 +8,8 @@ import torch
 from pdserve.model import SequenceChunk
 from pdserve.sampling import SamplingParams, SamplingRow
 
+pytestmark = pytest.mark.e2e  # starts pdserve processes or loads the model: not in `make test-fast`
+
 # Chat prompts of different lengths. Each was checked to keep the oracle's top-two logit margin above
 # 0.01 for all 32 greedy steps, so an exact token match is a fair demand (the test re-checks it).
 LONG_TEXT = (

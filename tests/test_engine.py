@@ -10,6 +10,8 @@ import pytest
 from pdserve import LLM, SamplingParams
 from tests.greedy import assert_same_greedy
 
+pytestmark = pytest.mark.e2e  # starts pdserve processes or loads the model: not in `make test-fast`
+
 PROMPTS = [
     "The capital of France is", "Water boils at a temperature of", "The largest planet in our solar system is",
     "To make a cup of tea, you first", "The three primary colors are", "A haiku about autumn:\n",

@@ -12,6 +12,8 @@ import pytest
 from pdserve import LLM, SamplingParams
 from pdserve.engine.engine_client import EngineError
 
+pytestmark = pytest.mark.e2e  # starts pdserve processes or loads the model: not in `make test-fast`
+
 
 def _segments() -> set[str]:
     return {p.name for p in Path("/dev/shm").glob("*pdserve*")}

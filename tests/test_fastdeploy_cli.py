@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.servers import REPO, Server, free_port
 
@@ -52,6 +53,7 @@ def test_the_seed_command_line_names_each_flag_pdserve_lacks():
     assert "unrecognized arguments" not in proc.stderr and "usage:" not in proc.stderr
 
 
+@pytest.mark.e2e
 def test_the_seed_command_line_serves_with_what_pdserve_has(tmp_path: Path):
     pd_port = free_port()
     server = Server(tmp_path, *seed_command(  # Server gives --port and --metrics-port

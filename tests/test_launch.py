@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import psutil
+import pytest
 
 from tests.servers import REPO, free_port, segments, wait_for
 
@@ -78,6 +79,7 @@ class Load(threading.Thread):
         return [r for r in self.results if r[0] > t and not r[1]]
 
 
+@pytest.mark.e2e
 def test_launch_restarts_killed_instances_and_ctrl_c_stops_all(tmp_path: Path):
     before = segments()
     launch = Launch(tmp_path, "--prefill", "1", "--decode", "2", "--num-gpu-blocks-override", "200",

@@ -21,6 +21,8 @@ import pytest
 from tests.greedy import assert_same_greedy_completion
 from tests.servers import BLOCK, BrokenInstance, Router, Server, metrics, register, segments, stop_all, wait_for
 
+pytestmark = pytest.mark.e2e  # starts pdserve processes or loads the model: not in `make test-fast`
+
 MODEL = "SmolLM2-135M-Instruct"
 CHUNK = 128  # --max-num-batched-tokens: prompts longer than this are prefilled in chunks
 COMMON = ["--max-model-len", "1024", "--max-num-batched-tokens", str(CHUNK), "--max-num-seqs", "32"]

@@ -10,6 +10,8 @@ import pytest
 from pdserve import LLM
 from pdserve.engine.engine_client import EngineError
 
+pytestmark = pytest.mark.e2e  # starts pdserve processes or loads the model: not in `make test-fast`
+
 GiB = 1 << 30
 
 

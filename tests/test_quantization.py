@@ -7,6 +7,8 @@ import pytest
 from pdserve.model import SequenceChunk
 from pdserve.model_runner import ModelRunner
 
+pytestmark = pytest.mark.e2e  # starts pdserve processes or loads the model: not in `make test-fast`
+
 PROMPTS = ["Explain in a few sentences why the sky is blue.", "Write a short poem about the ocean."]
 STEPS = 48
 

@@ -135,6 +135,7 @@ def _client(router: Router, key: str = API_KEY) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{router.url}/v1", api_key=key, max_retries=0, timeout=30)
 
 
+@pytest.mark.e2e
 def test_registration_needs_the_cluster_secret(router: Router) -> None:
     stranger = StubInstance("stranger")
     try:
@@ -157,6 +158,7 @@ def test_registration_needs_the_cluster_secret(router: Router) -> None:
         stranger.close()
 
 
+@pytest.mark.e2e
 def test_clients_need_the_api_key(router: Router, stubs: list[StubInstance]) -> None:
     with pytest.raises(openai.AuthenticationError):
         _client(router, "sk-wrong").completions.create(model="stub", prompt="hi", max_tokens=2)
@@ -170,6 +172,7 @@ def test_clients_need_the_api_key(router: Router, stubs: list[StubInstance]) -> 
     assert big.status_code == 413 and "max-request-bytes" in big.json()["error"]["message"]
 
 
+@pytest.mark.e2e
 def test_least_requests_spreads_and_health_checks_move_traffic(router: Router, stubs: list[StubInstance]) -> None:
     alpha, beta = stubs
     client = _client(router)
@@ -188,6 +191,7 @@ def test_least_requests_spreads_and_health_checks_move_traffic(router: Router, s
     assert counts["healthy"]["mixed"] >= 2
 
 
+@pytest.mark.e2e
 def test_static_instance_list_and_mixed_fallback(tmp_path: Path) -> None:
     mixed, prefill = StubInstance("mixed"), StubInstance("prefill")
     listing = tmp_path / "instances.yaml"

@@ -23,6 +23,8 @@ import zmq
 from tests.greedy import assert_same_greedy_completion
 from tests.servers import Router, Server, metrics, segments, stop_all, wait_for
 
+pytestmark = pytest.mark.e2e  # starts pdserve processes or loads the model: not in `make test-fast`
+
 MODEL = "SmolLM2-135M-Instruct"
 SECRET = "cluster-test-secret"
 COMMON = ["--max-model-len", "1024", "--max-num-batched-tokens", "128", "--max-num-seqs", "32",

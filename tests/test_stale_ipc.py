@@ -9,8 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from pdserve.utils.stale_ipc import sweep_stale
 from tests.servers import REPO
+
+pytestmark = pytest.mark.e2e  # starts pdserve processes or loads the model: not in `make test-fast`
 
 START = ("from pdserve import LLM\n"
          "llm = LLM(num_gpu_blocks_override=16, max_model_len=256, block_size=16)\n"

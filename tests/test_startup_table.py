@@ -14,6 +14,8 @@ import pytest
 
 from tests.servers import Server
 
+pytestmark = pytest.mark.e2e  # starts pdserve processes or loads the model: not in `make test-fast`
+
 PROFILE = ["--kv-cache-memory", "1G", "--max-model-len", "512", "--max-num-batched-tokens", "128",
            "--max-num-seqs", "4"]
 NO_PROFILE = ["--num-gpu-blocks-override", "64", "--max-model-len", "512", "--max-num-batched-tokens", "128"]

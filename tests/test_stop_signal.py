@@ -18,6 +18,8 @@ import pytest
 
 from tests.servers import REPO
 
+pytestmark = pytest.mark.e2e  # starts pdserve processes or loads the model: not in `make test-fast`
+
 SCRIPT = textwrap.dedent("""
     import os, signal, zmq
     from pdserve.utils.process import exit_on_sigterm, recv_until_stopped
