@@ -12,7 +12,7 @@ import torch
 from pdserve.disagg.cache_messager import CacheMessager
 from pdserve.disagg.kv_layout import KVLayout, block_ranges, coalesce, layer_ranges
 from pdserve.disagg.messages import LayerDone, StepTransfers, TransferDone, TransferPlan
-from pdserve.disagg.startup import CACHE_SERVICE, TRUTH_TABLE, WORKER
+from pdserve.disagg.startup import CACHE_SERVICE, TRUTH_TABLE, WORKER, Step
 from pdserve.disagg.transport import (
     CacheBuffer,
     IpcEndpoint,
@@ -156,19 +156,25 @@ def test_messager_reports_a_dead_receiver(caches: tuple[KVCache, KVCache]) -> No
     assert not report.ok and "cannot connect" in report.error
 
 
-def test_truth_table_matches_the_design() -> None:
-    # (profile run, mixed role, prefix cache) -> (order, cache owner), as in DESIGN.md section 2
-    expected = {
-        (True, True, True): ((WORKER, CACHE_SERVICE), WORKER),
-        (True, True, False): ((WORKER,), WORKER),
-        (True, False, True): ((WORKER, CACHE_SERVICE), CACHE_SERVICE),
-        (True, False, False): ((WORKER, CACHE_SERVICE), CACHE_SERVICE),
-        (False, True, True): ((WORKER, CACHE_SERVICE), WORKER),
-        (False, True, False): ((WORKER,), WORKER),
-        (False, False, True): ((CACHE_SERVICE, WORKER), CACHE_SERVICE),
-        (False, False, False): ((CACHE_SERVICE, WORKER), CACHE_SERVICE),
-    }
-    assert {k: (r.order, r.cache_owner) for k, r in TRUTH_TABLE.items()} == expected
+def test_truth_table_follows_the_design_rules() -> None:
+    """DESIGN section 2's rules, checked on every row: one process creates the cache, after it started;
+    the other attaches after cache-ready; mixed rows: the worker owns it, alone without prefix caching;
+    PD rows: the cache service owns it and starts first exactly when there is no profile run."""
+    assert len(TRUTH_TABLE) == 8
+    for (profile, mixed, prefix), steps in TRUTH_TABLE.items():
+        creates = [s for s in steps if s in (Step.WORKER_CREATES_CACHE, Step.SERVICE_CREATES_CACHE)]
+        assert len(creates) == 1 and len(set(steps)) == len(steps)
+        owner = WORKER if creates[0] is Step.WORKER_CREATES_CACHE else CACHE_SERVICE
+        start = {WORKER: Step.START_WORKER, CACHE_SERVICE: Step.START_CACHE_SERVICE}
+        attach = {WORKER: Step.WORKER_ATTACHES, CACHE_SERVICE: Step.SERVICE_ATTACHES}
+        assert steps.index(start[owner]) < steps.index(creates[0])
+        others = [p for p in (WORKER, CACHE_SERVICE) if p != owner and start[p] in steps]
+        for other in others:
+            assert steps.index(creates[0]) < steps.index(attach[other]) and steps.index(start[other]) < steps.index(
+                attach[other])
+        assert owner == (WORKER if mixed else CACHE_SERVICE)
+        assert (Step.START_CACHE_SERVICE in steps) == (not mixed or prefix)
+        assert (steps[0] is Step.START_CACHE_SERVICE) == (not mixed and not profile)
 
 
 def test_messager_writes_on_after_a_lease_renewal(caches: tuple[KVCache, KVCache]) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from pdserve.disagg.startup import TRUTH_TABLE, Step, cache_owner, processes
 from tests.servers import Server
 
 pytestmark = pytest.mark.e2e  # starts pdserve processes or loads the model: not in `make test-fast`
@@ -21,17 +22,7 @@ PROFILE = ["--kv-cache-memory", "1G", "--max-model-len", "512", "--max-num-batch
 NO_PROFILE = ["--num-gpu-blocks-override", "64", "--max-model-len", "512", "--max-num-batched-tokens", "128"]
 PROMPT = "The capital of France is"
 
-# (profile run, mixed role, prefix cache) -> (start order, cache owner): DESIGN.md section 2
-ROWS = [
-    ((True, True, True), ["worker", "cache_service"], "worker"),
-    ((True, True, False), ["worker"], "worker"),
-    ((True, False, True), ["worker", "cache_service"], "cache_service"),
-    ((True, False, False), ["worker", "cache_service"], "cache_service"),
-    ((False, True, True), ["worker", "cache_service"], "worker"),
-    ((False, True, False), ["worker"], "worker"),
-    ((False, False, True), ["cache_service", "worker"], "cache_service"),
-    ((False, False, False), ["cache_service", "worker"], "cache_service"),
-]
+ROWS = sorted(TRUTH_TABLE.items(), reverse=True)  # the rules the table follows: test_kv_transfer.py
 
 
 def _flags(profile: bool, prefix: bool, log: Path) -> list[str]:
@@ -39,18 +30,17 @@ def _flags(profile: bool, prefix: bool, log: Path) -> list[str]:
     return [*(PROFILE if profile else NO_PROFILE), prefix_flag, "--startup-log", str(log)]
 
 
-def _check_log(path: Path, order: list[str], owner: str) -> None:
+def _check_log(path: Path, steps: tuple[Step, ...]) -> None:
+    """The instance ran its row's steps, in order, and each did what it says."""
     events = [json.loads(line) for line in path.read_text().splitlines()]
-    assert [e["process"] for e in events if e["event"] == "start"] == order
-    created = [e for e in events if e["event"] == "cache_created"]
-    assert [e["process"] for e in created] == [owner]
+    assert [e["step"] for e in events if e["event"] == "step"] == [s.name for s in steps]
+    assert [e["process"] for e in events if e["event"] == "cache_created"] == [cache_owner(steps)]
     attached = [e["process"] for e in events if e["event"] == "cache_attached"]
-    assert attached == [p for p in order if p != owner]
+    assert attached == [p for p in processes(steps) if p != cache_owner(steps)]
     kinds = [e["event"] for e in events]
-    # the other process attaches only after cache-ready
-    for i, e in enumerate(events):
+    for i, e in enumerate(events):  # the other process attaches only after the cache exists
         if e["event"] == "cache_attached":
-            assert "cache_ready" in kinds[:i]
+            assert "cache_created" in kinds[:i]
     assert kinds[-1] == "ready"
 
 
@@ -59,16 +49,16 @@ def _complete(server: Server, **extra: object) -> httpx.Response:
                       json={"prompt": PROMPT, "max_tokens": 4, "temperature": 0, **extra})
 
 
-ROW_IDS = ["".join(f"{c}{int(v)}" for c, v in zip("pmc", k, strict=True)) for k, _, _ in ROWS]  # p1m0c1: short paths
+ROW_IDS = ["".join(f"{c}{int(v)}" for c, v in zip("pmc", k, strict=True)) for k, _ in ROWS]  # p1m0c1: short paths
 
 
-@pytest.mark.parametrize(("key", "order", "owner"), ROWS, ids=ROW_IDS)
-def test_startup_row(tmp_path: Path, key: tuple[bool, bool, bool], order: list[str], owner: str) -> None:
+@pytest.mark.parametrize(("key", "steps"), ROWS, ids=ROW_IDS)
+def test_startup_row(tmp_path: Path, key: tuple[bool, bool, bool], steps: tuple[Step, ...]) -> None:
     profile, mixed, prefix = key
     if mixed:
         server = Server(tmp_path / "mixed", *_flags(profile, prefix, tmp_path / "mixed.jsonl"))
         try:
-            _check_log(tmp_path / "mixed.jsonl", order, owner)
+            _check_log(tmp_path / "mixed.jsonl", steps)
             r = _complete(server)
             assert r.status_code == 200 and r.json()["choices"][0]["text"].startswith(" Paris")
         finally:
@@ -81,7 +71,7 @@ def test_startup_row(tmp_path: Path, key: tuple[bool, bool, bool], order: list[s
             logs), strict=True))
     try:
         for log in logs.values():
-            _check_log(log, order, owner)
+            _check_log(log, steps)
         p, d = servers["prefill"], servers["decode"]
         ready = json.loads(logs["prefill"].read_text().splitlines()[0])
         assert ready["event"] == "plan" and ready["mixed_role"] is False

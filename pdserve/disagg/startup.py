@@ -1,13 +1,16 @@
-"""The startup truth table (DESIGN section 2, seeds 000/001) as data, and the startup log.
+"""The startup truth table (DESIGN section 2, seeds 000/001) as steps, the loop that runs them, and the
+startup log.
 
 Which process starts first and who creates the KV cache depends on three things: whether the block
 count comes from a profile run (no --num-gpu-blocks-override), whether the role is mixed, and
-whether prefix caching is on. The creator allocates the cache and raises *cache-ready*; the other
-process attaches only after it.
+whether prefix caching is on. Each row of the table is the list of its steps in order; the creator
+allocates the cache and raises *cache-ready*; the other process attaches only after it. The startup
+log (`--startup-log`) records each step as it runs, so a test compares it with the row.
 """
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 import sys
@@ -23,6 +26,7 @@ if TYPE_CHECKING:
     from pdserve.disagg.cache_service_client import CacheServiceClient
     from pdserve.disagg.kv_layout import KVLayout
     from pdserve.disagg.transport import Endpoint
+    from pdserve.engine.messages import WorkerLoaded
     from pdserve.engine.worker_client import WorkerClient
 
 WORKER, CACHE_SERVICE = "worker", "cache_service"
@@ -30,37 +34,60 @@ WORKER, CACHE_SERVICE = "worker", "cache_service"
 log = logging.getLogger("pdserve.startup")
 
 
-@dataclass(frozen=True)
-class StartupRow:
-    order: tuple[str, ...]  # processes in start order
-    cache_owner: str
+class Step(enum.Enum):
+    """One step of an instance's start; a row of the table lists them in order."""
+
+    START_WORKER = "start the worker: it loads the weights, runs the profile run if any, reports its layout"
+    START_CACHE_SERVICE = "start the cache service"
+    WORKER_CREATES_CACHE = "the worker creates the cache and raises cache-ready"
+    SERVICE_CREATES_CACHE = "the cache service creates the cache and raises cache-ready"
+    WORKER_ATTACHES = "the worker attaches to the cache"
+    SERVICE_ATTACHES = "the cache service attaches to the cache"
 
 
-#  (profile run, mixed role, prefix cache) -> row
-TRUTH_TABLE: dict[tuple[bool, bool, bool], StartupRow] = {
-    (True, True, True): StartupRow((WORKER, CACHE_SERVICE), WORKER),
-    (True, True, False): StartupRow((WORKER,), WORKER),
-    (True, False, True): StartupRow((WORKER, CACHE_SERVICE), CACHE_SERVICE),
-    (True, False, False): StartupRow((WORKER, CACHE_SERVICE), CACHE_SERVICE),
-    (False, True, True): StartupRow((WORKER, CACHE_SERVICE), WORKER),
-    (False, True, False): StartupRow((WORKER,), WORKER),
-    (False, False, True): StartupRow((CACHE_SERVICE, WORKER), CACHE_SERVICE),
-    (False, False, False): StartupRow((CACHE_SERVICE, WORKER), CACHE_SERVICE),
+_W, _C = Step.START_WORKER, Step.START_CACHE_SERVICE
+WORKER_OWNS = (_W, Step.WORKER_CREATES_CACHE, _C, Step.SERVICE_ATTACHES)
+WORKER_ALONE = (_W, Step.WORKER_CREATES_CACHE)
+PROFILE_THEN_SERVICE = (_W, _C, Step.SERVICE_CREATES_CACHE, Step.WORKER_ATTACHES)
+SERVICE_FIRST = (_C, Step.SERVICE_CREATES_CACHE, _W, Step.WORKER_ATTACHES)
+
+#  (profile run, mixed role, prefix cache) -> steps. Mixed: the worker owns the cache (nothing is
+#  sent), and without prefix caching it runs alone. PD: the cache service owns it (it sends or
+#  receives KV), after the worker's profile run when there is one (the block count comes from it),
+#  else first.
+TRUTH_TABLE: dict[tuple[bool, bool, bool], tuple[Step, ...]] = {
+    (True, True, True): WORKER_OWNS,
+    (True, True, False): WORKER_ALONE,
+    (True, False, True): PROFILE_THEN_SERVICE,
+    (True, False, False): PROFILE_THEN_SERVICE,
+    (False, True, True): WORKER_OWNS,
+    (False, True, False): WORKER_ALONE,
+    (False, False, True): SERVICE_FIRST,
+    (False, False, False): SERVICE_FIRST,
 }
 
 
-def startup_row(profile_run: bool, role: str, prefix_caching: bool) -> StartupRow:
+def startup_row(profile_run: bool, role: str, prefix_caching: bool) -> tuple[Step, ...]:
     return TRUTH_TABLE[(profile_run, role == "mixed", prefix_caching)]
+
+
+def cache_owner(steps: tuple[Step, ...]) -> str:
+    return WORKER if Step.WORKER_CREATES_CACHE in steps else CACHE_SERVICE
+
+
+def processes(steps: tuple[Step, ...]) -> list[str]:
+    """The processes in start order."""
+    return [WORKER if step is _W else CACHE_SERVICE for step in steps if step in (_W, _C)]
 
 
 class StartupLog:
     """What happened in which order, for people (the log) and tests (JSON lines in --startup-log)."""
 
-    def __init__(self, path: str | None, row: StartupRow, key: tuple[bool, bool, bool]) -> None:
+    def __init__(self, path: str | None, steps: tuple[Step, ...], key: tuple[bool, bool, bool]) -> None:
         self.path = path
         self.events: list[dict] = []
-        self.record("plan", profile_run=key[0], mixed_role=key[1], prefix_caching=key[2], order=list(row.order),
-                    cache_owner=row.cache_owner)
+        self.record("plan", profile_run=key[0], mixed_role=key[1], prefix_caching=key[2],
+                    steps=[step.name for step in steps])
 
     def record(self, event: str, process: str | None = None, **detail: object) -> None:
         entry = {"t": time.time(), "event": event, **({"process": process} if process else {}), **detail}
@@ -124,62 +151,84 @@ def layout_without_profile(config: EngineConfig, num_blocks: int) -> KVLayout:
 
 
 def start_processes(config: EngineConfig, ctx: zmq.Context, sockdir: str) -> StartedProcesses:
-    """Start the worker and (per the table) the cache service; the cache owner creates the cache, the
-    other attaches after *cache-ready*. Every wait has config.startup_timeout and names the process."""
-    from pdserve.disagg.cache_service_client import CacheServiceClient
-    from pdserve.disagg.messages import AttachCache, CreateCache
-    from pdserve.engine.messages import CacheCommand
-    from pdserve.engine.worker_client import WorkerClient
-
+    """Run the table's row for this config, step by step; every wait has config.startup_timeout and
+    names the process. On failure, what was started is stopped and the segment removed."""
     key = (config.num_gpu_blocks_override is None, config.splitwise_role == "mixed", config.enable_prefix_caching)
-    row = TRUTH_TABLE[key]
-    slog = StartupLog(config.startup_log, row, key)
-    timeout = config.startup_timeout
-    worker = service = loaded = None
-    layout = segment = messager_address = None
-    endpoints: list[Endpoint] = []
+    steps = TRUTH_TABLE[key]
+    start = _Startup(config, ctx, sockdir, StartupLog(config.startup_log, steps, key))
     try:
-        for name in row.order:
-            slog.record("start", name)
-            if name == WORKER:
-                worker = WorkerClient(config, ctx, f"ipc://{sockdir}/w")
-                loaded = worker.wait_loaded(timeout)
-                slog.record("loaded", WORKER, num_blocks=loaded.layout.num_blocks, profile_run=bool(loaded.profile))
-                if layout is not None and layout != loaded.layout:
-                    raise RuntimeError(f"the worker's KV layout {loaded.layout} differs from the cache service's "
-                                       f"{layout}")
-                layout = loaded.layout
-                if row.cache_owner == WORKER:
-                    ready = worker.setup_cache(CacheCommand(create=True), timeout)
-                    segment = ready.kv_cache_name
-                    slog.record("cache_created", WORKER, segment=segment, num_blocks=layout.num_blocks)
-                    slog.record("cache_ready", WORKER)
-                elif segment is not None:  # the cache service came first and made the cache
-                    worker.setup_cache(CacheCommand(False, segment, messager_address), timeout)
-                    slog.record("cache_attached", WORKER, segment=segment)
-            else:
-                service = CacheServiceClient(config, ctx, f"ipc://{sockdir}/c",
-                                             f"ipc://{sockdir}/m")
-                if row.cache_owner == CACHE_SERVICE:
-                    if layout is None:
-                        layout = layout_without_profile(config, config.num_gpu_blocks_override)
-                    ready = service.setup(CreateCache(layout), timeout)
-                    segment, messager_address, endpoints = ready.segment, ready.messager_address, ready.endpoints
-                    slog.record("cache_created", CACHE_SERVICE, segment=segment, num_blocks=layout.num_blocks)
-                    slog.record("cache_ready", CACHE_SERVICE)
-                    if worker is not None:  # loaded already, waiting for cache-ready
-                        worker.setup_cache(CacheCommand(False, segment, messager_address), timeout)
-                        slog.record("cache_attached", WORKER, segment=segment)
-                else:
-                    ready = service.setup(AttachCache(layout, segment), timeout)
-                    slog.record("cache_attached", CACHE_SERVICE, segment=segment)
-        slog.record("ready")
-        return StartedProcesses(worker, service, layout, loaded.max_model_len, loaded.vocab_size, loaded.profile,
-                                endpoints, slog, segment)
+        for step in steps:
+            start.log.record("step", step=step.name)
+            getattr(start, step.name.lower())()
+        start.log.record("ready")
+        return start.result()
     except BaseException as e:
-        slog.record("failed", error=str(e))
-        for proc in (worker, service):
+        start.log.record("failed", error=str(e))
+        for proc in (start.worker, start.service):
             if proc is not None:
                 proc.shutdown()
-        remove_segment(segment)
+        remove_segment(start.segment)
         raise
+
+
+class _Startup:
+    """What the steps share; one method per Step, named after it."""
+
+    def __init__(self, config: EngineConfig, ctx: zmq.Context, sockdir: str, slog: StartupLog) -> None:
+        self.config, self.ctx, self.sockdir, self.log = config, ctx, sockdir, slog
+        self.timeout = config.startup_timeout
+        self.worker: WorkerClient | None = None
+        self.service: CacheServiceClient | None = None
+        self.loaded: WorkerLoaded | None = None
+        self.layout: KVLayout | None = None
+        self.segment: str | None = None
+        self.messager_address: str | None = None
+        self.endpoints: list[Endpoint] = []
+
+    def start_worker(self) -> None:
+        from pdserve.engine.worker_client import WorkerClient
+
+        self.worker = WorkerClient(self.config, self.ctx, f"ipc://{self.sockdir}/w")
+        self.loaded = self.worker.wait_loaded(self.timeout)
+        self.log.record("loaded", WORKER, num_blocks=self.loaded.layout.num_blocks,
+                        profile_run=bool(self.loaded.profile))
+        if self.layout is not None and self.layout != self.loaded.layout:
+            raise RuntimeError(f"the worker's KV layout {self.loaded.layout} differs from the cache service's "
+                               f"{self.layout}")
+        self.layout = self.loaded.layout
+
+    def start_cache_service(self) -> None:
+        from pdserve.disagg.cache_service_client import CacheServiceClient
+
+        self.service = CacheServiceClient(self.config, self.ctx, f"ipc://{self.sockdir}/c", f"ipc://{self.sockdir}/m")
+
+    def worker_creates_cache(self) -> None:
+        from pdserve.engine.messages import CacheCommand
+
+        self.segment = self.worker.setup_cache(CacheCommand(create=True), self.timeout).kv_cache_name
+        self.log.record("cache_created", WORKER, segment=self.segment, num_blocks=self.layout.num_blocks)
+
+    def service_creates_cache(self) -> None:
+        from pdserve.disagg.messages import CreateCache
+
+        if self.layout is None:  # no worker yet: the layout from config.json
+            self.layout = layout_without_profile(self.config, self.config.num_gpu_blocks_override)
+        ready = self.service.setup(CreateCache(self.layout), self.timeout)
+        self.segment, self.messager_address, self.endpoints = ready.segment, ready.messager_address, ready.endpoints
+        self.log.record("cache_created", CACHE_SERVICE, segment=self.segment, num_blocks=self.layout.num_blocks)
+
+    def worker_attaches(self) -> None:
+        from pdserve.engine.messages import CacheCommand
+
+        self.worker.setup_cache(CacheCommand(False, self.segment, self.messager_address), self.timeout)
+        self.log.record("cache_attached", WORKER, segment=self.segment)
+
+    def service_attaches(self) -> None:
+        from pdserve.disagg.messages import AttachCache
+
+        self.service.setup(AttachCache(self.layout, self.segment), self.timeout)
+        self.log.record("cache_attached", CACHE_SERVICE, segment=self.segment)
+
+    def result(self) -> StartedProcesses:
+        return StartedProcesses(self.worker, self.service, self.layout, self.loaded.max_model_len,
+                                self.loaded.vocab_size, self.loaded.profile, self.endpoints, self.log, self.segment)
