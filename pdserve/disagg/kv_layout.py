@@ -13,10 +13,11 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from pdserve.disagg.transport.base import ByteRange
+
 if TYPE_CHECKING:  # torch stays out of the processes that only pass layouts around (API server, engine)
     from pdserve.kv_cache import KVCacheSpec
 
-ByteRange = tuple[int, int, int]  # (source offset, destination offset, nbytes)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "int8": 1, "uint8": 1}
 
 

@@ -5,6 +5,8 @@ All msgspec Structs encoded as msgpack: typed on both ends, no pickle on any soc
 
 from __future__ import annotations
 
+import time
+
 import msgspec
 
 from pdserve.disagg.kv_layout import KVLayout
@@ -58,11 +60,13 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
 
 
 class RequestTimes(msgspec.Struct):
-    arrival: float
-    first_scheduled: float | None
-    first_token: float | None
-    last_token: float | None
-    finished: float | None
+    """Engine-side timestamps (time.time()): kept on the Request as it runs, sent with its final output."""
+
+    arrival: float = msgspec.field(default_factory=time.time)
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
     # PD requests, decode side (P's moments come with its *prefill done*)
     preallocated: float | None = None
     cache_info_sent: float | None = None

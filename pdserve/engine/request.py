@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 
 from pdserve.engine.block_pool import Block, BlockHash
+from pdserve.engine.messages import RequestTimes
 from pdserve.sampling import SamplingParams
 
 
@@ -16,23 +16,6 @@ class RequestStatus(enum.Enum):
     PREEMPTED = "preempted"  # back in the waiting queue; its KV will be recomputed
     PREALLOCATED = "preallocated"  # decode role: blocks held, prompt KV arriving from a prefill instance
     FINISHED = "finished"
-
-
-@dataclass
-class RequestTimes:
-    """Engine-side timestamps (time.time()); the API reports them per request."""
-
-    arrival: float = field(default_factory=time.time)
-    first_scheduled: float | None = None
-    first_token: float | None = None
-    last_token: float | None = None
-    finished: float | None = None
-    # PD requests (decode side; P's moments arrive with its *prefill done*)
-    preallocated: float | None = None
-    cache_info_sent: float | None = None
-    first_layer_written: float | None = None
-    last_layer_written: float | None = None
-    prefill_done_received: float | None = None
 
 
 @dataclass(eq=False)
