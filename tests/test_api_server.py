@@ -21,7 +21,10 @@ import openai
 import pytest
 
 from pdserve import LLM, SamplingParams
-from tests.greedy import NEAR_TIE  # batch shapes may flip a genuine near-tie, nothing else
+from tests.greedy import (
+    NEAR_TIE,  # batch shapes may flip a genuine near-tie, nothing else
+    assert_same_greedy_completion,
+)
 from tests.servers import BLOCK, Server
 from tests.servers import metrics as _metrics
 from tests.servers import wait_for as _wait_for
@@ -293,13 +296,15 @@ def test_prefix_cache_reports_cached_tokens(client, tokenizer):
     prompt = (f"Note {uuid.uuid4().hex}: the quick brown fox jumps over the lazy dog while the cat sleeps "
               "on the warm windowsill and the rain falls softly on the old tin roof of the barn. " * 2)
     assert len(tokenizer.encode(prompt)) >= 3 * BLOCK
-    first = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=4)
-    second = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=4)
+    first = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=4, logprobs=2)
+    second = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=4, logprobs=2)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert cached > 0 and cached % BLOCK == 0 and cached < second.usage.prompt_tokens
     assert cached >= 2 * BLOCK
-    assert second.choices[0].text == first.choices[0].text
+    # The cached prefix changes the matmul shapes of the rest; in bf16 that can flip a near tie
+    # (a CI run: " is" vs " sleep"), so a difference is allowed only where the top two nearly tie.
+    assert_same_greedy_completion(second, first, "prompt served from the prefix cache")
 
 
 # ---- 7. bad input ----------------------------------------------------------------------------
