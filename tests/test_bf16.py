@@ -15,6 +15,7 @@ import torch
 from pdserve.model.load import cpu_has_native_bf16, resolve_dtype
 from pdserve.model_runner import ModelRunner
 from pdserve.utils.cpu_features import cpu_flags
+from pdserve.utils.dtype_names import cpu_kv_cache_dtype
 from tests.test_embedded_model import CHAT_PROMPTS, NEW_TOKENS, _hf_greedy, _our_greedy
 
 pytestmark = pytest.mark.e2e  # starts pdserve processes or loads the model: not in `make test-fast`
@@ -35,11 +36,15 @@ def hf_bf16_model(hf_gguf_model):
 
 
 def test_auto_dtype_is_bf16_exactly_where_the_cpu_has_bf16_dot_products():
-    native = {"avx512_bf16", "amx_bf16"} & cpu_flags()  # what the kernel reports, not what torch says
-    assert cpu_has_native_bf16() == bool(native)
+    native = {"avx512_bf16", "amx_bf16"} & cpu_flags()  # what the kernel reports
+    # pdserve decides from the flags (torch-free, so the engine can too); torch's own check must agree
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert cpu_has_native_bf16() == bool(torch.cpu._is_avx512_bf16_supported() or amx())
     expected = torch.bfloat16 if native else torch.float32
     assert resolve_dtype("auto", torch.device("cpu")) == expected
     assert resolve_dtype("float32", torch.device("cpu")) == torch.float32
+    # the engine's torch-free name for the cache dtype is the worker's
+    assert cpu_kv_cache_dtype("cpu", "auto", "auto") == str(expected).removeprefix("torch.")
 
 
 def test_greedy_follows_transformers_bf16(bf16_runner, hf_bf16_model, embedded_tokenizer):

@@ -18,7 +18,7 @@ from pdserve.disagg.transport.base import ByteRange
 if TYPE_CHECKING:  # torch stays out of the processes that only pass layouts around (API server, engine)
     from pdserve.kv_cache import KVCacheSpec
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "int8": 1, "uint8": 1}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # the cache dtypes (--kv-cache-dtype)
 
 
 class KVLayout(msgspec.Struct, frozen=True):

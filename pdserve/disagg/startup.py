@@ -67,10 +67,6 @@ TRUTH_TABLE: dict[tuple[bool, bool, bool], tuple[Step, ...]] = {
 }
 
 
-def startup_row(profile_run: bool, role: str, prefix_caching: bool) -> tuple[Step, ...]:
-    return TRUTH_TABLE[(profile_run, role == "mixed", prefix_caching)]
-
-
 def cache_owner(steps: tuple[Step, ...]) -> str:
     return WORKER if Step.WORKER_CREATES_CACHE in steps else CACHE_SERVICE
 

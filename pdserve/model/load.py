@@ -10,16 +10,10 @@ from pdserve.loader.errors import ModelLoadError
 from pdserve.loader.hf_folder import iter_tensors, read_config
 from pdserve.model.decoder import DecoderModel
 from pdserve.model_config import ModelConfig
+from pdserve.utils.dtype_names import cpu_has_native_bf16
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
-
-
-def cpu_has_native_bf16() -> bool:
-    """AVX512_BF16 or AMX: bf16 matmuls run 2-4.5x faster than fp32 there (2-3.5x measured on Zen 4,
-    3.5-4.5x on Zen 5); elsewhere bf16 is emulated (4-6x slower than fp32 on the AVX2 boxes)."""
-    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
-    return bool(torch.cpu._is_avx512_bf16_supported() or amx())
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -66,7 +66,7 @@ struct Scratch {
     acc.resize(rows * head_dim);
     k_t.resize(head_dim * padded);
     v.resize(block_size * head_dim);
-    scores.resize(rows * padded);
+    if (static_cast<int64_t>(scores.size()) < rows * padded) scores.resize(rows * padded);  // few rows grow it more
     row_max.resize(rows);
     row_sum.resize(rows);
   }
