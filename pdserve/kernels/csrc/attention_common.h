@@ -1,0 +1,38 @@
+// What the paged-attention paths share: a work item, the call's geometry, per-thread scratch memory.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "vec16.h"
+
+namespace pdserve {
+
+constexpr int64_t kRowsPerTile = 192;  // query rows (tokens x heads of one group) per work item
+constexpr int64_t kFewRows = 8;        // tiles up to this many rows read the cache directly
+
+struct WorkItem {
+  int32_t seq;
+  int32_t kv_head;       // the first of num_kv_heads (more than one only on the few-rows path)
+  int32_t num_kv_heads;
+  int32_t first_query;   // within the sequence
+  int32_t num_queries;
+};
+
+struct Geometry {  // what every work item of one call shares
+  int64_t q_tok_stride, q_head_stride, kv_block_stride, kv_tok_stride, kv_head_stride;
+  int64_t group, head_dim, block_size, out_tok_stride;
+  float scale;
+};
+
+// One thread's working memory, reused across its work items (vectors only grow).
+struct Scratch {
+  std::vector<float> q, acc, scores, row_sum;
+  std::vector<int64_t> offsets;      // few rows: each token's offset into the cache
+  std::vector<f32x16> dots;          // few rows: partial dot products, 16 tokens per row
+  std::vector<uint16_t> q_bf16;      // few rows: the bf16 query
+  std::vector<uint32_t> qp, pp, vp;  // many rows, native bf16: query, weight and V pairs
+  std::vector<float> m, l;           // many rows: running max and sum, 16 rows per vector
+};
+
+}  // namespace pdserve
