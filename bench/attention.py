@@ -18,7 +18,8 @@ import time
 import torch
 
 from pdserve.kernels import cpu_ops
-from pdserve.kv_cache import KVCache, KVCacheSpec
+from pdserve.kv_cache import KVCache
+from pdserve.kv_layout import KVLayout
 from pdserve.model import ForwardBatch, SequenceChunk
 from pdserve.model.paged_attention import GatherBuffers, paged_attention
 
@@ -42,7 +43,7 @@ def memcpy_rate() -> float:
 def case(dtype: torch.dtype, seqs: int, context: int, queries: int, reps: int, rate: float) -> tuple[float, ...]:
     per_seq = -(-context // BLOCK)
     num_blocks = seqs * per_seq + 1
-    spec = KVCacheSpec(num_blocks, 2, BLOCK, KV_HEADS, HEAD_DIM, dtype)
+    spec = KVLayout(num_blocks, 2, BLOCK, KV_HEADS, HEAD_DIM, str(dtype).removeprefix("torch."))
     cache = KVCache.allocate(spec, "cpu")
     cache.tensor.normal_()
     order = torch.randperm(num_blocks - 1).tolist()  # scattered blocks, as after some churn

@@ -26,11 +26,11 @@ from functools import partial
 import torch
 
 from pdserve import kv_segment
-from pdserve.disagg.kv_layout import KVLayout, block_ranges, layer_ranges
-from pdserve.disagg.transport import CacheBuffer, IpcEndpoint, TcpEndpoint, host_id, open_writer
-from pdserve.disagg.transport.ipc import buffer_address
-from pdserve.disagg.transport.tcp import TcpReceiver
 from pdserve.kv_cache import KVCache
+from pdserve.kv_layout import KVLayout, block_ranges, layer_ranges
+from pdserve.transport import CacheBuffer, IpcEndpoint, TcpEndpoint, host_id, open_writer
+from pdserve.transport.ipc import buffer_address
+from pdserve.transport.tcp import TcpReceiver
 
 LAYOUT = KVLayout(num_blocks=160, num_layers=30, block_size=64, num_kv_heads=3, head_dim=64, dtype="float32")
 
@@ -55,7 +55,7 @@ def _raw_server(sock: socket.socket, size: int) -> None:
 
 def decode_side(conn: mp.connection.Connection) -> None:
     torch.set_num_threads(1)
-    cache = KVCache.create_shared(LAYOUT.spec())
+    cache = KVCache.create_shared(LAYOUT)
     cache.tensor.zero_()  # pre-fault, as a long-running decode instance's reused blocks are
     buf = CacheBuffer(cache.shm.buf, buffer_address(cache.shm.buf))
     receiver = TcpReceiver(buf, "127.0.0.1")
@@ -87,7 +87,7 @@ def main() -> None:
     proc = ctx.Process(target=decode_side, args=(child,), daemon=True)
     proc.start()
     segment, tcp_port, raw_port = parent.recv()
-    p = KVCache.create_shared(LAYOUT.spec())
+    p = KVCache.create_shared(LAYOUT)
     p.tensor.copy_(torch.randn(p.tensor.shape))
     src = CacheBuffer(p.shm.buf, buffer_address(p.shm.buf))
     scratch = torch.empty(LAYOUT.nbytes, dtype=torch.uint8)

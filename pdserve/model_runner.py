@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from pdserve.kv_cache import KVCache, KVCacheSpec
+from pdserve.kv_cache import KVCache
+from pdserve.kv_layout import KVLayout
 from pdserve.loader import resolve_model_folder
 from pdserve.model import DecoderModel, ForwardBatch, SequenceChunk, default_device, load_decoder, resolve_dtype
 from pdserve.model.load import resolve_kv_cache_dtype
@@ -65,8 +66,8 @@ class ModelRunner:
             torch.cuda.empty_cache()
 
     def allocate_kv_cache(self, num_blocks: int) -> KVCache:
-        spec = KVCacheSpec.for_model(self.config, num_blocks, self.block_size, self.kv_cache_dtype)
-        self.kv_cache = KVCache.allocate(spec, self.device)
+        layout = KVLayout.for_model(self.config, num_blocks, self.block_size, self.kv_cache_dtype)
+        self.kv_cache = KVCache.allocate(layout, self.device)
         return self.kv_cache
 
     def logits(self, chunks: list[SequenceChunk], is_dummy_or_profile_run: bool = False,

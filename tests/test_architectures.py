@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kv_cache import KVCache, KVCacheSpec
+from pdserve.kv_cache import KVCache
+from pdserve.kv_layout import KVLayout
 from pdserve.model import ForwardBatch, SequenceChunk, load_decoder
 from tests.tiny_models import ARCHITECTURES, hf_logits, make_tiny_model
 
@@ -23,7 +24,7 @@ def arch(request, tmp_path_factory):
 
 
 def _cache(model, blocks: int = 16) -> KVCache:
-    return KVCache.allocate(KVCacheSpec.for_model(model.config, blocks, BLOCK, torch.float32), "cpu")
+    return KVCache.allocate(KVLayout.for_model(model.config, blocks, BLOCK, torch.float32), "cpu")
 
 
 def _run(model, cache, chunks, block_size=BLOCK) -> torch.Tensor:

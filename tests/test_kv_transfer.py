@@ -10,10 +10,12 @@ import pytest
 import torch
 
 from pdserve.disagg.cache_messager import CacheMessager
-from pdserve.disagg.kv_layout import KVLayout, block_ranges, coalesce, layer_ranges
-from pdserve.disagg.messages import LayerDone, StepTransfers, TransferDone, TransferPlan
+from pdserve.disagg.messages import TransferDone
 from pdserve.disagg.startup import CACHE_SERVICE, TRUTH_TABLE, WORKER, Step
-from pdserve.disagg.transport import (
+from pdserve.kv_cache import KVCache
+from pdserve.kv_layout import KVLayout, block_ranges, coalesce, layer_ranges
+from pdserve.transfer_plan import LayerDone, StepTransfers, TransferPlan
+from pdserve.transport import (
     CacheBuffer,
     IpcEndpoint,
     TcpEndpoint,
@@ -23,8 +25,7 @@ from pdserve.disagg.transport import (
     open_writer,
     start_receiver,
 )
-from pdserve.disagg.transport.ipc import buffer_address
-from pdserve.kv_cache import KVCache
+from pdserve.transport.ipc import buffer_address
 
 LAYOUT = KVLayout(num_blocks=12, num_layers=3, block_size=4, num_kv_heads=2, head_dim=8, dtype="float32")
 
@@ -32,8 +33,8 @@ LAYOUT = KVLayout(num_blocks=12, num_layers=3, block_size=4, num_kv_heads=2, hea
 @pytest.fixture
 def caches() -> Iterator[tuple[KVCache, KVCache]]:
     """P's cache filled with distinct values, D's (fewer blocks) zeroed."""
-    p = KVCache.create_shared(LAYOUT.spec())
-    d = KVCache.create_shared(KVLayout(**{**_fields(LAYOUT), "num_blocks": 9}).spec())
+    p = KVCache.create_shared(LAYOUT)
+    d = KVCache.create_shared(LAYOUT.with_blocks(9))
     p.tensor.copy_(torch.arange(p.tensor.numel(), dtype=torch.float32).view_as(p.tensor))
     yield p, d
     p.close()
@@ -199,7 +200,7 @@ def test_tcp_receiver_takes_no_kv_from_a_writer_without_the_cluster_secret(cache
     import struct
     from array import array
 
-    from pdserve.disagg.transport.tcp import HEADER, MAGIC, TcpReceiver, TcpWriter
+    from pdserve.transport.tcp import HEADER, MAGIC, TcpReceiver, TcpWriter
 
     p, d = caches
     receiver = TcpReceiver(_buffer(d), "127.0.0.1", secret=b"cluster-a")

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from pdserve.kernels import cpu_ops
-from pdserve.kv_cache import KVCache, KVCacheSpec
+from pdserve.kv_cache import KVCache
+from pdserve.kv_layout import KVLayout
 from pdserve.model import ForwardBatch, SequenceChunk, load_decoder
 from tests.tiny_models import hf_logits, make_tiny_model
 
@@ -40,7 +41,7 @@ def build(request):
 
 
 def _cache(model) -> KVCache:
-    return KVCache.allocate(KVCacheSpec.for_model(model.config, 32, BLOCK, torch.float32), "cpu")
+    return KVCache.allocate(KVLayout.for_model(model.config, 32, BLOCK, torch.float32), "cpu")
 
 
 @pytest.mark.parametrize("length", [BLOCK - 1, BLOCK, BLOCK + 1, 2 * BLOCK, 3 * BLOCK + 5])
@@ -110,7 +111,7 @@ def test_cache_layout_layer_of_block_is_contiguous(models, build):
     cache = _cache(model)
     region = cache.tensor[3, 1]
     assert region.is_contiguous()
-    assert region.numel() * region.element_size() == cache.spec.bytes_per_layer_block
+    assert region.numel() * region.element_size() == cache.layout.layer_block_bytes
     model(build([SequenceChunk(_prompt(5, 9), 0, [3])], BLOCK), cache)
     k, v = region  # written in place by the forward pass
     assert k[:5].abs().sum() > 0 and v[:5].abs().sum() > 0 and k[5:].abs().sum() == 0

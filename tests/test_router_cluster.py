@@ -183,9 +183,9 @@ def test_cache_aware_keeps_a_shared_prefix_on_one_prefill_until_the_load_is_imba
 
 def test_forged_control_messages_are_refused(cluster: dict) -> None:
     from pdserve.cluster_auth import ControlSeal
-    from pdserve.disagg.kv_layout import KVLayout
     from pdserve.disagg.messages import CacheInfo
-    from pdserve.disagg.transport import TcpEndpoint
+    from pdserve.kv_layout import KVLayout
+    from pdserve.transport import TcpEndpoint
 
     p0 = cluster["p0"]
     (info,) = [i for i in cluster["router"].registered() if i["url"] == p0.url]

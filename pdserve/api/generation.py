@@ -73,7 +73,8 @@ async def generate_choices(engine: AsyncEngine, tokenizer: Tokenizer, gen: Gener
         try:
             async for out in engine.generate(f"{gen.request_id}-{index}", gen.prompt_token_ids, sub, eos, pd):
                 if out.error is not None:  # 400s are the request's fault; the rest the engine's
-                    raise ValueError(out.error) if out.error_status == 400 else EngineError(out.error)
+                    raise (ValueError(out.error) if out.error_status == 400
+                           else EngineError(out.error, out.error_type or "internal_server_error"))
                 gen.completion_tokens += len(out.new_token_ids)
                 text = detok.add(out.new_token_ids)
                 finish = out.finish_reason

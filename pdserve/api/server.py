@@ -266,7 +266,7 @@ async def _complete(state: ServerState, body: Any, gen: Generation, params: Any,
         raise
     except EngineError as e:
         state.metrics.request_finished(gen, "error")
-        raise APIError(str(e), 500, "internal_server_error") from None
+        raise APIError(str(e), 500, e.err_type) from None
     except ValueError as e:
         state.metrics.request_finished(gen, "error")
         raise APIError(str(e)) from None
@@ -321,8 +321,10 @@ async def _stream(state: ServerState, body: Any, gen: Generation, params: Any, k
         yield "data: [DONE]\n\n"
     except (EngineError, ValueError) as e:
         outcome = "error"
-        status = 500 if isinstance(e, EngineError) else 400
-        yield f"data: {json.dumps(error_body(str(e), status))}\n\n"
+        if isinstance(e, EngineError):
+            yield f"data: {json.dumps(error_body(str(e), 500, e.err_type))}\n\n"
+        else:
+            yield f"data: {json.dumps(error_body(str(e), 400))}\n\n"
     finally:  # also reached when the client disconnects: generate_choices then aborted its requests
         await release(outcome)
 

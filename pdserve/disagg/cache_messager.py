@@ -15,9 +15,10 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pdserve.disagg.kv_layout import ByteRange, KVLayout, block_ranges, layer_ranges
-from pdserve.disagg.messages import LayerDone, MessagerInput, StepTransfers, TransferDone, TransferPlan
-from pdserve.disagg.transport import CacheBuffer, Endpoint, KVWriter, TransferError, open_writer
+from pdserve.disagg.messages import TransferDone
+from pdserve.kv_layout import ByteRange, KVLayout, block_ranges, layer_ranges
+from pdserve.transfer_plan import LayerDone, MessagerInput, StepTransfers, TransferPlan
+from pdserve.transport import CacheBuffer, Endpoint, KVWriter, TransferError, open_writer
 
 log = logging.getLogger("pdserve.cache_messager")
 

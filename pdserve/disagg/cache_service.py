@@ -27,15 +27,15 @@ from pdserve.disagg.messages import (
     CreateCache,
     DetachCache,
     ExtendDeadline,
-    MessagerInput,
     ReceiverStats,
     ServiceError,
     ServiceInput,
     ServiceShutdown,
 )
-from pdserve.disagg.transport import CacheBuffer, KVReceiver, start_receiver
-from pdserve.disagg.transport.ipc import buffer_address
 from pdserve.kv_segment import KVSegment
+from pdserve.transfer_plan import MessagerInput
+from pdserve.transport import CacheBuffer, KVReceiver, start_receiver
+from pdserve.transport.ipc import buffer_address
 from pdserve.utils.process import STOP_CHECK_MS, child_entry, raise_if_stopping, recv_until_stopped
 
 log = logging.getLogger("pdserve.cache_service")

@@ -1,11 +1,10 @@
-"""The engine's handle on its cache service process."""
+"""The engine's handle on its cache service process (engine/kv_connector.py's CacheService)."""
 
 from __future__ import annotations
 
 import zmq
 
 from pdserve.config import EngineConfig
-from pdserve.disagg.kv_layout import KVLayout
 from pdserve.disagg.messages import (
     AttachCache,
     CacheServiceReady,
@@ -18,6 +17,7 @@ from pdserve.disagg.messages import (
     ServiceShutdown,
     TransferDone,
 )
+from pdserve.kv_layout import KVLayout
 from pdserve.utils.child_process import ChildDied, ChildProcess
 
 
@@ -28,6 +28,7 @@ class CacheServiceClient:
                                   ctx, address, ServiceMessage)
         self.proc = self.child.proc
         self.refused_connections = 0  # decode side: KV connections its receivers refused
+        self._attached_to_worker = False  # mixed role: the worker owns the cache, the service attached to it
 
     @property
     def sock(self) -> zmq.Socket:
@@ -40,13 +41,16 @@ class CacheServiceClient:
         if isinstance(msg, ServiceError):
             raise ChildDied(msg.error)
         assert isinstance(msg, CacheServiceReady)
+        self._attached_to_worker = isinstance(command, AttachCache)
         return msg
 
-    def detach(self) -> None:
-        self.child.send(DetachCache())
+    def worker_cache_freed(self) -> None:
+        if self._attached_to_worker:  # the memory goes only when both let go
+            self.child.send(DetachCache())
 
-    def attach(self, layout: KVLayout, segment: str) -> None:
-        self.child.send(AttachCache(layout, segment))
+    def worker_cache_created(self, layout: KVLayout, segment: str | None) -> None:
+        if self._attached_to_worker and segment is not None:
+            self.child.send(AttachCache(layout, segment))
 
     def extend_deadline(self, transfer_id: str, deadline: float) -> None:
         self.child.send(ExtendDeadline(transfer_id, deadline))
@@ -63,6 +67,9 @@ class CacheServiceClient:
 
     def alive(self) -> bool:
         return self.child.alive()
+
+    def exit_code(self) -> int | None:
+        return self.proc.returncode
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self.child.shutdown(ServiceShutdown(), timeout)

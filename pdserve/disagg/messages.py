@@ -10,12 +10,9 @@ from __future__ import annotations
 
 import msgspec
 
-from pdserve.disagg.kv_layout import KVLayout
-from pdserve.disagg.transfer_plan import LayerDone, MessagerInput, StepTransfers, TransferPlan
-from pdserve.disagg.transport import Endpoint
 from pdserve.engine.messages import TokenLogprobs
-
-__all__ = ["LayerDone", "MessagerInput", "StepTransfers", "TransferPlan"]  # re-exported: the messager's inputs
+from pdserve.kv_layout import KVLayout
+from pdserve.transport import Endpoint
 
 # ---- cache service <-> engine ----------------------------------------------------------------
 

@@ -40,14 +40,17 @@ def main(argv: list[str] | None = None) -> int:
     sockdir = Path(args.sockdir)
     sockdir.mkdir(mode=0o700, exist_ok=True)
     try:
-        from pdserve.disagg.connector import DecodeConnector, PrefillConnector
+        from pdserve.disagg.decode_connector import DecodeConnector
+        from pdserve.disagg.prefill_connector import PrefillConnector
         from pdserve.disagg.startup import start_processes
         from pdserve.engine.engine_core import EngineCore
 
         started = start_processes(config, ctx, str(sockdir))
         layout = started.layout
         core = EngineCore(config, started.worker, layout.num_blocks, started.max_model_len, started.vocab_size)
-        core.cache_service, core.layout = started.cache_service, layout
+        if started.cache_service is not None:
+            core.cache_service = started.cache_service
+        core.layout = layout
         port = None
         if config.splitwise_role == "prefill":
             core.connector = PrefillConnector(config, core.scheduler, layout, ctx, started.cache_service)
@@ -55,8 +58,6 @@ def main(argv: list[str] | None = None) -> int:
         elif config.splitwise_role == "decode":
             core.connector = DecodeConnector(config, core.scheduler, layout, ctx, started.endpoints,
                                              started.cache_service)
-        if core.connector is not None:
-            core.connector.on_abort = core.forget
         outputs.send(encoder.encode(EngineReady(
             layout.num_blocks, config.block_size, started.max_model_len, args.model_name, started.profile,
             config.splitwise_role, port, list(config.cache_transfer_protocol), started.log.events,
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         outputs.send(encoder.encode(EngineDead(error=str(e))))
         return 1
     finally:
-        if core is not None and core.connector is not None:
+        if core is not None:
             core.connector.close()
         if started is not None:
             started.shutdown()

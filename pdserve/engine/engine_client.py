@@ -33,7 +33,11 @@ from pdserve.utils.stale_ipc import ipc_folder_prefix, sweep_stale
 
 
 class EngineError(RuntimeError):
-    """The engine could not start, or died."""
+    """The engine could not start, died, or failed a request; err_type is the OpenAI error body's type."""
+
+    def __init__(self, message: str, err_type: str = "internal_server_error") -> None:
+        super().__init__(message)
+        self.err_type = err_type
 
 
 class EngineClient:

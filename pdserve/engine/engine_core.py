@@ -13,10 +13,8 @@ import msgspec
 import zmq
 
 from pdserve.config import EngineConfig
-from pdserve.disagg.cache_service_client import CacheServiceClient
-from pdserve.disagg.connector import DecodeConnector, PrefillConnector
-from pdserve.disagg.kv_layout import KVLayout
 from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.kv_connector import CacheService, KVConnector, NoCacheService, NoConnector
 from pdserve.engine.messages import (
     AbortRequests,
     AddRequest,
@@ -34,6 +32,7 @@ from pdserve.engine.request import Request
 from pdserve.engine.request_output import error_output, final_output
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 from pdserve.engine.worker_client import WorkerClient
+from pdserve.kv_layout import KVLayout
 from pdserve.utils.process import raise_if_stopping
 
 log = logging.getLogger("pdserve.engine")
@@ -46,8 +45,8 @@ class EngineCore:
                  vocab_size: int | None = None) -> None:
         self.config = config
         self.worker = worker
-        self.connector: PrefillConnector | DecodeConnector | None = None  # PD roles (set by __main__)
-        self.cache_service: CacheServiceClient | None = None  # per the startup table (set by __main__)
+        self.connector: KVConnector = NoConnector()  # PD roles: set by __main__
+        self.cache_service: CacheService = NoCacheService()  # per the startup table: set by __main__
         self.layout: KVLayout | None = None
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(
@@ -73,7 +72,7 @@ class EngineCore:
             raise_if_stopping()
             pending: list[RequestOutput] = []
             timeout = 0 if self.scheduler.has_work else self._idle_timeout_ms()
-            if self.connector is not None:
+            if self.connector.sockets:
                 poller = zmq.Poller()
                 for sock in (inputs, *self.connector.sockets):
                     poller.register(sock, zmq.POLLIN)
@@ -93,17 +92,23 @@ class EngineCore:
                     pending.extend(self._handle(msg))
             if not self.worker.alive():
                 raise RuntimeError(f"the worker process exited (code {self.worker.proc.returncode})")
-            if self.cache_service is not None and not self.cache_service.alive():
-                raise RuntimeError(f"the cache service process exited (code {self.cache_service.proc.returncode})")
-            if self.connector is not None:
-                pending.extend(self.connector.poll())
+            if not self.cache_service.alive():
+                raise RuntimeError(f"the cache service process exited (code {self.cache_service.exit_code()})")
+            pending.extend(self._poll_connector())
             if self.scheduler.has_work:
                 pending.extend(self.step())
             if pending:
                 outputs.send(encoder.encode(EngineOutputs(pending)))
 
+    def _poll_connector(self) -> list[RequestOutput]:
+        outputs = self.connector.poll()
+        for out in outputs:
+            if out.finish_reason is not None:  # ended by the connector (a failed transfer)
+                self.forget(out.request_id)
+        return outputs
+
     def _idle_timeout_ms(self) -> int:
-        deadline = self.connector.next_deadline() if self.connector is not None else None
+        deadline = self.connector.next_deadline()
         if deadline is None or deadline == float("inf"):
             return self.IDLE_POLL_MS
         return max(0, min(self.IDLE_POLL_MS, int((deadline - time.time()) * 1000) + 1))
@@ -132,12 +137,9 @@ class EngineCore:
         return []
 
     def abort(self, request_id: str) -> Request | None:
-        if self.connector is not None and (request := self.connector.abort(request_id)) is not None:
-            self.forget(request)
-            return request
-        request = self.scheduler.abort(request_id)
+        request = self.connector.abort(request_id) or self.scheduler.abort(request_id)
         if request is not None:
-            self.forget(request)
+            self.forget(request.request_id)
         return request
 
     # ---- one step ----------------------------------------------------------------------------
@@ -157,7 +159,7 @@ class EngineCore:
             start = r.num_computed_tokens
             chunks.append(Chunk(r.request_id, r.token_ids[start:start + c.num_new_tokens], start,
                                 [b.block_id for b in r.blocks], c.completes_known_tokens))
-        transfers = self.connector.transfers(out.chunks) if self.connector is not None else []
+        transfers = self.connector.transfers(out.chunks)
         step = ExecuteStep(new_requests, self._finished_on_worker, chunks, transfers)
         self._finished_on_worker = []
         try:
@@ -177,7 +179,7 @@ class EngineCore:
             output.new_token_ids = [s.token_id]
             output.new_logprobs = [s.logprobs] if s.logprobs is not None else None
             if r.is_finished:
-                self.forget(r)
+                self.forget(r.request_id)
                 if r.kv_producer:
                     self.connector.on_prefilled(r, s.token_id, s.logprobs)
             outputs.append(output)
@@ -191,10 +193,11 @@ class EngineCore:
         self.abort(request.request_id)
         return error_output(request, error)
 
-    def forget(self, request: Request) -> None:
-        if request.request_id in self._on_worker:
-            self._on_worker.discard(request.request_id)
-            self._finished_on_worker.append(request.request_id)
+    def forget(self, request_id: str) -> None:
+        """The worker may drop the request's sampling state (told with the next step)."""
+        if request_id in self._on_worker:
+            self._on_worker.discard(request_id)
+            self._finished_on_worker.append(request_id)
 
     def stats(self) -> dict:
         pool, prefix = self.kv.pool, self.kv.stats
@@ -207,7 +210,7 @@ class EngineCore:
             "num_computed_tokens": self.num_computed_tokens,
             "prefix_cache_requests": prefix.requests, "prefix_cache_hit_requests": prefix.hit_requests,
             "prefix_cache_queried_tokens": prefix.queried_tokens, "prefix_cache_hit_tokens": prefix.hit_tokens,
-            **(self.connector.stats_dict() if self.connector is not None else {}),
+            **self.connector.stats_dict(),
         }
 
     def _utility(self, call: UtilityCall) -> tuple[UtilityResult, list[RequestOutput]]:
@@ -219,13 +222,11 @@ class EngineCore:
                 self.kv.pool.reset_prefix_cache()  # cached KV dies with the cache memory
                 self.weights_loaded = False
                 self.worker.weights("clear")
-                if self.cache_service is not None and self.config.splitwise_role == "mixed":
-                    self.cache_service.detach()  # the worker owns the cache; the memory goes only when both let go
+                self.cache_service.worker_cache_freed()
                 return UtilityResult(call.call_id, {"aborted": len(aborted)}), aborted
             if call.method == "load_weights":
                 ok = self.worker.weights("load")
-                if self.cache_service is not None and self.config.splitwise_role == "mixed" and ok.kv_cache_name:
-                    self.cache_service.attach(self.layout, ok.kv_cache_name)
+                self.cache_service.worker_cache_created(self.layout, ok.kv_cache_name)
                 self.weights_loaded = True
                 return UtilityResult(call.call_id, {}), []
         except RuntimeError as e:  # the worker reported a failure; it is still alive

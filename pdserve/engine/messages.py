@@ -9,9 +9,9 @@ import time
 
 import msgspec
 
-from pdserve.disagg.kv_layout import KVLayout
-from pdserve.disagg.transfer_plan import TransferPlan
+from pdserve.kv_layout import KVLayout
 from pdserve.sampling import SamplingParams
+from pdserve.transfer_plan import TransferPlan
 
 # ---- frontend -> engine ----------------------------------------------------------------------
 
@@ -84,6 +84,7 @@ class RequestOutput(msgspec.Struct):
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | "prefilled"
     error: str | None = None
     error_status: int = 400  # HTTP status the error maps to: 400 bad request, 500 engine failure, 503 unavailable
+    error_type: str | None = None  # the OpenAI error body's "type" when not the status's default ("pd_error")
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 from pdserve.engine.block_pool import Block, BlockHash
@@ -51,6 +52,11 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    def mark_finished(self, reason: str) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.times.finished = time.time()
 
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

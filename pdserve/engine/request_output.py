@@ -15,8 +15,8 @@ def final_output(r: Request) -> RequestOutput:
         times=msgspec.structs.replace(r.times))  # a copy: the request may still change its own
 
 
-def error_output(r: Request, error: str, status: int = 500) -> RequestOutput:
+def error_output(r: Request, error: str, status: int = 500, error_type: str | None = None) -> RequestOutput:
     r.finish_reason = "error"
     out = final_output(r)
-    out.error, out.error_status = error, status
+    out.error, out.error_status, out.error_type = error, status, error_type
     return out

@@ -10,7 +10,8 @@ goes back to the head of the queue, to be recomputed later, so older requests fi
 PD requests change only the ends of the lifecycle: on a prefill instance a `kv_producer` request
 finishes after its first token and keeps its blocks (the PD connector frees them once the KV is
 sent); a decode instance holds blocks for a request whose prompt KV is written from outside
-(`preallocate`) and starts decoding it when told (`mark_prefilled`).
+(`preallocate`) and starts decoding it when told (`mark_prefilled`). The connector (engine/
+kv_connector.py) uses only the public methods here.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from pdserve.engine.block_pool import Block
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.sampling import check_stop
@@ -79,7 +81,7 @@ class Scheduler:
     # ---- admission and removal -------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        self._check_length(request)
+        self.check_request(request)
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
@@ -107,6 +109,19 @@ class Scheduler:
         return len(self.waiting) + len(self.running) + len(self.preallocated)
 
     @property
+    def has_waiting(self) -> bool:
+        """Requests queued for admission (preempted ones included): they go before new PD preallocations."""
+        return bool(self.waiting)
+
+    def free_blocks(self, request: Request) -> None:
+        """A finished KV producer's blocks, once its KV went out (or will not)."""
+        self.kv.free(request)
+
+    def release_blocks(self, blocks: list[Block]) -> None:
+        """Blocks taken off a request earlier (a decode connector's quarantine) go back to the pool."""
+        self.kv.pool.free(reversed(blocks))
+
+    @property
     def has_work(self) -> bool:
         """Something to compute (preallocated requests wait for KV from outside, not for a step)."""
         return bool(self.waiting or self.running)
@@ -116,7 +131,7 @@ class Scheduler:
     def preallocate(self, request: Request) -> bool:
         """Reserve blocks for the whole prompt (plus the first generated token) of a request whose
         prompt KV another instance will write. False (and nothing held) when blocks are short."""
-        self._check_length(request)
+        self.check_request(request)
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if not self.kv.allocate(request, request.num_prompt_tokens + 1):
@@ -217,9 +232,7 @@ class Scheduler:
             self._finish(request, reason)
 
     def _finish(self, request: Request, reason: str) -> None:
-        request.status = RequestStatus.FINISHED
-        request.finish_reason = reason
-        request.times.finished = time.time()
+        request.mark_finished(reason)
         if not request.kv_producer or reason in ("abort", "error"):
             self.kv.free(request)  # a finished producer's blocks are the PD connector's to free
         self.requests.pop(request.request_id, None)
@@ -232,7 +245,8 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def _check_length(self, request: Request) -> None:
+    def check_request(self, request: Request) -> None:
+        """ValueError (the client's fault) when the prompt cannot be served here."""
         limit = self.config.max_model_len
         if request.num_prompt_tokens == 0:
             raise ValueError("the prompt is empty")

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import aiohttp
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pdserve.http.errors import error_body
+from pdserve.http.errors import PD_ERROR, error_body
 from pdserve.router.policies import RoutedRequest
 from pdserve.router.registry import Instance, InstanceLost, Registry
 from pdserve.router.selector import Route, Selector
@@ -183,7 +183,8 @@ class Forwarder:
             except BROKEN as e:
                 d_ex.broken(e)
                 return await self._blame(p_ex, p_task, Retry(
-                    decode, error_response(f"PD error: the decode instance {decode.url} is unreachable: {e}", 502)))
+                    decode, error_response(f"PD error: the decode instance {decode.url} is unreachable: {e}", 502,
+                                           PD_ERROR)))
             if upstream.status != 200:  # D refused it (bad request, overloaded)
                 answer = await self._read_error(upstream, d_ex)
                 if upstream.status in RETRYABLE_STATUS:
@@ -197,7 +198,8 @@ class Forwarder:
                 d_ex.broken(error)
                 upstream.close()
                 return await self._blame(p_ex, p_task, Retry(
-                    decode, error_response(f"PD error: the decode instance {decode.url} failed: {error}", 502)))
+                    decode, error_response(f"PD error: the decode instance {decode.url} failed: {error}", 502,
+                                           PD_ERROR)))
             if not p_task.done():  # D already finished (a one-token answer): P's answer is on its way
                 await asyncio.wait({p_task})
             if (failure := _prefill_failure(p_ex, p_task)) is not None:
@@ -241,7 +243,7 @@ class Forwarder:
             except BROKEN as e:
                 ex.broken(e)
                 return Retry(ex.instance, error_response(
-                    f"PD error: the instance {ex.instance.url} failed mid-answer: {e}", 502))
+                    f"PD error: the instance {ex.instance.url} failed mid-answer: {e}", 502, PD_ERROR))
             finally:
                 reader.cancel()
                 upstream.close()
@@ -256,7 +258,8 @@ class Forwarder:
             if not isinstance(e, BROKEN):
                 raise
             ex.broken(e)
-            return Retry(ex.instance, error_response(f"PD error: the instance {ex.instance.url} failed: {e}", 502))
+            return Retry(ex.instance, error_response(f"PD error: the instance {ex.instance.url} failed: {e}", 502,
+                                                     PD_ERROR))
 
         async def events() -> AsyncIterator[bytes]:
             try:
@@ -267,7 +270,7 @@ class Forwarder:
             except BROKEN as e:
                 ex.broken(e)
                 message = f"PD error: the {ex.instance.role} instance {ex.instance.url} failed mid-answer: {e}"
-                yield f"data: {json.dumps(error_body(message, 502))}\n\n".encode()
+                yield f"data: {json.dumps(error_body(message, 502, PD_ERROR))}\n\n".encode()
             finally:
                 reader.cancel()
                 upstream.close()
@@ -298,6 +301,12 @@ class Answer:
         except (ValueError, KeyError, TypeError):
             return self.body[:500].decode(errors="replace")
 
+    def error_type(self) -> str:
+        try:
+            return str(json.loads(self.body)["error"]["type"])
+        except (ValueError, KeyError, TypeError):
+            return "internal_server_error"
+
 
 async def _fetch(client: aiohttp.ClientSession, url: str, body: dict, headers: dict[str, str]) -> Answer:
     async with client.post(url, json=body, headers=headers) as r:
@@ -311,13 +320,14 @@ def _prefill_failure(p_ex: Exchange, task: asyncio.Task) -> Response | Retry | N
         r: Answer = task.result()
     except BROKEN as e:
         p_ex.broken(e)
-        return Retry(p_ex.instance, error_response(f"PD error: the prefill instance {url} is unreachable: {e}", 502))
+        return Retry(p_ex.instance, error_response(f"PD error: the prefill instance {url} is unreachable: {e}", 502,
+                                                   PD_ERROR))
     if r.status == 200:
         return None
-    message = r.error_message()
-    if r.status >= 500 and not message.startswith("PD error"):
-        message = f"PD error: the prefill instance {url} failed: {message}"
-    answer = JSONResponse(error_body(message, r.status), status_code=r.status)
+    message, err_type = r.error_message(), r.error_type()
+    if r.status >= 500 and err_type != PD_ERROR:
+        message, err_type = f"PD error: the prefill instance {url} failed: {message}", PD_ERROR
+    answer = JSONResponse(error_body(message, r.status, err_type), status_code=r.status)
     if r.status in RETRYABLE_STATUS:
         log.warning("prefill instance %s answered %d: %s", url, r.status, message[:300])
         return Retry(p_ex.instance, answer)

@@ -20,7 +20,7 @@ import psutil
 import torch
 
 from pdserve.config import EngineConfig
-from pdserve.kv_cache import KVCacheSpec
+from pdserve.kv_layout import KVLayout
 from pdserve.model import SequenceChunk
 from pdserve.model_runner import ModelRunner
 
@@ -62,9 +62,9 @@ def profile_num_blocks(runner: ModelRunner, config: EngineConfig) -> ProfileResu
     else:
         peak = _cpu_peak_growth(lambda: runner.logits(chunks, is_dummy_or_profile_run=True))
         device_memory = config.kv_cache_memory or (psutil.virtual_memory().available + weights)
-    spec = KVCacheSpec.for_model(runner.config, 1, config.block_size, runner.kv_cache_dtype)
+    layout = KVLayout.for_model(runner.config, 1, config.block_size, runner.kv_cache_dtype)
     cache_bytes = int(device_memory * config.gpu_memory_utilization) - weights - peak
-    num_blocks = max(cache_bytes // spec.bytes_per_block, 0)
+    num_blocks = max(cache_bytes // layout.block_bytes, 0)
     result = ProfileResult(device_memory, weights, peak, cache_bytes, num_blocks)
     log.info("profile run: device memory %.2f GiB x %.2f - weights %.2f GiB - peak activations %.3f GiB "
              "= %.2f GiB for the KV cache", device_memory / 2**30, config.gpu_memory_utilization,

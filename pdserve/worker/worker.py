@@ -11,8 +11,6 @@ import torch
 import zmq
 
 from pdserve.config import EngineConfig
-from pdserve.disagg.kv_layout import KVLayout
-from pdserve.disagg.messages import LayerDone, StepTransfers
 from pdserve.engine.messages import (
     CacheCommand,
     ExecuteStep,
@@ -24,10 +22,12 @@ from pdserve.engine.messages import (
     WorkerOk,
     WorkerReady,
 )
-from pdserve.kv_cache import KVCache, KVCacheSpec
+from pdserve.kv_cache import KVCache
+from pdserve.kv_layout import KVLayout
 from pdserve.model import SequenceChunk
 from pdserve.model_runner import ModelRunner
 from pdserve.sampling import SamplingRow, make_generator
+from pdserve.transfer_plan import LayerDone, StepTransfers
 from pdserve.worker.profile_run import profile_num_blocks
 
 log = logging.getLogger("pdserve.worker")
@@ -55,8 +55,8 @@ class Worker:
             self.profile = result.as_dict()
             num_blocks = result.num_blocks
         self._check_fits(num_blocks)
-        self.spec = KVCacheSpec.for_model(self.runner.config, num_blocks, config.block_size,
-                                          self.runner.kv_cache_dtype)
+        self.layout = KVLayout.for_model(self.runner.config, num_blocks, config.block_size,
+                                         self.runner.kv_cache_dtype)
         self.rows: dict[str, SamplingRow] = {}
         self._cache_command: CacheCommand | None = None
         self._messager: zmq.Socket | None = None
@@ -64,7 +64,7 @@ class Worker:
         self._step_id = 0
 
     def loaded_message(self) -> WorkerLoaded:
-        return WorkerLoaded(KVLayout.of(self.spec), self.runner.max_model_len, self.runner.config.vocab_size,
+        return WorkerLoaded(self.layout, self.runner.max_model_len, self.runner.config.vocab_size,
                             self.profile)
 
     def setup_cache(self, command: CacheCommand) -> WorkerReady:
@@ -75,13 +75,14 @@ class Worker:
             self._messager = self.ctx.socket(zmq.PUSH)
             self._messager.setsockopt(zmq.LINGER, 0)
             self._messager.connect(command.messager_address)
-        spec = self.spec
+        layout = self.layout
         per_request = -(-self.runner.max_model_len // self.config.block_size)
         log.info("KV cache %s: %d blocks = %d tokens, room for %d max-length (%d-token) requests",
-                 "created" if command.create else f"attached ({command.segment})", spec.num_blocks,
-                 spec.num_blocks * self.config.block_size, spec.num_blocks // per_request, self.runner.max_model_len)
+                 "created" if command.create else f"attached ({command.segment})", layout.num_blocks,
+                 layout.num_blocks * self.config.block_size, layout.num_blocks // per_request,
+                 self.runner.max_model_len)
         cache = self.runner.kv_cache
-        return WorkerReady(num_blocks=spec.num_blocks, max_model_len=self.runner.max_model_len,
+        return WorkerReady(num_blocks=layout.num_blocks, max_model_len=self.runner.max_model_len,
                            vocab_size=self.runner.config.vocab_size, kv_cache_name=cache.shm_name,
                            profile=self.profile)
 
@@ -89,11 +90,11 @@ class Worker:
         command = self._cache_command
         assert command is not None
         if not command.create:
-            self.runner.kv_cache = KVCache.attach_shared(self.spec, command.segment)
+            self.runner.kv_cache = KVCache.attach_shared(self.layout, command.segment)
         elif self.runner.device.type == "cpu":
-            self.runner.kv_cache = KVCache.create_shared(self.spec)
+            self.runner.kv_cache = KVCache.create_shared(self.layout)
         else:
-            self.runner.kv_cache = KVCache.allocate(self.spec, self.runner.device)
+            self.runner.kv_cache = KVCache.allocate(self.layout, self.runner.device)
 
     def weights(self, command: WeightsCommand) -> WorkerOk:
         """Free the weights and this worker's cache mapping (the segment itself when the worker owns

@@ -1,22 +1,26 @@
-"""Where a block's KV lives in the cache buffer, as byte ranges: the only module that knows the layout.
+"""The KV cache's layout, and where a block's KV lives in it as byte ranges: the only module that knows it.
 
-The transports move byte ranges between two cache buffers and know nothing of layers or blocks
-(SGLang's transfer arguments grew model-specific fields; ours stay `(src, dst, nbytes)`).
-Layout `[num_blocks, num_layers, 2 (K, V), block_size, kv_heads, head_dim]` (see kv_cache.py): one
-layer of one block is one contiguous region, and a whole block is too.
+`[num_blocks, num_layers, 2 (K, V), block_size, kv_heads, head_dim]`, block-major: one layer of one
+block is one contiguous region, and a whole block is too. The cache (kv_cache.py) is allocated from
+this description, the engine and the cache service pass it around (it is torch-free msgspec), and the
+transfers turn it into byte ranges. The transports move byte ranges between two cache buffers and
+know nothing of layers or blocks (SGLang's transfer arguments grew model-specific fields; ours stay
+`(src, dst, nbytes)`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from pdserve.disagg.transport.base import ByteRange
+from pdserve.transport.base import ByteRange
 
 if TYPE_CHECKING:  # torch stays out of the processes that only pass layouts around (API server, engine)
-    from pdserve.kv_cache import KVCacheSpec
+    import torch
+
+    from pdserve.model_config import ModelConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # the cache dtypes (--kv-cache-dtype)
 
@@ -30,21 +34,26 @@ class KVLayout(msgspec.Struct, frozen=True):
     dtype: str  # torch dtype name without "torch.", e.g. "float32"
 
     @classmethod
-    def of(cls, spec: KVCacheSpec) -> KVLayout:
-        return cls(spec.num_blocks, spec.num_layers, spec.block_size, spec.num_kv_heads, spec.head_dim,
-                   str(spec.dtype).removeprefix("torch."))
+    def for_model(cls, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype | str) -> KVLayout:
+        return cls(num_blocks, config.num_layers, block_size, config.num_kv_heads, config.head_dim,
+                   str(dtype).removeprefix("torch."))
 
-    def spec(self) -> KVCacheSpec:
+    def with_blocks(self, num_blocks: int) -> KVLayout:
+        return msgspec.structs.replace(self, num_blocks=num_blocks)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def torch_dtype(self) -> Any:  # torch.dtype; torch is imported only by the processes that hold a cache
         import torch
 
-        from pdserve.kv_cache import KVCacheSpec
-
-        return KVCacheSpec(self.num_blocks, self.num_layers, self.block_size, self.num_kv_heads, self.head_dim,
-                           getattr(torch, self.dtype))
+        return getattr(torch, self.dtype)
 
     def same_geometry(self, other: KVLayout) -> bool:
         """Everything but the block count must agree for P's blocks to be D's blocks."""
-        return msgspec.structs.replace(self, num_blocks=0) == msgspec.structs.replace(other, num_blocks=0)
+        return self.with_blocks(0) == other.with_blocks(0)
 
     def compatibility_key(self, model: str) -> str:
         """What a P and a D must share to be paired: the model and every layout field but the block count."""

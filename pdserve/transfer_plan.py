@@ -1,10 +1,12 @@
-"""What the worker tells the cache messager each step (kept apart so engine messages can embed it)."""
+"""A step's KV transfers: planned by the prefill connector, carried to the worker in the engine's step
+message, passed by the worker to the cache messager with one signal per finished layer. Torch-free and
+below engine, worker and disagg alike, so all three import it and none imports another for it."""
 
 from __future__ import annotations
 
 import msgspec
 
-from pdserve.disagg.transport import Endpoint
+from pdserve.transport import Endpoint
 
 
 class TransferPlan(msgspec.Struct, array_like=True):

@@ -7,7 +7,7 @@ A new transport (rdma) adds an endpoint type, a writer and, if it needs one, a r
 
 from __future__ import annotations
 
-from pdserve.disagg.transport.base import (
+from pdserve.transport.base import (
     CacheBuffer,
     Endpoint,
     IpcEndpoint,
@@ -23,10 +23,10 @@ PROTOCOLS = ("ipc", "tcp")
 
 def open_writer(endpoint: Endpoint, source: CacheBuffer) -> KVWriter:
     if isinstance(endpoint, IpcEndpoint):
-        from pdserve.disagg.transport.ipc import IpcWriter
+        from pdserve.transport.ipc import IpcWriter
 
         return IpcWriter(endpoint, source)
-    from pdserve.disagg.transport.tcp import TcpWriter
+    from pdserve.transport.tcp import TcpWriter
 
     return TcpWriter(endpoint, source)
 
@@ -34,13 +34,13 @@ def open_writer(endpoint: Endpoint, source: CacheBuffer) -> KVWriter:
 def start_receiver(protocol: str, destination: CacheBuffer, segment: str | None, host: str,
                    advertise_host: str | None = None) -> KVReceiver:
     if protocol == "ipc":
-        from pdserve.disagg.transport.ipc import IpcReceiver
+        from pdserve.transport.ipc import IpcReceiver
 
         if segment is None:
             raise TransferError("the ipc transport needs the KV cache in a shared-memory segment")
         return IpcReceiver(segment, destination.size)
     if protocol == "tcp":
-        from pdserve.disagg.transport.tcp import TcpReceiver
+        from pdserve.transport.tcp import TcpReceiver
 
         return TcpReceiver(destination, host, advertise_host=advertise_host)
     raise TransferError(f"unknown cache transfer protocol {protocol!r}; choose from {', '.join(PROTOCOLS)}")

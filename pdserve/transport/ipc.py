@@ -9,7 +9,8 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Sequence
 
-from pdserve.disagg.transport.base import (
+from pdserve.kv_segment import attach_segment
+from pdserve.transport.base import (
     ByteRange,
     CacheBuffer,
     IpcEndpoint,
@@ -18,7 +19,6 @@ from pdserve.disagg.transport.base import (
     TransferError,
     host_id,
 )
-from pdserve.kv_segment import attach_segment
 
 
 def buffer_address(view: memoryview) -> int:

@@ -1,0 +1,55 @@
+"""What the prefill and decode connectors share: transfer statistics, the prompt digest, failing a request."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from array import array
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pdserve.config import EngineConfig
+from pdserve.engine.messages import RequestOutput
+from pdserve.engine.request import Request
+from pdserve.engine.request_output import error_output
+from pdserve.engine.scheduler import Scheduler
+from pdserve.http.errors import PD_ERROR
+from pdserve.kv_layout import KVLayout
+
+log = logging.getLogger("pdserve.pd")
+
+
+def prompt_digest(token_ids: list[int]) -> str:
+    return hashlib.sha256(array("q", token_ids).tobytes()).hexdigest()[:16]
+
+
+@dataclass
+class TransferStats:
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    transfers_ok: int = 0
+    transfers_failed: int = 0
+    by_protocol: dict[str, int] = field(default_factory=dict)  # prefill side: completed transfers per transport
+    seconds: list[float] = field(default_factory=list)  # per finished transfer, drained by the stats call
+
+    def as_dict(self) -> dict:
+        out = {"kv_bytes_sent": self.bytes_sent, "kv_bytes_received": self.bytes_received,
+               "kv_transfers_ok": self.transfers_ok, "kv_transfers_failed": self.transfers_failed,
+               "kv_transfer_seconds": self.seconds, "kv_transfers_by_protocol": dict(self.by_protocol)}
+        self.seconds = []
+        return out
+
+
+class ConnectorBase:
+    def __init__(self, config: EngineConfig, scheduler: Scheduler, layout: KVLayout,
+                 clock: Callable[[], float]) -> None:
+        self.config = config
+        self.scheduler = scheduler
+        self.layout = layout
+        self.clock = clock  # time.time; tests pass a fake one
+        self.stats = TransferStats()
+
+    def _fail_request(self, request: Request, error: str) -> RequestOutput:
+        self.stats.transfers_failed += 1
+        log.warning("request %s: %s", request.request_id, error)
+        return error_output(request, f"PD error: {error}", error_type=PD_ERROR)

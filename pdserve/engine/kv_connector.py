@@ -1,0 +1,113 @@
+"""What the engine needs from the PD machinery, and the no-op stand-ins of an instance without it.
+
+A KV connector is the scheduler-side half of PD (vLLM's split): the engine calls its hooks at fixed
+points of its loop and acts on nothing else of it; a connector acts on the engine only through the
+scheduler's public methods (check_request, add_request, preallocate, mark_prefilled, abort,
+free_blocks, release_blocks, has_waiting). pdserve.disagg implements it for the prefill and decode
+roles (prefill_connector.py, decode_connector.py); a mixed instance gets NoConnector. Nothing in
+pdserve.engine imports pdserve.disagg: only the engine process's entry (engine/__main__.py) wires
+the two together.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import zmq
+
+    from pdserve.engine.messages import PDParams, RequestOutput, TokenLogprobs
+    from pdserve.engine.request import Request
+    from pdserve.engine.scheduler import ScheduledChunk
+    from pdserve.kv_layout import KVLayout
+    from pdserve.transfer_plan import TransferPlan
+
+
+class KVConnector(Protocol):
+    @property
+    def sockets(self) -> list[zmq.Socket]:
+        """What the engine loop polls besides its input, to wake when a peer speaks."""
+
+    def add_request(self, request: Request, pd: PDParams) -> list[RequestOutput]:
+        """Take a PD request (the connector hands it to the scheduler when its phase allows)."""
+
+    def transfers(self, chunks: list[ScheduledChunk]) -> list[TransferPlan]:
+        """This step's KV writes, for the worker to pass to the cache messager."""
+
+    def on_prefilled(self, request: Request, token: int, logprobs: TokenLogprobs | None) -> None:
+        """A KV-producing request finished its prefill with this first token."""
+
+    def poll(self) -> list[RequestOutput]:
+        """Messages from peers and the cache service, and expired leases. Finished outputs end their
+        request here: the engine forgets it on the worker."""
+
+    def abort(self, request_id: str) -> Request | None:
+        """The frontend aborted it: the request if the connector ended it, None if the scheduler must."""
+
+    def next_deadline(self) -> float | None:
+        """The earliest moment poll() has something to do without a message (unix time)."""
+
+    def stats_dict(self) -> dict:
+        """Counters for /metrics."""
+
+    def close(self) -> None: ...
+
+
+class NoConnector:
+    """A mixed instance's connector: no PD requests, nothing to send, nothing to poll."""
+
+    sockets: list = []
+
+    def add_request(self, request: Request, pd: PDParams) -> list[RequestOutput]:
+        raise ValueError(f"PD error: this is a mixed instance; it cannot take the {pd.role} side of a PD request")
+
+    def transfers(self, chunks: list[ScheduledChunk]) -> list[TransferPlan]:
+        return []
+
+    def on_prefilled(self, request: Request, token: int, logprobs: TokenLogprobs | None) -> None:
+        pass
+
+    def poll(self) -> list[RequestOutput]:
+        return []
+
+    def abort(self, request_id: str) -> Request | None:
+        return None
+
+    def next_deadline(self) -> float | None:
+        return None
+
+    def stats_dict(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+class CacheService(Protocol):
+    """The cache service process as the engine sees it (started per the startup table, or not)."""
+
+    def alive(self) -> bool: ...
+
+    def exit_code(self) -> int | None: ...
+
+    def worker_cache_freed(self) -> None:
+        """The worker freed its cache (POST /clear_load_weight): let go of it too if attached to it."""
+
+    def worker_cache_created(self, layout: KVLayout, segment: str | None) -> None:
+        """The worker made a new cache (weights loaded again): attach to it if this service did before."""
+
+
+class NoCacheService:
+    """The rows of the startup table that start no cache service."""
+
+    def alive(self) -> bool:
+        return True
+
+    def exit_code(self) -> int | None:
+        return None
+
+    def worker_cache_freed(self) -> None:
+        pass
+
+    def worker_cache_created(self, layout: KVLayout, segment: str | None) -> None:
+        pass

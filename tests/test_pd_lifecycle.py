@@ -1,0 +1,249 @@
+"""A PD request's lifecycle, P against D in one process: the real connectors and schedulers over a real
+control channel (ZMQ on localhost), a fake clock and a stand-in cache service (it reports transfers
+as the test says; no KV moves). Covers the phases and lease rules of pdserve/disagg/lifecycle.py
+in milliseconds, where tests/test_pd.py needs whole deployments.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import pytest
+import zmq
+
+from pdserve.config import EngineConfig
+from pdserve.disagg.decode_connector import DecodeConnector
+from pdserve.disagg.lifecycle import (
+    DECODE_TRANSITIONS,
+    PREFILL_TRANSITIONS,
+    QUARANTINE_GRACE,
+    QUEUE_TIMEOUT_LEASES,
+    DecodePhase,
+    IllegalTransition,
+    PrefillPhase,
+    check_transition,
+)
+from pdserve.disagg.messages import TransferDone
+from pdserve.disagg.prefill_connector import PrefillConnector
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.messages import PDParams, RequestOutput
+from pdserve.engine.request import Request
+from pdserve.engine.scheduler import Scheduler, SchedulerConfig
+from pdserve.http.errors import PD_ERROR
+from pdserve.kv_layout import KVLayout
+from pdserve.sampling import SamplingParams
+from pdserve.transport import TcpEndpoint
+
+BLOCK = 4
+LEASE = 10.0
+_ids = itertools.count()
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeCacheService:
+    """The cache service as a connector sees it: transfer reports come when the test puts them in."""
+
+    def __init__(self, ctx: zmq.Context) -> None:
+        self.sock = ctx.socket(zmq.PAIR)  # polled by the engine loop; never speaks here
+        self.reports: list[TransferDone] = []
+        self.extended: list[tuple[str, float]] = []
+        self.refused_connections = 0
+
+    def transfer_reports(self) -> list[TransferDone]:
+        out, self.reports = self.reports, []
+        return out
+
+    def extend_deadline(self, transfer_id: str, deadline: float) -> None:
+        self.extended.append((transfer_id, deadline))
+
+
+class Side:
+    def __init__(self, role: str, num_blocks: int, ctx: zmq.Context) -> None:
+        self.config = EngineConfig(splitwise_role=role, block_size=BLOCK, pd_transfer_timeout=LEASE,
+                                   cache_transfer_protocol=("tcp",), enable_prefix_caching=False)
+        self.clock = Clock()
+        self.num_blocks = num_blocks
+        self.scheduler = Scheduler(SchedulerConfig(role=role, max_model_len=256),
+                                   KVCacheManager(num_blocks, BLOCK, enable_prefix_caching=False))
+        self.service = FakeCacheService(ctx)
+        layout = KVLayout(num_blocks, 2, BLOCK, 1, 16, "float32")
+        if role == "prefill":
+            self.conn = PrefillConnector(self.config, self.scheduler, layout, ctx, self.service, self.clock)
+        else:
+            self.conn = DecodeConnector(self.config, self.scheduler, layout, ctx, [TcpEndpoint("127.0.0.1", 1)],
+                                        self.service, self.clock)
+
+    @property
+    def free_blocks(self) -> int:
+        return self.scheduler.kv.pool.num_free_blocks
+
+
+@pytest.fixture
+def pd():
+    ctx = zmq.Context()
+    p, d = Side("prefill", 16, ctx), Side("decode", 16, ctx)
+    yield p, d
+    for side in (p, d):
+        side.conn.close()
+        side.service.sock.close()
+    ctx.term()
+
+
+def request(n_prompt: int = 10) -> Request:
+    return Request(f"r{next(_ids)}", list(range(1, n_prompt + 1)), SamplingParams(max_tokens=8))
+
+
+def submit(p: Side, d: Side, n_prompt: int = 10) -> tuple[str, Request, Request]:
+    tid = f"t{next(_ids)}"
+    rp, rd = request(n_prompt), request(n_prompt)
+    assert p.conn.add_request(rp, PDParams(tid, "prefill")) == []
+    assert d.conn.add_request(rd, PDParams(tid, "decode", prefill_addr=f"127.0.0.1:{p.conn.port}")) == []
+    return tid, rp, rd
+
+
+def pump(p: Side, d: Side, until, timeout: float = 5.0) -> tuple[list[RequestOutput], list[RequestOutput]]:  # noqa: ANN001
+    """Poll both sides (messages cross a real socket) until `until()` holds; their outputs."""
+    p_out, d_out = [], []
+    deadline = time.monotonic() + timeout
+    while not until():
+        assert time.monotonic() < deadline, "the two sides did not get there"
+        p_out += p.conn.poll()
+        d_out += d.conn.poll()
+        time.sleep(0.002)
+    return p_out, d_out
+
+
+def prefill_step(p: Side, rp: Request, token: int = 42) -> None:
+    """What P's engine does for one step: schedule, plan the writes, sample, report the first token."""
+    out = p.scheduler.schedule()
+    plans = p.conn.transfers(out.chunks)
+    assert [plan.transfer_id for plan in plans] == [p.conn._by_rid[rp.request_id].transfer_id]
+    p.scheduler.update(out, {rp.request_id: token})
+    p.conn.on_prefilled(rp, token, None)
+
+
+def test_a_transfer_runs_through_every_phase_and_frees_p_on_ds_ack(pd):
+    p, d = pd
+    tid, rp, rd = submit(p, d)
+    assert p.conn.phase_of(tid) is PrefillPhase.AWAITING_CACHE_INFO
+    assert p.free_blocks == p.num_blocks  # P holds nothing while D decides
+    assert d.conn.phase_of(tid) is DecodePhase.PREALLOCATED
+    assert d.free_blocks == d.num_blocks - 3  # a 10-token prompt + its first token: 3 blocks of 4
+
+    pump(p, d, lambda: p.conn.phase_of(tid) is PrefillPhase.SCHEDULED)
+    prefill_step(p, rp)
+    assert p.conn.phase_of(tid) is PrefillPhase.PREFILLED
+    assert p.free_blocks == p.num_blocks - 3  # kept until the KV is surely D's
+
+    p.service.reports.append(TransferDone(tid, ok=True, nbytes=1234, first_write=1.0, last_write=2.0))
+    p_out, d_out = pump(p, d, lambda: d.conn.phase_of(tid) is None)
+    assert p_out == []
+    assert [(o.request_id, o.new_token_ids) for o in d_out] == [(rd.request_id, [42])]
+    assert rd in d.scheduler.running and rd.output_token_ids == [42]  # decoding from P's first token
+    pump(p, d, lambda: p.conn.phase_of(tid) is None)  # D's ack
+    assert p.free_blocks == p.num_blocks
+    assert p.conn.stats.transfers_ok == d.conn.stats.transfers_ok == 1
+
+
+def test_ds_lease_ends_without_prefill_done_and_both_sides_let_go(pd):
+    p, d = pd
+    tid, rp, rd = submit(p, d)
+    pump(p, d, lambda: p.conn.phase_of(tid) is PrefillPhase.SCHEDULED)
+    d.clock.now += LEASE + 0.1  # P went silent (no LeaseRenew reached D)
+    p_out, d_out = pump(p, d, lambda: p.conn.phase_of(tid) is None)
+    assert [o.error_type for o in d_out] == [PD_ERROR] and "--pd-transfer-timeout" in d_out[0].error
+    assert [o.error_type for o in p_out] == [PD_ERROR] and "the decode instance gave up" in p_out[0].error
+    assert p.free_blocks == p.num_blocks and rp.is_finished
+    # D's blocks stay out of the pool until P can no longer be writing into them
+    assert d.free_blocks == d.num_blocks - 3
+    assert d.conn.stats_dict()["pd_quarantined_blocks"] == 3
+    d.clock.now += QUARANTINE_GRACE + 0.1
+    d.conn.poll()
+    assert d.free_blocks == d.num_blocks
+
+
+def test_p_renews_the_lease_while_it_holds_the_request(pd):
+    p, d = pd
+    tid, rp, rd = submit(p, d)
+    pump(p, d, lambda: p.conn.phase_of(tid) is PrefillPhase.SCHEDULED)
+    p.clock.now += LEASE / 3 + 0.1  # P is still queueing the prompt: it renews
+    p.conn.poll()
+    d.clock.now += LEASE - 1  # D's original lease is nearly over; the renewal extends it
+    pump(p, d, lambda: d.conn._by_tid[tid].lease_deadline > d.clock.now + 1)
+    d.clock.now += 2  # past the original lease, inside the renewed one
+    assert d.conn.poll() == [] and d.conn.phase_of(tid) is DecodePhase.PREALLOCATED
+
+
+def test_a_failed_write_fails_p_and_d_gives_its_blocks_up(pd):
+    p, d = pd
+    tid, rp, rd = submit(p, d)
+    pump(p, d, lambda: p.conn.phase_of(tid) is PrefillPhase.SCHEDULED)
+    prefill_step(p, rp)
+    p.service.reports.append(TransferDone(tid, ok=False, error="connection reset"))
+    p_out, d_out = pump(p, d, lambda: d.conn.phase_of(tid) is None)
+    assert p_out == []  # P's answer (the first token) went out already; only its blocks were left
+    assert p.free_blocks == p.num_blocks
+    assert len(d_out) == 1 and "connection reset" in d_out[0].error and d_out[0].error_type == PD_ERROR
+    assert d.conn.stats_dict()["pd_quarantined_blocks"] == 3
+
+
+def test_d_queues_for_blocks_in_order_and_gives_up_after_its_queue_timeout(pd):
+    p, d = pd
+    first = submit(p, d, n_prompt=40)  # 11 blocks of D's 16
+    second = submit(p, d, n_prompt=40)
+    assert d.conn.phase_of(first[0]) is DecodePhase.PREALLOCATED
+    assert d.conn.phase_of(second[0]) is DecodePhase.QUEUED
+    assert d.conn.stats_dict()["pd_queued_for_blocks"] == 1
+    d.clock.now += QUEUE_TIMEOUT_LEASES * LEASE + 1  # the first one's lease ends too (P stays silent)
+    p_out, d_out = pump(p, d, lambda: p.conn.phase_of(first[0]) is None and p.conn.phase_of(second[0]) is None)
+    d_errors = {o.request_id: o.error for o in d_out}
+    assert "no free KV blocks" in d_errors[second[2].request_id]
+    assert "--pd-transfer-timeout" in d_errors[first[2].request_id]
+    p_errors = {o.request_id: o.error for o in p_out}  # P hears of the queued one while waiting for its info
+    assert "no free KV blocks" in p_errors[second[1].request_id]
+    assert d.conn.stats_dict()["pd_queued_for_blocks"] == 0
+
+
+def test_aborting_on_p_before_cache_info_ends_it_there_and_tells_d(pd):
+    p, d = pd
+    tid, rp, rd = submit(p, d)
+    assert p.conn.abort(rp.request_id) is rp and rp.finish_reason == "abort"
+    assert p.conn.phase_of(tid) is None
+    _, d_out = pump(p, d, lambda: d.conn.phase_of(tid) is None)
+    assert "aborted" in d_out[0].error and d.conn.stats_dict()["pd_quarantined_blocks"] == 3
+
+
+def test_aborting_on_d_while_queued_tells_p_nothing_and_holds_nothing(pd):
+    p, d = pd
+    submit(p, d, n_prompt=40)
+    tid, rp, rd = submit(p, d, n_prompt=40)
+    assert d.conn.abort(rd.request_id) is rd and rd.finish_reason == "abort"
+    time.sleep(0.05)
+    assert p.conn.poll() == [] and p.conn.phase_of(tid) is PrefillPhase.AWAITING_CACHE_INFO
+
+
+@pytest.mark.parametrize("table", [PREFILL_TRANSITIONS, DECODE_TRANSITIONS], ids=["prefill", "decode"])
+def test_the_transition_tables_allow_only_their_edges_and_every_phase_can_end(table):
+    phases = list(table)
+    for src, dst in itertools.product(phases, phases):
+        if dst in table[src]:
+            check_transition(table, src, dst, "t")
+        else:
+            with pytest.raises(IllegalTransition, match=f"{src.value} -> {dst.value}"):
+                check_transition(table, src, dst, "t")
+    terminal = {ph for ph in phases if not table[ph]}
+    for ph in phases:  # from every phase some terminal phase is reachable
+        seen, todo = {ph}, [ph]
+        while todo:
+            for nxt in table[todo.pop()] - seen:
+                seen.add(nxt)
+                todo.append(nxt)
+        assert seen & terminal, ph
