@@ -13,8 +13,9 @@ import pytest
 import yaml
 
 from pdserve.cluster_auth import SIGNATURE_HEADER, sign_body
+from pdserve.http.wire import Registration
 from pdserve.router.policies import CacheAware, LeastRequests, LeastTokens, PowerOfTwo, RoundRobin, RoutedRequest
-from pdserve.router.registry import Instance, Registration, Registry
+from pdserve.router.registry import Instance, Registry
 from pdserve.router.selector import Selector, compatible, pair_transport
 from tests.servers import Router, register, wait_for
 from tests.stub_instance import StubInstance

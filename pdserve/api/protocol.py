@@ -7,20 +7,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pdserve.http.chat_content import text_content
+from pdserve.http.wire import PDRequest
 from pdserve.sampling import SamplingParams
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
-
-
-class PDRequest(BaseModel):
-    """pdserve: the router's instructions to each side of a PD pair."""
-
-    transfer_id: str = Field(min_length=1, max_length=200)
-    role: Literal["prefill", "decode"]
-    prefill_addr: str | None = None  # decode side: host:port of the prefill instance's --pd-comm-port
-    transport: Literal["ipc", "tcp"] | None = None  # decode side: the router's choice for this pair
 
 
 class _SamplingFields(BaseModel):

@@ -18,6 +18,7 @@ from pdserve.cluster_auth import ENV
 from pdserve.engine.engine_client import EngineClient
 from pdserve.engine_args import engine_config_from_args
 from pdserve.fastdeploy_flags import add_fastdeploy_args, fastdeploy_refusals
+from pdserve.http.wire import Registration
 from pdserve.loader import model_name, resolve_model_folder
 from pdserve.tokenizer import Tokenizer
 from pdserve.transport.base import HOST_ID_ENV, host_id
@@ -111,12 +112,12 @@ def serve(args: argparse.Namespace) -> int:
         metrics_port = args.metrics_port or free_port(args.host)
         if args.router:
             state.router_url = args.router
-            state.instance = {
-                "role": ready.role, "url": f"http://{advertise}:{args.port}", "host": advertise, "host_id": host_id(),
-                "pid": os.getpid(), "metrics_port": metrics_port, "model": name,
-                "pd_comm": f"{advertise}:{ready.pd_comm_port}" if ready.pd_comm_port else None,
-                "transports": ready.transports, "tp_size": config.tensor_parallel_size,
-                "block_size": ready.block_size, "compatibility_key": ready.compatibility_key}
+            state.instance = Registration(
+                role=ready.role, url=f"http://{advertise}:{args.port}", host=advertise, host_id=host_id(),
+                pid=os.getpid(), metrics_port=metrics_port, model=name,
+                pd_comm=f"{advertise}:{ready.pd_comm_port}" if ready.pd_comm_port else None,
+                transports=ready.transports, tp_size=config.tensor_parallel_size,
+                block_size=ready.block_size, compatibility_key=ready.compatibility_key).model_dump()
         from prometheus_client import start_http_server
 
         start_http_server(metrics_port, addr=args.host, registry=metrics.registry)

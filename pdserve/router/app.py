@@ -18,12 +18,13 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from pdserve.cluster_auth import SIGNATURE_HEADER, AuthError, SignatureCheck
 from pdserve.http.auth import bearer_auth
 from pdserve.http.disconnect import until_disconnect
+from pdserve.http.wire import Registration
 from pdserve.router.forward import Forwarder, error_response
 from pdserve.router.health import HealthChecker
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import make_policy
 from pdserve.router.prompt import PromptReader
-from pdserve.router.registry import Registration, Registry
+from pdserve.router.registry import Registry
 from pdserve.router.selector import Selector
 
 log = logging.getLogger("pdserve.router")

@@ -25,6 +25,7 @@ import aiohttp
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.http.errors import PD_ERROR, error_body
+from pdserve.http.wire import PDRequest
 from pdserve.router.policies import RoutedRequest
 from pdserve.router.registry import Instance, InstanceLost, Registry
 from pdserve.router.selector import Route, Selector
@@ -164,9 +165,10 @@ class Forwarder:
         prefill, decode = route.first, route.decode
         assert decode is not None
         transfer_id = uuid.uuid4().hex
-        p_body = {**body, "stream": False, "pd": {"transfer_id": transfer_id, "role": "prefill"}}
-        d_body = {**body, "pd": {"transfer_id": transfer_id, "role": "decode", "prefill_addr": prefill.info.pd_comm,
-                                 "transport": route.transport}}
+        p_body = {**body, "stream": False,
+                  "pd": PDRequest(transfer_id=transfer_id, role="prefill").model_dump(exclude_none=True)}
+        d_body = {**body, "pd": PDRequest(transfer_id=transfer_id, role="decode", prefill_addr=prefill.info.pd_comm,
+                                          transport=route.transport).model_dump(exclude_none=True)}
         p_ex = Exchange(self.registry, prefill, request.num_tokens)
         d_ex = Exchange(self.registry, decode, request.num_tokens)
         p_task = asyncio.create_task(p_ex.guard(_fetch(self.client, f"{prefill.url}{path}", p_body, headers)))

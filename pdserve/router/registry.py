@@ -16,24 +16,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from pydantic import BaseModel, Field
+from pdserve.http.wire import Registration
 
 log = logging.getLogger("pdserve.router")
-
-
-class Registration(BaseModel):
-    role: str = Field(pattern="^(mixed|prefill|decode)$")
-    url: str = Field(min_length=1, max_length=500)  # the instance's HTTP address, e.g. http://10.0.0.5:8001
-    model: str | None = None
-    host: str | None = None  # the address peers use
-    host_id: str | None = None  # equal on one host (and boot): only then may P and D use ipc
-    pid: int | None = None  # the process on its host; a new pid at the same url is a restart
-    metrics_port: int | None = None
-    pd_comm: str | None = None  # prefill: host:port of its control plane
-    transports: list[str] = []  # cache transfer protocols, in the instance's preference order
-    tp_size: int = 1
-    block_size: int | None = None
-    compatibility_key: str | None = None  # model + KV layout; P and D pair only when theirs are equal
 
 
 class InstanceLost(Exception):

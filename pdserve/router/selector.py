@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from pdserve.router.policies import Policy, RoutedRequest
 from pdserve.router.registry import Instance, Registry
+from pdserve.transport import choose_protocol
 
 
 @dataclass(frozen=True)
@@ -16,15 +17,8 @@ class Route:
 
 
 def pair_transport(prefill: Instance, decode: Instance) -> str | None:
-    """P's most preferred protocol that D offers; ipc only within one host (same host id, not just the
-    same address text: 127.0.0.2 and 127.0.0.3 may be two hosts' stand-ins, and one host has many names)."""
-    for protocol in prefill.info.transports:
-        if protocol not in decode.info.transports:
-            continue
-        if protocol == "ipc" and (not prefill.info.host_id or prefill.info.host_id != decode.info.host_id):
-            continue
-        return protocol
-    return None
+    same_host = bool(prefill.info.host_id) and prefill.info.host_id == decode.info.host_id
+    return choose_protocol(prefill.info.transports, decode.info.transports, same_host)
 
 
 def compatible(prefill: Instance, decode: Instance) -> bool:

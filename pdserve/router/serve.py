@@ -13,10 +13,10 @@ import yaml
 from pydantic import ValidationError
 
 from pdserve.cluster_auth import ENV
+from pdserve.http.wire import Registration
 from pdserve.router.app import RouterSettings, build_router_app
 from pdserve.router.policies import POLICIES
 from pdserve.router.prompt import PromptReader
-from pdserve.router.registry import Registration
 from pdserve.utils.process import exit_on_sigterm
 from pdserve.utils.uvicorn_run import serve_and_announce
 

@@ -7,6 +7,8 @@ A new transport (rdma) adds an endpoint type, a writer and, if it needs one, a r
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from pdserve.transport.base import (
     CacheBuffer,
     Endpoint,
@@ -46,17 +48,22 @@ def start_receiver(protocol: str, destination: CacheBuffer, segment: str | None,
     raise TransferError(f"unknown cache transfer protocol {protocol!r}; choose from {', '.join(PROTOCOLS)}")
 
 
-def choose_endpoint(preferred: list[str], offered: list[Endpoint]) -> Endpoint | None:
-    """The first protocol of ours (in our order) that the peer offers and that can reach it."""
+def choose_protocol(preferred: Sequence[str], offered: Sequence[str], same_host: bool) -> str | None:
+    """The one transport choice, made by the router for a pair and by P for D's endpoints: the first
+    protocol of P's (in P's order) that D offers; ipc only when both are on one host (same host id:
+    one host has many names, and two loopback addresses may stand for two hosts)."""
     for protocol in preferred:
-        for endpoint in offered:
-            if endpoint.protocol != protocol:
-                continue
-            if isinstance(endpoint, IpcEndpoint) and endpoint.host_id != host_id():
-                continue  # another host: its shared memory is out of reach
-            return endpoint
+        if protocol in offered and (protocol != "ipc" or same_host):
+            return protocol
     return None
 
 
+def choose_endpoint(preferred: Sequence[str], offered: list[Endpoint]) -> Endpoint | None:
+    """D's endpoint of the chosen protocol, from P's side (P's host id decides ipc's reach)."""
+    same_host = any(isinstance(e, IpcEndpoint) and e.host_id == host_id() for e in offered)
+    protocol = choose_protocol(preferred, [e.protocol for e in offered], same_host)
+    return next((e for e in offered if e.protocol == protocol), None)
+
+
 __all__ = ["PROTOCOLS", "CacheBuffer", "Endpoint", "IpcEndpoint", "KVReceiver", "KVWriter", "TcpEndpoint",
-           "TransferError", "choose_endpoint", "host_id", "open_writer", "start_receiver"]
+           "TransferError", "choose_endpoint", "choose_protocol", "host_id", "open_writer", "start_receiver"]

@@ -1,0 +1,37 @@
+"""The JSON the router and the instances exchange besides OpenAI's own bodies, defined once: the
+instance's registration heartbeat, and the PD instructions the router adds to a request (`pd`).
+(The OpenAI error body is in errors.py.) Both the API server and the router import these; neither
+imports the other.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+
+class Registration(BaseModel):
+    """An instance, as it announces itself to the router (POST /register, signed; api/registration.py)."""
+
+    role: str = Field(pattern="^(mixed|prefill|decode)$")
+    url: str = Field(min_length=1, max_length=500)  # the instance's HTTP address, e.g. http://10.0.0.5:8001
+    model: str | None = None
+    host: str | None = None  # the address peers use
+    host_id: str | None = None  # equal on one host (and boot): only then may P and D use ipc
+    pid: int | None = None  # the process on its host; a new pid at the same url is a restart
+    metrics_port: int | None = None
+    pd_comm: str | None = None  # prefill: host:port of its control plane
+    transports: list[str] = []  # cache transfer protocols, in the instance's preference order
+    tp_size: int = 1
+    block_size: int | None = None
+    compatibility_key: str | None = None  # model + KV layout; P and D pair only when theirs are equal
+
+
+class PDRequest(BaseModel):
+    """The router's instructions to each side of a PD pair (the request body's `pd` field)."""
+
+    transfer_id: str = Field(min_length=1, max_length=200)
+    role: Literal["prefill", "decode"]
+    prefill_addr: str | None = None  # decode side: host:port of the prefill instance's --pd-comm-port
+    transport: Literal["ipc", "tcp"] | None = None  # decode side: the router's choice for this pair
