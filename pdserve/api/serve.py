@@ -13,7 +13,8 @@ import uvicorn
 from pdserve.api.async_engine import AsyncEngine
 from pdserve.api.metrics import ServerMetrics
 from pdserve.api.sampling_defaults import load_sampling_defaults
-from pdserve.api.server import ServerState, build_app
+from pdserve.api.server import build_app
+from pdserve.api.state import ServerState
 from pdserve.cluster_auth import ENV
 from pdserve.engine.engine_client import EngineClient
 from pdserve.engine_args import engine_config_from_args

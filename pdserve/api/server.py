@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -22,44 +20,18 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pdserve.api.async_engine import AsyncEngine
-from pdserve.api.generation import Generation, generate_choices
-from pdserve.api.metrics import ServerMetrics
+from pdserve.api.generation import Generation
 from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.api.registration import register_forever
+from pdserve.api.responses import StreamRelease, chat_choice, complete, completion_choice, stream
+from pdserve.api.state import APIError, ServerState
 from pdserve.engine.engine_client import EngineError
-from pdserve.engine.messages import PDParams, TokenLogprobs
+from pdserve.engine.messages import PDParams
 from pdserve.http.auth import bearer_auth
 from pdserve.http.disconnect import until_disconnect
 from pdserve.http.errors import error_body
-from pdserve.tokenizer import Tokenizer
 
 log = logging.getLogger("pdserve.serve")
-
-
-class APIError(Exception):
-    def __init__(self, message: str, status: int = 400, err_type: str = "invalid_request_error",
-                 param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.err_type, self.param = status, err_type, param
-
-
-@dataclass
-class ServerState:
-    engine: AsyncEngine
-    tokenizer: Tokenizer
-    model_name: str
-    max_model_len: int
-    max_concurrency: int
-    metrics: ServerMetrics
-    in_flight: int = 0
-    weights_cleared: bool = False
-    router_url: str | None = None  # --router: register there every few seconds
-    instance: dict | None = None  # what to register: role, url, control-plane address, transports
-    api_key: str | None = None  # --api-key: /v1 requests must carry it as a Bearer token
-    sampling_defaults: dict | None = None  # the model's generation_config values for omitted fields
-    request_shutdown: Callable[[], None] | None = None  # stops the HTTP server (set by `pdserve serve`)
-    exit_code: int = 0  # 1 once the engine died
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -146,7 +118,7 @@ def build_app(state: ServerState) -> FastAPI:
         prompt_ids = _completion_prompt(state, body)
         params = _sampling_params(state, body, body.max_tokens, body.logprobs)
         gen = Generation(f"cmpl-{next(ids)}", prompt_ids, pd=_pd_params(body))
-        return await _respond(state, raw, body, gen, params, "text_completion", _completion_choice)
+        return await _respond(state, raw, body, gen, params, "text_completion", completion_choice)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, raw: Request) -> Any:
@@ -163,7 +135,7 @@ def build_app(state: ServerState) -> FastAPI:
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = _sampling_params(state, body, max_tokens, logprobs)
         gen = Generation(f"chatcmpl-{next(ids)}", prompt_ids, pd=_pd_params(body))
-        return await _respond(state, raw, body, gen, params, "chat.completion", _chat_choice)
+        return await _respond(state, raw, body, gen, params, "chat.completion", chat_choice)
 
     return app
 
@@ -240,93 +212,15 @@ async def _respond(state: ServerState, raw: Request, body: Any, gen: Generation,
     state.in_flight += 1
     state.metrics.request_started()
     if body.stream:
-        release = _StreamRelease(state, gen)
+        release = StreamRelease(state, gen)
         # The generator's `finally` releases the slot; the background task covers a client that left
         # before the first chunk, when the generator never started and so never reaches `finally`.
-        return StreamingResponse(_stream(state, body, gen, params, kind, make_choice, release),
+        return StreamingResponse(stream(state, body, gen, params, kind, make_choice, release),
                                  media_type="text/event-stream", background=BackgroundTask(release))
     try:
-        return await until_disconnect(raw, _complete(state, body, gen, params, kind, make_choice))
+        return await until_disconnect(raw, complete(state, body, gen, params, kind, make_choice))
     finally:
         state.in_flight -= 1
-
-
-async def _complete(state: ServerState, body: Any, gen: Generation, params: Any, kind: str, make_choice: Any
-                    ) -> JSONResponse:
-    texts = [""] * body.n
-    tokens: list[list[int]] = [[] for _ in range(body.n)]
-    logprobs: list[list[TokenLogprobs]] = [[] for _ in range(body.n)]
-    try:
-        async for d in generate_choices(state.engine, state.tokenizer, gen, params, body.n):
-            texts[d.index] += d.text
-            tokens[d.index] += d.token_ids
-            logprobs[d.index] += d.logprobs
-    except asyncio.CancelledError:  # the client went away (_until_disconnect); the engine requests are aborted
-        state.metrics.request_finished(gen, "abort")
-        raise
-    except EngineError as e:
-        state.metrics.request_finished(gen, "error")
-        raise APIError(str(e), 500, e.err_type) from None
-    except ValueError as e:
-        state.metrics.request_finished(gen, "error")
-        raise APIError(str(e)) from None
-    state.metrics.request_finished(gen)
-    choices = [make_choice(state, i, texts[i], tokens[i], logprobs[i], gen.finish_reasons.get(i), params, False)
-               for i in range(body.n)]
-    out = {"id": gen.request_id, "object": kind, "created": int(gen.created), "model": state.model_name,
-           "choices": choices, "usage": gen.usage()}
-    if body.collect_metrics:
-        out["metrics"] = gen.metrics()
-    return JSONResponse(out)
-
-
-class _StreamRelease:
-    """Gives back a streaming request's in-flight slot and records its outcome, exactly once."""
-
-    def __init__(self, state: ServerState, gen: Generation) -> None:
-        self.state, self.gen, self.done = state, gen, False
-
-    async def __call__(self, outcome: str | None = None) -> None:
-        if not self.done:
-            self.done = True
-            self.state.in_flight -= 1
-            self.state.metrics.request_finished(self.gen, outcome)
-
-
-async def _stream(state: ServerState, body: Any, gen: Generation, params: Any, kind: str, make_choice: Any,
-                  release: _StreamRelease) -> AsyncIterator[str]:
-    chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else kind
-    include_usage = body.stream_options is not None and body.stream_options.include_usage
-
-    def event(choices: list[dict], usage: dict | None = None) -> str:
-        data: dict = {"id": gen.request_id, "object": chunk_kind, "created": int(gen.created),
-                      "model": state.model_name, "choices": choices}
-        if include_usage:
-            data["usage"] = usage
-        if body.collect_metrics:
-            data["metrics"] = gen.metrics()
-        return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
-
-    outcome = None
-    try:
-        if kind == "chat.completion":
-            yield event([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None} for i in range(body.n)])
-        async for d in generate_choices(state.engine, state.tokenizer, gen, params, body.n):
-            if d.text or d.finish_reason is not None or d.logprobs:
-                yield event([make_choice(state, d.index, d.text, d.token_ids, d.logprobs, d.finish_reason,
-                                         params, True)])
-        if include_usage:
-            yield event([], gen.usage())
-        yield "data: [DONE]\n\n"
-    except (EngineError, ValueError) as e:
-        outcome = "error"
-        if isinstance(e, EngineError):
-            yield f"data: {json.dumps(error_body(str(e), 500, e.err_type))}\n\n"
-        else:
-            yield f"data: {json.dumps(error_body(str(e), 400))}\n\n"
-    finally:  # also reached when the client disconnects: generate_choices then aborted its requests
-        await release(outcome)
 
 
 def _pd_params(body: Any) -> PDParams | None:
@@ -341,37 +235,3 @@ def _sampling_params(state: ServerState, body: Any, max_tokens: int | None, logp
         raise APIError(str(e)) from None
 
 
-# ---- response shapes -------------------------------------------------------------------------
-
-def _completion_choice(state: ServerState, index: int, text: str, token_ids: list[int], logprobs: list,
-                       finish: str | None, params: Any, stream: bool) -> dict:
-    choice: dict = {"index": index, "text": text, "finish_reason": finish, "logprobs": None}
-    if params.logprobs is not None:
-        tok = state.tokenizer.token_text
-        choice["logprobs"] = {
-            "tokens": [tok(t) for t in token_ids],
-            "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [{tok(t): v for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)}
-                             for lp in logprobs],
-            "text_offset": [],
-        }
-    return choice
-
-
-def _chat_choice(state: ServerState, index: int, text: str, token_ids: list[int], logprobs: list,
-                 finish: str | None, params: Any, stream: bool) -> dict:
-    key = "delta" if stream else "message"
-    body: dict = {"content": text} if stream else {"role": "assistant", "content": text}
-    choice: dict = {"index": index, key: body, "finish_reason": finish, "logprobs": None}
-    if params.logprobs is not None:
-        tok = state.tokenizer.token_text
-
-        def entry(t: int, v: float) -> dict:
-            s = tok(t)
-            return {"token": s, "logprob": v, "bytes": list(s.encode())}
-
-        choice["logprobs"] = {"content": [
-            {**entry(t, lp.logprob), "top_logprobs": [entry(a, b) for a, b in zip(lp.top_token_ids, lp.top_logprobs,
-                                                                                  strict=True)]}
-            for t, lp in zip(token_ids, logprobs, strict=True)]}
-    return choice

@@ -18,7 +18,7 @@ import asyncio
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -26,15 +26,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.http.errors import PD_ERROR, error_body
 from pdserve.http.wire import PDRequest
+from pdserve.router.exchange import BROKEN, Exchange, cancel_response, close_late_response, drain, next_chunk, pump
 from pdserve.router.policies import RoutedRequest
-from pdserve.router.registry import Instance, InstanceLost, Registry
+from pdserve.router.registry import Instance, Registry
 from pdserve.router.selector import Route, Selector
 
 log = logging.getLogger("pdserve.router")
 
-# The instance, not the request, is at fault. (The client is aiohttp: httpx's connection pool costs
-# milliseconds per request at a few dozen connections, which would be most of the router's time.)
-BROKEN = (aiohttp.ClientError, TimeoutError, InstanceLost)
 RETRYABLE_STATUS = (429, 500, 502, 503, 504)
 BLAME_WINDOW = 1.0  # seconds to wait for P's answer when D fails, to tell which of the two failed
 
@@ -49,67 +47,6 @@ class Retry:
 
     failed: Instance
     response: Response
-
-
-class Exchange:
-    """One request's exchange with one instance, counted as its load, ended at once if it is lost."""
-
-    def __init__(self, registry: Registry, instance: Instance, tokens: int) -> None:
-        self.registry, self.instance = registry, instance
-        self.lost: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        self._tracking = registry.track(instance, tokens, self._on_lost)
-        self._tracking.__enter__()
-        self._open = True
-
-    def _on_lost(self, reason: str) -> None:
-        if not self.lost.done():
-            self.lost.set_result(reason)
-
-    def close(self) -> None:
-        if self._open:
-            self._open = False
-            self._tracking.__exit__(None, None, None)
-
-    async def guard(self, awaitable: Awaitable):  # noqa: ANN201
-        """Await it, unless the instance is lost first (InstanceLost)."""
-        task = asyncio.ensure_future(awaitable)
-        if self.lost.done():
-            task.cancel()
-        else:
-            try:
-                await asyncio.wait({task, self.lost}, return_when=asyncio.FIRST_COMPLETED)
-            except asyncio.CancelledError:
-                task.cancel()
-                task.add_done_callback(_close_late_response)
-                raise
-            if task.done():
-                return task.result()
-            task.cancel()
-        task.add_done_callback(_close_late_response)
-        raise InstanceLost(f"{self.instance.role} instance {self.instance.url} left the pool: {self.lost.result()}")
-
-    async def chunks(self, response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
-        it = response.content.iter_any().__aiter__()
-        while True:
-            try:
-                chunk = await self.guard(it.__anext__())
-            except StopAsyncIteration:
-                return
-            yield chunk
-
-    def broken(self, error: BaseException) -> None:
-        """A transport error: take the instance out of the pool now, so other requests avoid it too.
-        A timeout is not one: a long answer may simply outlast --request-timeout; probes judge."""
-        if not isinstance(error, InstanceLost | TimeoutError):
-            self.registry.probe_failed(self.instance, f"a request failed: {type(error).__name__}: {error}",
-                                       at_once=True)
-        self.instance.failed += 1
-
-
-def _close_late_response(task: asyncio.Task) -> None:
-    """For an awaitable nobody waits for any more: close the response it produced, or read its error."""
-    if not task.cancelled() and task.exception() is None and isinstance(task.result(), aiohttp.ClientResponse):
-        task.result().close()
 
 
 class Forwarder:
@@ -193,7 +130,7 @@ class Forwarder:
                     return await self._blame(p_ex, p_task, Retry(decode, answer))
                 return answer
             queue: asyncio.Queue = asyncio.Queue()
-            reader = asyncio.create_task(_pump(d_ex.chunks(upstream), queue))
+            reader = asyncio.create_task(pump(d_ex.chunks(upstream), queue))
             if not p_task.done():
                 await asyncio.wait({p_task, reader}, return_when=asyncio.FIRST_COMPLETED)
             if not p_task.done() and (error := reader.result()) is not None:  # D broke before P answered
@@ -213,9 +150,9 @@ class Forwarder:
         finally:
             if not handed_over:
                 p_task.cancel()
-                p_task.add_done_callback(_close_late_response)
+                p_task.add_done_callback(close_late_response)
                 d_ex.close()
-                await _cancel_response(d_task)
+                await cancel_response(d_task)
 
     async def _blame(self, p_ex: Exchange, p_task: asyncio.Task, d_failure: Retry) -> Retry:
         """D failed; if P fails too (D may only be reporting P's failure), P is the one to avoid."""
@@ -238,10 +175,10 @@ class Forwarder:
             return Retry(ex.instance, answer) if upstream.status in RETRYABLE_STATUS else answer
         if queue is None:
             queue = asyncio.Queue()
-            reader = asyncio.create_task(_pump(ex.chunks(upstream), queue))
+            reader = asyncio.create_task(pump(ex.chunks(upstream), queue))
         if not stream:
             try:  # the finally below also runs when the client hangs up (cancellation)
-                content = b"".join([chunk async for chunk in _drain(queue)])
+                content = b"".join([chunk async for chunk in drain(queue)])
             except BROKEN as e:
                 ex.broken(e)
                 return Retry(ex.instance, error_response(
@@ -252,7 +189,7 @@ class Forwarder:
                 ex.close()
             return Response(content, status_code=200, media_type="application/json")
         try:  # the first bytes decide: a failure before them can still be retried elsewhere
-            first = await _next(queue)
+            first = await next_chunk(queue)
         except BaseException as e:
             reader.cancel()
             upstream.close()
@@ -267,7 +204,7 @@ class Forwarder:
             try:
                 if first is not None:
                     yield first
-                    async for chunk in _drain(queue):
+                    async for chunk in drain(queue):
                         yield chunk
             except BROKEN as e:
                 ex.broken(e)
@@ -334,40 +271,3 @@ def _prefill_failure(p_ex: Exchange, task: asyncio.Task) -> Response | Retry | N
         log.warning("prefill instance %s answered %d: %s", url, r.status, message[:300])
         return Retry(p_ex.instance, answer)
     return answer
-
-
-async def _pump(chunks: AsyncIterator[bytes], queue: asyncio.Queue) -> BaseException | None:
-    """Copy the chunks into `queue`, then None; a failure goes in as an exception and is returned."""
-    try:
-        async for chunk in chunks:
-            await queue.put(chunk)
-    except BROKEN as e:
-        await queue.put(e)
-        return e
-    finally:
-        await queue.put(None)
-    return None
-
-
-async def _next(queue: asyncio.Queue) -> bytes | None:
-    item = await queue.get()
-    if isinstance(item, BaseException):
-        raise item
-    return item
-
-
-async def _drain(queue: asyncio.Queue) -> AsyncIterator[bytes]:
-    while (item := await _next(queue)) is not None:
-        yield item
-
-
-async def _cancel_response(task: asyncio.Task) -> None:
-    """Cancel a pending `client.send`, or close the response it already produced."""
-    task.cancel()
-    try:
-        response = await task
-    except (asyncio.CancelledError, *BROKEN):
-        # Also swallows a cancellation of our own caller, which is already unwinding (this runs in
-        # `finally` blocks); `cancelling()` cannot tell the two apart there.
-        return
-    response.close()

@@ -1,0 +1,35 @@
+"""The API server's shared state, and the error its handlers raise (an OpenAI-format error body)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pdserve.api.async_engine import AsyncEngine
+from pdserve.api.metrics import ServerMetrics
+from pdserve.tokenizer import Tokenizer
+
+
+class APIError(Exception):
+    def __init__(self, message: str, status: int = 400, err_type: str = "invalid_request_error",
+                 param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.err_type, self.param = status, err_type, param
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    tokenizer: Tokenizer
+    model_name: str
+    max_model_len: int
+    max_concurrency: int
+    metrics: ServerMetrics
+    in_flight: int = 0
+    weights_cleared: bool = False
+    router_url: str | None = None  # --router: register there every few seconds
+    instance: dict | None = None  # what to register: role, url, control-plane address, transports
+    api_key: str | None = None  # --api-key: /v1 requests must carry it as a Bearer token
+    sampling_defaults: dict | None = None  # the model's generation_config values for omitted fields
+    request_shutdown: Callable[[], None] | None = None  # stops the HTTP server (set by `pdserve serve`)
+    exit_code: int = 0  # 1 once the engine died
