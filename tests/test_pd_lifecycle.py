@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import time
 
+import msgspec
 import pytest
 import zmq
 
@@ -24,7 +25,7 @@ from pdserve.disagg.lifecycle import (
     PrefillPhase,
     check_transition,
 )
-from pdserve.disagg.messages import TransferDone
+from pdserve.disagg.messages import PDError, TransferDone
 from pdserve.disagg.prefill_connector import PrefillConnector
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.messages import PDParams, RequestOutput
@@ -247,3 +248,60 @@ def test_the_transition_tables_allow_only_their_edges_and_every_phase_can_end(ta
                 seen.add(nxt)
                 todo.append(nxt)
         assert seen & terminal, ph
+
+
+def test_kv_written_before_the_first_token_is_seen_still_ends_in_one_prefill_done(pd):
+    p, d = pd
+    tid, rp, rd = submit(p, d)
+    pump(p, d, lambda: p.conn.phase_of(tid) is PrefillPhase.SCHEDULED)
+    p.service.reports.append(TransferDone(tid, ok=True, nbytes=10))
+    p.conn.poll()
+    assert p.conn.phase_of(tid) is PrefillPhase.KV_WRITTEN
+    prefill_step(p, rp, token=7)
+    assert p.conn.phase_of(tid) is PrefillPhase.DONE_SENT
+    _, d_out = pump(p, d, lambda: d.conn.phase_of(tid) is None)
+    assert [o.new_token_ids for o in d_out] == [[7]]
+
+
+def test_aborting_on_d_while_preallocated_fails_p_and_quarantines_ds_blocks(pd):
+    p, d = pd
+    tid, rp, rd = submit(p, d)
+    pump(p, d, lambda: p.conn.phase_of(tid) is PrefillPhase.SCHEDULED)
+    assert d.conn.abort(rd.request_id) is rd and rd.finish_reason == "abort"
+    assert d.conn.stats_dict()["pd_quarantined_blocks"] == 3
+    p_out, _ = pump(p, d, lambda: p.conn.phase_of(tid) is None)
+    assert "aborted" in p_out[0].error and p.free_blocks == p.num_blocks
+
+
+def test_cache_info_for_another_layout_is_refused_on_both_sides(pd):
+    p, d = pd
+    d.conn.layout = KVLayout(16, 2, BLOCK, 2, 16, "float32")  # two KV heads: another model
+    tid, rp, rd = submit(p, d)
+    p_out, d_out = pump(p, d, lambda: d.conn.phase_of(tid) is None and p.conn.phase_of(tid) is None)
+    assert "layouts differ" in p_out[0].error and "layouts differ" in d_out[0].error
+    assert p.free_blocks == p.num_blocks
+
+
+def test_p_gives_up_on_cache_info_that_never_comes(pd):
+    p, d = pd
+    tid = "never-sent"
+    rp = request()
+    p.conn.add_request(rp, PDParams(tid, "prefill"))
+    p.clock.now += 10 * LEASE + 1
+    out = p.conn.poll()
+    assert [o.request_id for o in out] == [rp.request_id] and "never sent its cache info" in out[0].error
+    assert p.conn.phase_of(tid) is None
+
+
+def test_a_forged_control_message_is_refused_and_changes_nothing(pd):
+    p, d = pd
+    tid, rp, rd = submit(p, d)
+    pump(p, d, lambda: p.conn.phase_of(tid) is PrefillPhase.SCHEDULED)
+    ctx = zmq.Context.instance()
+    forger = ctx.socket(zmq.DEALER)
+    forger.setsockopt(zmq.LINGER, 0)
+    forger.connect(f"tcp://127.0.0.1:{p.conn.port}")
+    forger.send(msgspec.msgpack.encode(PDError(tid, "forged: give up")))  # not sealed with the cluster secret
+    pump(p, d, lambda: p.conn.stats_dict()["pd_refused_control_messages"] == 1)
+    forger.close()
+    assert p.conn.phase_of(tid) is PrefillPhase.SCHEDULED
