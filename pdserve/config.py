@@ -32,6 +32,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     advertise_host: str | None = None  # the address peers are told to use (default: pd_host)
     cache_transfer_protocol: tuple[str, ...] = ("ipc", "tcp")  # in preference order
     pd_transfer_timeout: float = 30.0  # seconds D holds blocks for KV that has not arrived
+    splitwise_cache_buffer_size: float = 0.0  # GB of host buffer D receives P's KV into (decode only; 0: none)
     startup_timeout: float = 600.0
     startup_log: str | None = None  # JSON-lines file recording the startup order
 
@@ -50,6 +51,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         if unknown or not self.cache_transfer_protocol:
             raise ValueError(f"--cache-transfer-protocol takes a list of ipc and tcp, got "
                              f"{','.join(self.cache_transfer_protocol)!r}")
+        if self.splitwise_cache_buffer_size < 0:
+            raise ValueError("--splitwise-cache-buffer-size must be at least 0 (GB)")
+        if self.splitwise_cache_buffer_size and self.splitwise_role != "decode":
+            raise ValueError(f"--splitwise-cache-buffer-size is for decode instances (--splitwise-role decode); "
+                             f"this one is {self.splitwise_role}")
         if self.pd_transfer_timeout <= 0:
             raise ValueError("--pd-transfer-timeout must be positive")
         if self.tensor_parallel_size != 1:

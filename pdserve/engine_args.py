@@ -48,6 +48,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                     help="KV transports in preference order, e.g. ipc,tcp (ipc: same host, tcp: any host)")
     pd.add_argument("--pd-transfer-timeout", type=float, default=d.pd_transfer_timeout,
                     help="seconds a decode instance holds blocks for KV that has not arrived")
+    pd.add_argument("--splitwise-cache-buffer-size", type=float, default=d.splitwise_cache_buffer_size,
+                    help="decode role: GB of host memory that prefill instances write the KV into; the decode "
+                         "instance takes its own cache blocks only when the KV is complete (FastDeploy's flag)")
 
 
 def _protocols(text: str) -> tuple[str, ...]:
@@ -65,4 +68,5 @@ def engine_config_from_args(args: argparse.Namespace, **extra: object) -> Engine
         tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
         splitwise_role=args.splitwise_role, pd_comm_port=args.pd_comm_port,
         cache_transfer_protocol=args.cache_transfer_protocol, pd_transfer_timeout=args.pd_transfer_timeout,
+        splitwise_cache_buffer_size=args.splitwise_cache_buffer_size,
         startup_log=args.startup_log, **extra)

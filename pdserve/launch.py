@@ -46,6 +46,8 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-policy", default=None, help="the router's (see pdserve router --help)")
     p.add_argument("--decode-policy", default=None, help="the router's (see pdserve router --help)")
     p.add_argument("--api-key", default=None, help="clients of the router must send it as a Bearer token")
+    p.add_argument("--splitwise-cache-buffer-size", type=float, default=0.0,
+                   help="GB of host buffer each decode instance receives the prefill's KV into (decode only)")
     p.epilog = "Any other flag (e.g. --cache-transfer-protocol tcp, --kv-cache-memory 2G) goes to every instance."
 
 
@@ -133,7 +135,10 @@ def launch(args: argparse.Namespace) -> int:
         for spec, cpus in zip(specs, cpu_sets, strict=True):
             cores = f", cores {','.join(map(str, sorted(cpus)))}" if cpus else ""
             print(f"pdserve launch: {spec.name} on {spec.host}:{spec.port}{cores}", flush=True)
-            deployment.start(spec.name, spec.command(router_url, args.instance_args), cpus)
+            extra = list(args.instance_args)
+            if spec.role == "decode" and args.splitwise_cache_buffer_size:
+                extra += ["--splitwise-cache-buffer-size", str(args.splitwise_cache_buffer_size)]
+            deployment.start(spec.name, spec.command(router_url, extra), cpus)
         error = _wait_ready(deployment, router_url, len(specs), args.ready_timeout, stop)
         if error:
             print(f"pdserve launch: {error}", file=sys.stderr, flush=True)

@@ -25,7 +25,7 @@ from pdserve.disagg.lifecycle import (
     PrefillPhase,
     check_transition,
 )
-from pdserve.disagg.messages import PDError, TransferDone
+from pdserve.disagg.messages import PDError, SwapDone, TransferDone
 from pdserve.disagg.prefill_connector import PrefillConnector
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.messages import PDParams, RequestOutput
@@ -57,8 +57,12 @@ class FakeCacheService:
         self.reports: list[TransferDone] = []
         self.extended: list[tuple[str, float]] = []
         self.refused_connections = 0
+        self.swaps: list[tuple[str, list[int], list[int]]] = []
 
-    def transfer_reports(self) -> list[TransferDone]:
+    def swap_in(self, transfer_id: str, buffer_blocks: list[int], cache_blocks: list[int]) -> None:
+        self.swaps.append((transfer_id, buffer_blocks, cache_blocks))
+
+    def transfer_reports(self) -> list[TransferDone | SwapDone]:
         out, self.reports = self.reports, []
         return out
 
@@ -67,7 +71,7 @@ class FakeCacheService:
 
 
 class Side:
-    def __init__(self, role: str, num_blocks: int, ctx: zmq.Context) -> None:
+    def __init__(self, role: str, num_blocks: int, ctx: zmq.Context, buffer_blocks: int = 0) -> None:
         self.config = EngineConfig(splitwise_role=role, block_size=BLOCK, pd_transfer_timeout=LEASE,
                                    cache_transfer_protocol=("tcp",), enable_prefix_caching=False)
         self.clock = Clock()
@@ -80,7 +84,7 @@ class Side:
             self.conn = PrefillConnector(self.config, self.scheduler, layout, ctx, self.service, self.clock)
         else:
             self.conn = DecodeConnector(self.config, self.scheduler, layout, ctx, [TcpEndpoint("127.0.0.1", 1)],
-                                        self.service, self.clock)
+                                        self.service, self.clock, buffer_blocks=buffer_blocks)
 
     @property
     def free_blocks(self) -> int:
@@ -122,13 +126,17 @@ def pump(p: Side, d: Side, until, timeout: float = 5.0) -> tuple[list[RequestOut
     return p_out, d_out
 
 
-def prefill_step(p: Side, rp: Request, token: int = 42) -> None:
-    """What P's engine does for one step: schedule, plan the writes, sample, report the first token."""
+def prefill_step(p: Side, rp: Request | None = None, token: int = 42) -> None:
+    """What P's engine does for one step: schedule, plan the writes, sample, report the first tokens
+    (of `rp`, which must be in the step, or of every request scheduled)."""
     out = p.scheduler.schedule()
     plans = p.conn.transfers(out.chunks)
-    assert [plan.transfer_id for plan in plans] == [p.conn._by_rid[rp.request_id].transfer_id]
-    p.scheduler.update(out, {rp.request_id: token})
-    p.conn.on_prefilled(rp, token, None)
+    assert len(plans) == len(out.chunks)
+    done = [c.request for c in out.chunks if rp is None or c.request is rp]
+    assert done, "the request was not scheduled"
+    p.scheduler.update(out, {r.request_id: token for r in done})
+    for r in done:
+        p.conn.on_prefilled(r, token, None)
 
 
 def test_a_transfer_runs_through_every_phase_and_frees_p_on_ds_ack(pd):
@@ -305,3 +313,81 @@ def test_a_forged_control_message_is_refused_and_changes_nothing(pd):
     pump(p, d, lambda: p.conn.stats_dict()["pd_refused_control_messages"] == 1)
     forger.close()
     assert p.conn.phase_of(tid) is PrefillPhase.SCHEDULED
+
+
+# ---- decode side with a splitwise cache buffer (seed 002) ----------------------------------------
+
+
+@pytest.fixture
+def pd_buffer():
+    ctx = zmq.Context()
+    p, d = Side("prefill", 32, ctx), Side("decode", 4, ctx, buffer_blocks=12)  # D's cache: one request
+    yield p, d
+    for side in (p, d):
+        side.conn.close()
+        side.service.sock.close()
+    ctx.term()
+
+
+def finish_prefills(p: Side, d: Side, tids: list[str]) -> None:
+    """P computes every prompt in one step, the messager reports every byte written, D acks."""
+    pump(p, d, lambda: all(p.conn.phase_of(t) is PrefillPhase.SCHEDULED for t in tids))
+    prefill_step(p)
+    p.service.reports += [TransferDone(t, ok=True, nbytes=10) for t in tids]
+    pump(p, d, lambda: all(p.conn.phase_of(t) is None for t in tids))  # D acked: P let go
+
+
+def test_with_a_buffer_p_is_released_before_d_has_cache_blocks(pd_buffer):
+    p, d = pd_buffer
+    jobs = [submit(p, d) for _ in range(3)]  # 3 blocks each: all three fit the buffer, one fits D's cache
+    assert d.free_blocks == d.num_blocks  # nothing taken from D's cache yet
+    assert d.conn.stats_dict()["pd_buffer_blocks_used"] == 9
+    finish_prefills(p, d, [tid for tid, _, _ in jobs])
+    assert p.free_blocks == p.num_blocks  # every prefill released while D decodes none of them
+    phases = [d.conn.phase_of(tid) for tid, _, _ in jobs]
+    assert phases == [DecodePhase.SWAPPING_IN, DecodePhase.BUFFERED, DecodePhase.BUFFERED]
+    (tid0, src, dst), = d.service.swaps
+    assert tid0 == jobs[0][0] and len(src) == len(dst) == 3
+    assert dst == [b.block_id for b in jobs[0][2].blocks[:3]]  # into the request's own cache blocks
+
+    d.service.reports.append(SwapDone(tid0, nbytes=300, seconds=0.001))
+    out = d.conn.poll()
+    assert [(o.request_id, o.new_token_ids) for o in out] == [(jobs[0][2].request_id, [42])]
+    assert jobs[0][2] in d.scheduler.running
+    stats = d.conn.stats_dict()
+    assert stats["pd_buffer_blocks_used"] == 6 and stats["pd_buffered_requests"] == 2
+    assert stats["kv_swap_in_bytes"] == 300 and len(stats["pd_buffer_wait_seconds"]) == 1
+
+    d.scheduler.abort(jobs[0][2].request_id)  # the first finishes decoding: the next one gets the cache
+    d.conn.poll()
+    assert d.conn.phase_of(jobs[1][0]) is DecodePhase.SWAPPING_IN
+
+
+def test_aborts_in_the_buffer_free_its_blocks_and_wait_for_a_copy_in_flight(pd_buffer):
+    p, d = pd_buffer
+    jobs = [submit(p, d) for _ in range(2)]
+    finish_prefills(p, d, [tid for tid, _, _ in jobs])
+    (tid0, _, _), = d.service.swaps
+    # BUFFERED: nothing writes into its buffer blocks any more; they are free at once
+    assert d.conn.abort(jobs[1][2].request_id) is jobs[1][2]
+    assert d.conn.stats_dict()["pd_buffer_blocks_used"] == 3
+    # SWAPPING_IN: the request ends now, its cache blocks only once the copy is done
+    assert d.conn.abort(jobs[0][2].request_id) is jobs[0][2] and jobs[0][2].is_finished
+    assert d.free_blocks == d.num_blocks - 3
+    d.service.reports.append(SwapDone(tid0, nbytes=300, seconds=0.001))
+    assert d.conn.poll() == []
+    assert d.free_blocks == d.num_blocks and d.conn.stats_dict()["pd_buffer_blocks_used"] == 0
+    assert d.conn.phase_of(tid0) is None
+
+
+def test_a_full_buffer_queues_and_a_dead_prefill_quarantines_buffer_blocks(pd_buffer):
+    p, d = pd_buffer
+    jobs = [submit(p, d, n_prompt=40) for _ in range(2)]  # 10 buffer blocks each: the second queues
+    assert [d.conn.phase_of(t) for t, _, _ in jobs] == [DecodePhase.PREALLOCATED, DecodePhase.QUEUED]
+    d.clock.now += LEASE + 0.1  # P never delivers the first
+    d.conn.poll()
+    assert d.conn.stats_dict()["pd_quarantined_blocks"] == 10  # P might still be writing into them
+    assert d.conn.phase_of(jobs[1][0]) is DecodePhase.QUEUED
+    d.clock.now += QUARANTINE_GRACE + 0.1
+    d.conn.poll()
+    assert d.conn.phase_of(jobs[1][0]) is DecodePhase.PREALLOCATED  # the freed buffer took the queued one

@@ -54,7 +54,8 @@ class Generation:
                        first_token=t.first_token, last_token=t.last_token, finished=t.finished)
             pd_times = {"preallocated": t.preallocated, "cache_info_sent": t.cache_info_sent,
                         "first_layer_written": t.first_layer_written, "last_layer_written": t.last_layer_written,
-                        "prefill_done_received": t.prefill_done_received}
+                        "prefill_done_received": t.prefill_done_received, "buffered": t.buffered,
+                        "swap_started": t.swap_started, "swapped_in": t.swapped_in}
             out.update({k: v for k, v in pd_times.items() if v is not None})
         return out
 

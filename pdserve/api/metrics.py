@@ -57,6 +57,19 @@ class ServerMetrics:
                                      "control messages refused: forged, replayed or from another cluster", registry=r)
         self.refused_kv = Gauge("pdserve_kv_refused_connections",
                                 "decode: KV data connections refused (no or another --cluster-secret)", registry=r)
+        # decode role with --splitwise-cache-buffer-size (seed 002)
+        self.buffer_blocks = Gauge("pdserve_splitwise_buffer_blocks", "blocks of the splitwise cache buffer",
+                                   registry=r)
+        self.buffer_used = Gauge("pdserve_splitwise_buffer_blocks_used", "buffer blocks holding KV", registry=r)
+        self.buffered = Gauge("pdserve_num_requests_buffered",
+                              "PD requests whose KV is in the buffer, waiting for (or being copied to) cache blocks",
+                              registry=r)
+        self.swap_in_bytes = Gauge("pdserve_kv_swap_in_bytes", "KV bytes copied buffer -> cache", registry=r)
+        self.swap_in_seconds = Histogram("pdserve_kv_swap_in_seconds", "one request's copy buffer -> cache",
+                                         buckets=(0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1), registry=r)
+        self.buffer_wait_seconds = Histogram("pdserve_splitwise_buffer_wait_seconds",
+                                             "KV complete in the buffer -> copy into the cache started",
+                                             buckets=(0.001, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30), registry=r)
         self._last_bytes = 0
 
     def request_started(self) -> None:
@@ -113,6 +126,15 @@ class ServerMetrics:
         self.queued_for_blocks.set(stats.get("pd_queued_for_blocks", 0))
         self.refused_control.set(stats.get("pd_refused_control_messages", 0))
         self.refused_kv.set(stats.get("kv_refused_connections", 0))
+        if "pd_buffer_blocks" in stats:
+            self.buffer_blocks.set(stats["pd_buffer_blocks"])
+            self.buffer_used.set(stats["pd_buffer_blocks_used"])
+            self.buffered.set(stats["pd_buffered_requests"])
+            self.swap_in_bytes.set(stats["kv_swap_in_bytes"])
+            for s in stats["kv_swap_in_seconds"]:
+                self.swap_in_seconds.observe(s)
+            for s in stats["pd_buffer_wait_seconds"]:
+                self.buffer_wait_seconds.observe(s)
         for protocol, n in stats.get("kv_transfers_by_protocol", {}).items():
             self.transfers_by_protocol.labels(protocol).set(n)
         seconds = stats["kv_transfer_seconds"]

@@ -90,7 +90,9 @@ def summarize(records: list[RequestRecord], duration: float, percentiles: list[f
 # (label, from, to) in the server's per-request timings; PD requests have the middle ones
 PHASES_PD = [("decode admission", "arrival", "preallocated"), ("prefill queue", "cache_info_sent", "prefill_start"),
              ("prefill + KV stream", "prefill_start", "last_layer_written"),
-             ("KV transfer tail", "last_layer_written", "prefill_done_received")]
+             ("KV transfer tail", "last_layer_written", "prefill_done_received"),
+             # with a splitwise cache buffer on D: waiting for D's cache blocks, then the copy into them
+             ("buffer wait", "buffered", "swap_started"), ("buffer -> cache copy", "swap_started", "swapped_in")]
 PHASES_MIXED = [("queue", "arrival", "prefill_start"), ("prefill", "prefill_start", "first_token")]
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
 
 import msgspec
 import zmq
@@ -31,7 +32,10 @@ from pdserve.disagg.messages import (
     ServiceError,
     ServiceInput,
     ServiceShutdown,
+    SwapDone,
+    SwapIn,
 )
+from pdserve.kv_layout import block_ranges
 from pdserve.kv_segment import KVSegment
 from pdserve.transfer_plan import MessagerInput
 from pdserve.transport import CacheBuffer, KVReceiver, start_receiver
@@ -49,12 +53,21 @@ class CacheService:
         else:
             self.cache = KVSegment.attach(command.segment, command.layout.nbytes)
         self.created = isinstance(command, CreateCache)
-        buffer = CacheBuffer(self.cache.shm.buf, buffer_address(self.cache.shm.buf))
+        self.layout = command.layout
+        # Decode role with --splitwise-cache-buffer-size: P writes into a host buffer of the cache's block
+        # layout, not into the cache; SwapIn copies a request's blocks over once its KV is complete.
+        self.buffer: KVSegment | None = None
+        if isinstance(command, CreateCache) and command.buffer_blocks:
+            self.buffer = KVSegment.create(command.layout.with_blocks(command.buffer_blocks).nbytes)
+            log.info("splitwise cache buffer: %d blocks (%.2f GiB) receive the prefill instances' KV",
+                     command.buffer_blocks, command.buffer_blocks * command.layout.block_bytes / 2**30)
+        destination = self.buffer if self.buffer is not None else self.cache
+        buffer = CacheBuffer(destination.shm.buf, buffer_address(destination.shm.buf))
         self.receivers: list[KVReceiver] = []
         self.messager: CacheMessager | None = None
         self.inbox: zmq.Socket | None = None
         if config.splitwise_role == "decode":
-            self.receivers = [start_receiver(p, buffer, self.cache.name, config.pd_host,
+            self.receivers = [start_receiver(p, buffer, destination.name, config.pd_host,
                                              config.advertise_host or config.pd_host)
                               for p in config.cache_transfer_protocol]
         elif config.splitwise_role == "prefill":
@@ -66,7 +79,7 @@ class CacheService:
 
     def ready_message(self) -> CacheServiceReady:
         return CacheServiceReady(self.cache.name, self.created, [r.endpoint for r in self.receivers],
-                                 self.messager_address)
+                                 self.messager_address, self.buffer.name if self.buffer is not None else None)
 
     def close(self) -> None:
         for receiver in self.receivers:
@@ -76,7 +89,20 @@ class CacheService:
             self.messager.source = None  # type: ignore[assignment]
         if self.inbox is not None:
             self.inbox.close()
+        if self.buffer is not None:
+            self.buffer.close()
         self.cache.close()
+
+    def swap_in(self, msg: SwapIn) -> SwapDone:
+        """Buffer blocks -> cache blocks, runs of adjacent blocks as one copy."""
+        assert self.buffer is not None, "SwapIn needs --splitwise-cache-buffer-size"
+        start = time.perf_counter()
+        src, dst = self.buffer.shm.buf, self.cache.shm.buf
+        nbytes = 0
+        for s, d, n in block_ranges(self.layout, msg.buffer_blocks, msg.cache_blocks):
+            dst[d:d + n] = src[s:s + n]
+            nbytes += n
+        return SwapDone(msg.transfer_id, nbytes, time.perf_counter() - start)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,6 +168,8 @@ def _serve(engine: zmq.Socket, service: CacheService) -> None:
                 service.cache.close()
             elif isinstance(msg, AttachCache):
                 service.cache = KVSegment.attach(msg.segment, msg.layout.nbytes)
+            elif isinstance(msg, SwapIn):
+                engine.send(msgspec.msgpack.encode(service.swap_in(msg)))
 
 
 if __name__ == "__main__":

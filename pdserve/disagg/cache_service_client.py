@@ -15,6 +15,8 @@ from pdserve.disagg.messages import (
     ServiceError,
     ServiceMessage,
     ServiceShutdown,
+    SwapDone,
+    SwapIn,
     TransferDone,
 )
 from pdserve.kv_layout import KVLayout
@@ -55,11 +57,15 @@ class CacheServiceClient:
     def extend_deadline(self, transfer_id: str, deadline: float) -> None:
         self.child.send(ExtendDeadline(transfer_id, deadline))
 
-    def transfer_reports(self) -> list[TransferDone]:
-        """What the service sent since the last call: transfer reports (returned), receiver stats (kept)."""
-        out = []
+    def swap_in(self, transfer_id: str, buffer_blocks: list[int], cache_blocks: list[int]) -> None:
+        self.child.send(SwapIn(transfer_id, buffer_blocks, cache_blocks))
+
+    def transfer_reports(self) -> list[TransferDone | SwapDone]:
+        """What the service sent since the last call: transfer and swap reports (returned), receiver
+        stats (kept)."""
+        out: list[TransferDone | SwapDone] = []
         while (msg := self.child.receive_nowait()) is not None:
-            if isinstance(msg, TransferDone):
+            if isinstance(msg, TransferDone | SwapDone):
                 out.append(msg)
             elif isinstance(msg, ReceiverStats):
                 self.refused_connections = msg.refused_connections

@@ -1,8 +1,12 @@
 """The decode side of PD (vLLM's "KV connector, scheduler half" on a decode instance).
 
-D reserves its own blocks for a PD request's prompt (queueing in order while blocks are short),
-sends P *cache info* over the control channel, and hands the request to its scheduler on *prefill
-done*, decoding from P's first token. The phases and lease rules are in lifecycle.py.
+D reserves blocks for a PD request's prompt (queueing in order while blocks are short), sends P
+*cache info* over the control channel, and hands the request to its scheduler on *prefill done*,
+decoding from P's first token. The blocks are D's own cache blocks, or with
+--splitwise-cache-buffer-size (seed 002) blocks of a host buffer in the cache service: then P is
+released as soon as its KV is complete, and D takes cache blocks only when the request can join
+the decode batch, after the cache service has copied buffer -> cache. The phases and lease rules
+are in lifecycle.py.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import zmq
 
@@ -25,8 +29,16 @@ from pdserve.disagg.lifecycle import (
     DecodePhase,
     check_transition,
 )
-from pdserve.disagg.messages import CacheInfo, ControlMessage, LeaseRenew, PDError, PrefillAck, PrefillDone
-from pdserve.engine.block_pool import Block
+from pdserve.disagg.messages import (
+    CacheInfo,
+    ControlMessage,
+    LeaseRenew,
+    PDError,
+    PrefillAck,
+    PrefillDone,
+    SwapDone,
+)
+from pdserve.engine.block_pool import Block, BlockPool
 from pdserve.engine.messages import PDParams, RequestOutput, TokenLogprobs
 from pdserve.engine.request import Request
 from pdserve.engine.request_output import final_output
@@ -49,6 +61,10 @@ class Incoming:
     endpoints: list[Endpoint]  # what P may write through (the router may have chosen one)
     phase: Phase = Phase.QUEUED
     lease_deadline: float = float("inf")
+    buffer: list[Block] = field(default_factory=list)  # buffer blocks (with a splitwise cache buffer)
+    done: PrefillDone | None = None  # P's message, kept while the KV waits in the buffer
+    abort_after_swap: bool = False  # aborted while the copy into its cache blocks was in flight
+    held: list[Block] = field(default_factory=list)  # its cache blocks, kept until that copy is done
 
     def move(self, phase: Phase) -> None:
         check_transition(DECODE_TRANSITIONS, self.phase, phase, self.transfer_id)
@@ -58,21 +74,26 @@ class Incoming:
 class DecodeConnector(ConnectorBase):
     def __init__(self, config: EngineConfig, scheduler: Scheduler, layout: KVLayout, ctx: zmq.Context,
                  endpoints: list[Endpoint], service: CacheServiceClient,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, buffer_blocks: int = 0) -> None:
         super().__init__(config, scheduler, layout, clock)
+        self.buffer = BlockPool(buffer_blocks, enable_caching=False) if buffer_blocks else None
+        self._buffered: deque[Incoming] = deque()  # BUFFERED, in the order their KV completed
+        self.swap_bytes = 0
+        self._swap_seconds: list[float] = []  # drained by the stats call, as the transfer seconds
+        self._buffer_waits: list[float] = []  # prefill done -> copy started
         self.control = DecodeControl(ctx)
         self.endpoints = endpoints
         self.service = service  # runs the receivers; reports what they refused
         self._queue: deque[Incoming] = deque()  # QUEUED, in arrival order
         self._by_tid: dict[str, Incoming] = {}
         self._by_rid: dict[str, Incoming] = {}
-        self._quarantine: list[tuple[float, list[Block]]] = []
+        self._quarantine: list[tuple[float, list[Block], BlockPool | None]] = []  # None: the cache's pool
 
     # ---- the engine's hooks (engine/kv_connector.py) -------------------------------------------
 
     @property
     def sockets(self) -> list[zmq.Socket]:
-        return self.control.sockets
+        return [*self.control.sockets, self.service.sock]
 
     def add_request(self, request: Request, pd: PDParams) -> list[RequestOutput]:
         if not pd.prefill_addr:
@@ -101,7 +122,9 @@ class DecodeConnector(ConnectorBase):
 
     def poll(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
-        self.service.transfer_reports()  # none come on D: this only takes the receivers' stats
+        for report in self.service.transfer_reports():  # also takes the receivers' stats
+            if isinstance(report, SwapDone):
+                outputs += self._on_swapped_in(report)
         for _addr, msg in self.control.receive():
             outputs += self._on_message(msg)
         now = self.clock()
@@ -114,6 +137,7 @@ class DecodeConnector(ConnectorBase):
                                               f"{now - inc.request.times.arrival:.0f} s"))
         self._release_quarantine(now)
         self._admit()
+        self._swap_in()
         return outputs
 
     def abort(self, request_id: str) -> Request | None:
@@ -124,22 +148,44 @@ class DecodeConnector(ConnectorBase):
         if inc.phase is Phase.PREALLOCATED:
             self._send(inc, PDError(inc.transfer_id, "the decode instance's request was aborted"))
             self._quarantine_blocks(inc)
+            if self.scheduler.abort(request_id) is None:  # its blocks were the buffer's
+                r.mark_finished("abort")
+        elif inc.phase is Phase.BUFFERED:  # P is done writing: the buffer blocks are free at once
+            self._buffered.remove(inc)
+            self.buffer.free(inc.buffer)
+            r.mark_finished("abort")
+        elif inc.phase is Phase.SWAPPING_IN:  # the copy is in flight: its blocks go when it is done
+            inc.abort_after_swap = True
+            self._hold_until_swapped(inc)
             self.scheduler.abort(request_id)
         else:  # still queued for blocks; P has heard nothing
             self._queue.remove(inc)
             r.mark_finished("abort")
-        self._end(inc, Phase.ABORTED)
+        if not inc.abort_after_swap:
+            self._end(inc, Phase.ABORTED)
         return r
 
     def next_deadline(self) -> float | None:
-        deadlines = [i.lease_deadline for i in self._by_tid.values()] + [t for t, _ in self._quarantine]
+        deadlines = [i.lease_deadline for i in self._by_tid.values()] + [t for t, _, _ in self._quarantine]
         return min(deadlines, default=None)
 
     def stats_dict(self) -> dict:
         return {**self.stats.as_dict(), "pd_refused_control_messages": self.control.refused,
                 "pd_queued_for_blocks": len(self._queue),
-                "pd_quarantined_blocks": sum(len(b) for _, b in self._quarantine),
-                "kv_refused_connections": self.service.refused_connections}
+                "pd_quarantined_blocks": sum(len(b) for _, b, _ in self._quarantine),
+                "kv_refused_connections": self.service.refused_connections, **self._buffer_stats()}
+
+    def _buffer_stats(self) -> dict:
+        if self.buffer is None:
+            return {}
+        out = {"pd_buffer_blocks": self.buffer.num_blocks,
+               "pd_buffer_blocks_used": self.buffer.num_blocks - self.buffer.num_free_blocks,
+               "pd_buffered_requests": sum(i.phase in (Phase.BUFFERED, Phase.SWAPPING_IN)
+                                           for i in self._by_tid.values()),
+               "kv_swap_in_bytes": self.swap_bytes, "kv_swap_in_seconds": self._swap_seconds,
+               "pd_buffer_wait_seconds": self._buffer_waits}
+        self._swap_seconds, self._buffer_waits = [], []
+        return out
 
     def close(self) -> None:
         self.control.close()
@@ -158,16 +204,16 @@ class DecodeConnector(ConnectorBase):
             return self._on_prefill_done(inc, msg)
         if isinstance(msg, LeaseRenew) and inc.phase is Phase.PREALLOCATED:
             inc.lease_deadline = self.clock() + self.config.pd_transfer_timeout
-        elif isinstance(msg, PDError):
+        elif isinstance(msg, PDError) and inc.phase in (Phase.QUEUED, Phase.PREALLOCATED):
             return [self._give_up(inc, f"the prefill instance failed: {msg.error}", tell_prefill=False)]
         return []
 
     def _admit(self) -> None:
         """Preallocate for queued requests in order while blocks allow; send P their cache info.
         D's own preempted requests (back in the scheduler's queue) get freed blocks first."""
-        while self._queue and not self.scheduler.has_waiting:
+        while self._queue:
             inc = self._queue[0]
-            if not self.scheduler.preallocate(inc.request):
+            if not self._reserve(inc):
                 return
             self._queue.popleft()
             inc.move(Phase.PREALLOCATED)
@@ -175,14 +221,24 @@ class DecodeConnector(ConnectorBase):
             now = self.clock()
             r.times.preallocated = now
             inc.lease_deadline = now + self.config.pd_transfer_timeout
+            blocks = inc.buffer if self.buffer is not None else r.blocks
             info = CacheInfo(inc.transfer_id, r.num_prompt_tokens, prompt_digest(r.prompt_token_ids),
-                             [b.block_id for b in r.blocks], self.layout, inc.endpoints,
+                             [b.block_id for b in blocks], self.layout, inc.endpoints,
                              self.config.pd_transfer_timeout, inc.lease_deadline)
             self._send(inc, info)
             r.times.cache_info_sent = self.clock()
 
+    def _reserve(self, inc: Incoming) -> bool:
+        """Blocks for the prompt: the buffer's, or (D's own preempted requests going first) the cache's."""
+        if self.buffer is None:
+            return not self.scheduler.has_waiting and self.scheduler.preallocate(inc.request)
+        need = -(-inc.request.num_prompt_tokens // self.layout.block_size)
+        if self.buffer.num_free_blocks < need:
+            return False
+        inc.buffer = self.buffer.allocate(need)
+        return True
+
     def _on_prefill_done(self, inc: Incoming, msg: PrefillDone) -> list[RequestOutput]:
-        self._end(inc, Phase.DECODING)
         self._send(inc, PrefillAck(inc.transfer_id))
         r = inc.request
         t = r.times
@@ -194,11 +250,64 @@ class DecodeConnector(ConnectorBase):
         self.stats.transfers_ok += 1
         if t.cache_info_sent is not None:
             self.stats.seconds.append(t.prefill_done_received - t.cache_info_sent)
+        if self.buffer is not None:
+            inc.move(Phase.BUFFERED)
+            inc.done = msg
+            t.buffered = t.prefill_done_received
+            self._buffered.append(inc)
+            self._swap_in()
+            return []
+        self._end(inc, Phase.DECODING)
+        return self._start_decoding(inc, msg)
+
+    def _start_decoding(self, inc: Incoming, msg: PrefillDone) -> list[RequestOutput]:
+        r = inc.request
         self.scheduler.mark_prefilled(r.request_id, msg.first_token)
         out = final_output(r) if r.is_finished else RequestOutput(r.request_id, [])
         out.new_token_ids = [msg.first_token]
         out.new_logprobs = [msg.logprobs] if msg.logprobs is not None else None
         return [out]
+
+    def _swap_in(self) -> None:
+        """Buffered requests in order take cache blocks while they are free (D's own preempted requests
+        first), and the cache service copies their KV over."""
+        while self._buffered and not self.scheduler.has_waiting:
+            inc = self._buffered[0]
+            if not self.scheduler.preallocate(inc.request):
+                return
+            self._buffered.popleft()
+            inc.move(Phase.SWAPPING_IN)
+            r = inc.request
+            r.times.swap_started = self.clock()
+            if r.times.buffered is not None:
+                self._buffer_waits.append(r.times.swap_started - r.times.buffered)
+            self.service.swap_in(inc.transfer_id, [b.block_id for b in inc.buffer],
+                                 [b.block_id for b in r.blocks[:len(inc.buffer)]])
+
+    def _on_swapped_in(self, report: SwapDone) -> list[RequestOutput]:
+        inc = self._by_tid.get(report.transfer_id)
+        if inc is None or inc.phase is not Phase.SWAPPING_IN:
+            return []
+        self.buffer.free(inc.buffer)
+        self.swap_bytes += report.nbytes
+        self._swap_seconds.append(report.seconds)
+        if inc.abort_after_swap:  # its request ended already; now its blocks can go
+            self._release_held(inc)
+            self._end(inc, Phase.ABORTED)
+            return []
+        inc.request.times.swapped_in = self.clock()
+        self._end(inc, Phase.DECODING)
+        assert inc.done is not None
+        return self._start_decoding(inc, inc.done)
+
+    def _hold_until_swapped(self, inc: Incoming) -> None:
+        """The copy into these cache blocks is in flight: take them off the request so an abort does
+        not free them under it."""
+        inc.held, inc.request.blocks = inc.request.blocks, []
+
+    def _release_held(self, inc: Incoming) -> None:
+        self.scheduler.release_blocks(inc.held)
+        inc.held = []
 
     def _give_up(self, inc: Incoming, error: str, tell_prefill: bool = True) -> RequestOutput:
         r = inc.request
@@ -206,7 +315,8 @@ class DecodeConnector(ConnectorBase):
             if tell_prefill:
                 self._send(inc, PDError(inc.transfer_id, error))
             self._quarantine_blocks(inc)
-            self.scheduler.abort(r.request_id)
+            if self.scheduler.abort(r.request_id) is None:  # its blocks were the buffer's
+                r.mark_finished("error")
         else:
             self._queue.remove(inc)
             self._send(inc, PDError(inc.transfer_id, error))  # P may be waiting for cache info
@@ -214,18 +324,24 @@ class DecodeConnector(ConnectorBase):
         return self._fail_request(r, error)
 
     def _quarantine_blocks(self, inc: Incoming) -> None:
-        """Keep the blocks out of the pool until P cannot be writing into them any more."""
-        blocks, inc.request.blocks = inc.request.blocks, []
+        """Keep the blocks P may write into out of their pool until P cannot be writing any more."""
         release = min(inc.lease_deadline, self.clock() + self.config.pd_transfer_timeout) + QUARANTINE_GRACE
-        self._quarantine.append((release, blocks))
+        if self.buffer is not None:
+            blocks, inc.buffer = inc.buffer, []
+            self._quarantine.append((release, blocks, self.buffer))
+        else:
+            blocks, inc.request.blocks = inc.request.blocks, []
+            self._quarantine.append((release, blocks, None))
 
     def _release_quarantine(self, now: float) -> None:
         keep = []
-        for release, blocks in self._quarantine:
-            if now >= release:
+        for release, blocks, pool in self._quarantine:
+            if now < release:
+                keep.append((release, blocks, pool))
+            elif pool is None:
                 self.scheduler.release_blocks(blocks)
             else:
-                keep.append((release, blocks))
+                pool.free(reversed(blocks))
         self._quarantine = keep
 
     def _end(self, inc: Incoming, phase: Phase) -> None:

@@ -17,12 +17,17 @@ Prefill instance (P), one `PrefillPhase` per transfer (prefill_connector.py):
 Decode instance (D), one `DecodePhase` per transfer (decode_connector.py):
 
     QUEUED --blocks free--> PREALLOCATED --prefill done--> DECODING (the scheduler's from here on)
-      |                         |
+      |                         |    \
+      |                         |     +--prefill done, into the buffer--> BUFFERED --cache blocks free-->
+      |                         |                                          SWAPPING_IN --copied--> DECODING
       +--queue timeout----------+--lease over / P's error--> GAVE_UP   (blocks quarantined)
-      +--frontend abort---------+-------------------------> ABORTED   (blocks quarantined)
+      +--frontend abort---------+-------------------------> ABORTED   (from any phase before DECODING)
 
-  D reserves its own blocks for the whole prompt and sends P *cache info* (PREALLOCATED); P's KV
-  lands there with no message until *prefill done*, so "receiving" is not a phase D can observe.
+  D reserves blocks for the whole prompt and sends P *cache info* (PREALLOCATED): its own cache
+  blocks, or with --splitwise-cache-buffer-size blocks of the host buffer. P's KV lands there with no
+  message until *prefill done*, so "receiving" is not a phase D can observe. From the buffer, D acks
+  P at once (P frees its blocks) and takes cache blocks only when it can: BUFFERED until they are
+  free, SWAPPING_IN while the cache service copies buffer -> cache.
 
 Lease rules (times are D's --pd-transfer-timeout, the lease):
 - D gives its blocks up when *prefill done* has not come within one lease of the last sign of P
@@ -57,7 +62,9 @@ class PrefillPhase(enum.Enum):
 
 class DecodePhase(enum.Enum):
     QUEUED = "queued"  # waiting for free blocks; P has heard nothing
-    PREALLOCATED = "preallocated"  # blocks held, cache info sent, P's KV may be arriving
+    PREALLOCATED = "preallocated"  # blocks held (cache or buffer), cache info sent, P's KV may be arriving
+    BUFFERED = "buffered"  # the whole KV is in the buffer, P released; waiting for cache blocks
+    SWAPPING_IN = "swapping_in"  # cache blocks held, the cache service copying buffer -> cache
     DECODING = "decoding"
     GAVE_UP = "gave_up"
     ABORTED = "aborted"
@@ -79,7 +86,9 @@ PREFILL_TRANSITIONS: dict[PrefillPhase, frozenset[PrefillPhase]] = {
 
 DECODE_TRANSITIONS: dict[DecodePhase, frozenset[DecodePhase]] = {
     _D.QUEUED: frozenset({_D.PREALLOCATED, _D.GAVE_UP, _D.ABORTED}),
-    _D.PREALLOCATED: frozenset({_D.DECODING, _D.GAVE_UP, _D.ABORTED}),
+    _D.PREALLOCATED: frozenset({_D.DECODING, _D.BUFFERED, _D.GAVE_UP, _D.ABORTED}),
+    _D.BUFFERED: frozenset({_D.SWAPPING_IN, _D.ABORTED}),
+    _D.SWAPPING_IN: frozenset({_D.DECODING, _D.ABORTED}),
     _D.DECODING: frozenset(),
     _D.GAVE_UP: frozenset(),
     _D.ABORTED: frozenset(),

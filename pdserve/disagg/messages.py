@@ -19,6 +19,7 @@ from pdserve.transport import Endpoint
 
 class CreateCache(msgspec.Struct, tag=True):
     layout: KVLayout
+    buffer_blocks: int = 0  # decode role: a host buffer of this many blocks (same layout) receives P's KV
 
 
 class AttachCache(msgspec.Struct, tag=True):
@@ -38,18 +39,27 @@ class ExtendDeadline(msgspec.Struct, tag=True):
     deadline: float
 
 
+class SwapIn(msgspec.Struct, tag=True):
+    """Decode role: copy these buffer blocks into these cache blocks (FastDeploy's SPLITWISE_CPU2GPU)."""
+
+    transfer_id: str
+    buffer_blocks: list[int]
+    cache_blocks: list[int]
+
+
 class ServiceShutdown(msgspec.Struct, tag=True):
     pass
 
 
-ServiceInput = CreateCache | AttachCache | DetachCache | ExtendDeadline | ServiceShutdown
+ServiceInput = CreateCache | AttachCache | DetachCache | ExtendDeadline | SwapIn | ServiceShutdown
 
 
 class CacheServiceReady(msgspec.Struct, tag=True):
     segment: str | None
     created: bool
-    endpoints: list[Endpoint]  # what a prefill instance can write to (decode role)
+    endpoints: list[Endpoint]  # what a prefill instance can write to (decode role: the buffer, if any)
     messager_address: str | None  # where the worker sends StepTransfers / LayerDone (prefill side)
+    buffer_segment: str | None = None  # decode role with a splitwise cache buffer
 
 
 class TransferDone(msgspec.Struct, tag=True):
@@ -59,6 +69,12 @@ class TransferDone(msgspec.Struct, tag=True):
     nbytes: int = 0
     first_write: float | None = None  # unix time the first layer was written
     last_write: float | None = None
+
+
+class SwapDone(msgspec.Struct, tag=True):
+    transfer_id: str
+    nbytes: int
+    seconds: float
 
 
 class ServiceError(msgspec.Struct, tag=True):
@@ -71,7 +87,7 @@ class ReceiverStats(msgspec.Struct, tag=True):
     refused_connections: int  # KV connections that failed the cluster-secret challenge, since start
 
 
-ServiceMessage = CacheServiceReady | TransferDone | ServiceError | ReceiverStats
+ServiceMessage = CacheServiceReady | TransferDone | SwapDone | ServiceError | ReceiverStats
 
 
 # ---- control plane: decode <-> prefill -------------------------------------------------------

@@ -137,7 +137,8 @@ class PrefillConnector(ConnectorBase):
         for identity, msg in self.control.receive():
             outputs += self._on_message(identity, msg)
         for report in self.service.transfer_reports():
-            outputs += self._on_transfer_done(report)
+            if isinstance(report, TransferDone):
+                outputs += self._on_transfer_done(report)
         outputs += self._expire()
         return outputs
 

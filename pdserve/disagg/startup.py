@@ -109,12 +109,26 @@ class StartedProcesses:
     endpoints: list[Endpoint]  # what a prefill instance may write to (decode role)
     log: StartupLog
     segment: str | None = None  # the cache's shared-memory segment (CPU)
+    buffer_blocks: int = 0  # decode role: blocks of the splitwise cache buffer P writes into
+    buffer_segment: str | None = None
 
     def shutdown(self) -> None:
         for proc in (self.worker, self.cache_service):
             if proc is not None:
                 proc.shutdown()
         remove_segment(self.segment)
+        remove_segment(self.buffer_segment)
+
+
+def splitwise_buffer_blocks(config: EngineConfig, layout: KVLayout) -> int:
+    """--splitwise-cache-buffer-size in blocks of the cache's layout (0: no buffer)."""
+    if not config.splitwise_cache_buffer_size:
+        return 0
+    blocks = int(config.splitwise_cache_buffer_size * 2**30) // layout.block_bytes
+    if blocks < 1:
+        raise ValueError(f"--splitwise-cache-buffer-size {config.splitwise_cache_buffer_size:g} GB holds no "
+                         f"{layout.block_bytes / 2**20:.1f} MiB block of this model's KV cache")
+    return blocks
 
 
 def remove_segment(name: str | None) -> None:
@@ -180,6 +194,8 @@ class _Startup:
         self.segment: str | None = None
         self.messager_address: str | None = None
         self.endpoints: list[Endpoint] = []
+        self.buffer_blocks = 0
+        self.buffer_segment: str | None = None
 
     def start_worker(self) -> None:
         from pdserve.engine.worker_client import WorkerClient
@@ -209,9 +225,12 @@ class _Startup:
 
         if self.layout is None:  # no worker yet: the layout from config.json
             self.layout = layout_without_profile(self.config, self.config.num_gpu_blocks_override)
-        ready = self.service.setup(CreateCache(self.layout), self.timeout)
+        self.buffer_blocks = splitwise_buffer_blocks(self.config, self.layout)
+        ready = self.service.setup(CreateCache(self.layout, self.buffer_blocks), self.timeout)
         self.segment, self.messager_address, self.endpoints = ready.segment, ready.messager_address, ready.endpoints
-        self.log.record("cache_created", CACHE_SERVICE, segment=self.segment, num_blocks=self.layout.num_blocks)
+        self.buffer_segment = ready.buffer_segment
+        self.log.record("cache_created", CACHE_SERVICE, segment=self.segment, num_blocks=self.layout.num_blocks,
+                        **({"buffer_blocks": self.buffer_blocks} if self.buffer_blocks else {}))
 
     def worker_attaches(self) -> None:
         from pdserve.engine.messages import CacheCommand
@@ -227,4 +246,5 @@ class _Startup:
 
     def result(self) -> StartedProcesses:
         return StartedProcesses(self.worker, self.service, self.layout, self.loaded.max_model_len,
-                                self.loaded.vocab_size, self.loaded.profile, self.endpoints, self.log, self.segment)
+                                self.loaded.vocab_size, self.loaded.profile, self.endpoints, self.log, self.segment,
+                                self.buffer_blocks, self.buffer_segment)

@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
             port = core.connector.port
         elif config.splitwise_role == "decode":
             core.connector = DecodeConnector(config, core.scheduler, layout, ctx, started.endpoints,
-                                             started.cache_service)
+                                             started.cache_service, buffer_blocks=started.buffer_blocks)
         outputs.send(encoder.encode(EngineReady(
             layout.num_blocks, config.block_size, started.max_model_len, args.model_name, started.profile,
             config.splitwise_role, port, list(config.cache_transfer_protocol), started.log.events,

@@ -73,6 +73,10 @@ class RequestTimes(msgspec.Struct):
     first_layer_written: float | None = None
     last_layer_written: float | None = None
     prefill_done_received: float | None = None
+    # ... with a splitwise cache buffer: the KV complete in the buffer, the copy into the cache started, done
+    buffered: float | None = None
+    swap_started: float | None = None
+    swapped_in: float | None = None
 
 
 class RequestOutput(msgspec.Struct):

@@ -1,0 +1,100 @@
+"""Seed 002's decode host buffer end to end: a decode instance with a small cache and
+--splitwise-cache-buffer-size takes P's KV into the buffer, releases P at once, and copies a
+request's KV into its cache only when the request can decode.
+
+Ten concurrent PD requests whose KV fits D's cache one at a time: every prefill is done (P holds
+nothing) before D has finished decoding the first; output equals a mixed instance's; at the end
+every buffer and cache block is free. The flag on a prefill instance exits 2.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.greedy import assert_same_greedy_completion
+from tests.servers import Router, Server, metrics, segments, stop_all, wait_for
+
+pytestmark = pytest.mark.e2e  # starts pdserve processes
+
+COMMON = ["--max-model-len", "256", "--max-num-batched-tokens", "256", "--max-num-seqs", "16"]
+PROMPT_LEN, NEW_TOKENS, REQUESTS = 128, 96, 10
+PARAGRAPH = ("The river runs past the old mill, where the miller keeps a ledger of every sack of grain. "
+             "In spring the water rises, and the wheel turns faster than in any other season of the year. ")
+
+
+def _prompts() -> list[list[int]]:
+    from pdserve.loader import resolve_model_folder
+    from pdserve.tokenizer import Tokenizer
+
+    ids = Tokenizer(resolve_model_folder(None)).encode(PARAGRAPH * 20)
+    return [ids[i:i + PROMPT_LEN] for i in range(REQUESTS)]
+
+
+def _run(url: str, prompts: list[list[int]]) -> list[openai.types.Completion]:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=180)
+
+    def one(prompt: list[int]) -> openai.types.Completion:
+        return client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=NEW_TOKENS,
+                                         temperature=0, logprobs=2,
+                                         extra_body={"ignore_eos": True, "collect_metrics": True})
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, prompts))
+
+
+def test_decode_buffer_releases_prefill_early_and_decodes_like_mixed(tmp_path: Path) -> None:
+    before = segments()
+    router = Router(tmp_path / "router")
+    reg = ["--router", router.url, "--cache-transfer-protocol", "ipc"]
+    # D's cache: 16 blocks of 16 tokens = one 224-token request at a time; the buffer takes all ten prompts
+    p = Server(tmp_path / "p", "--splitwise-role", "prefill", "--num-gpu-blocks-override", "200", *reg, *COMMON,
+               "--max-num-batched-tokens", "1280", wait=False)  # all ten prompts in a step or two
+    d = Server(tmp_path / "d", "--splitwise-role", "decode", "--num-gpu-blocks-override", "16",
+               "--splitwise-cache-buffer-size", "0.25", *reg, *COMMON, wait=False)
+    mixed = Server(tmp_path / "mixed", "--num-gpu-blocks-override", "200", *COMMON, wait=False)
+    try:
+        for s in (p, d, mixed):
+            s.wait_ready(240)
+        router.wait_pairs(2)
+        assert "splitwise cache buffer:" in d.log()
+        prompts = _prompts()
+        pd_out = _run(router.url, prompts)
+        mixed_out = _run(mixed.url, prompts)
+
+        times = [o.model_extra["metrics"] for o in pd_out]
+        assert all("buffered" in t and t["buffered"] <= t["swap_started"] <= t["swapped_in"] for t in times), times
+        last_in_buffer = max(t["buffered"] for t in times)
+        first_done = min(t["finished"] for t in times)
+        assert last_in_buffer < first_done, (f"P was still holding KV {last_in_buffer - first_done:.2f} s after D "
+                                             "finished its first request")
+        print(f"all KV in D's buffer {first_done - last_in_buffer:.2f} s before D finished its first request")
+        for i, (got, want) in enumerate(zip(pd_out, mixed_out, strict=True)):
+            assert len(got.choices[0].logprobs.tokens) == NEW_TOKENS
+            assert_same_greedy_completion(got, want, f"prompt {i}")
+
+        def all_free() -> bool:
+            mp, md = metrics(p.metrics_port), metrics(d.metrics_port)
+            return (mp["pdserve_kv_cache_free_blocks"] == mp["pdserve_kv_cache_total_blocks"]
+                    and md["pdserve_kv_cache_free_blocks"] == md["pdserve_kv_cache_total_blocks"]
+                    and md["pdserve_splitwise_buffer_blocks_used"] == 0)
+
+        wait_for(all_free, 15, "a cache or buffer block was not given back")
+        m = metrics(d.metrics_port)
+        assert m["pdserve_splitwise_buffer_blocks"] >= REQUESTS * PROMPT_LEN // 16
+        assert m["pdserve_kv_swap_in_bytes"] > 0
+    finally:
+        stop_all([p, d, mixed, router])
+    assert segments() <= before, f"shared-memory segments left behind: {segments() - before}"
+
+
+def test_the_buffer_flag_on_a_prefill_instance_exits_2() -> None:
+    out = subprocess.run([sys.executable, "-m", "pdserve.cli", "serve", "--splitwise-role", "prefill",
+                          "--splitwise-cache-buffer-size", "1"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert "--splitwise-cache-buffer-size is for decode instances" in out.stderr
