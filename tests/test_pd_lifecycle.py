@@ -71,13 +71,14 @@ class FakeCacheService:
 
 
 class Side:
-    def __init__(self, role: str, num_blocks: int, ctx: zmq.Context, buffer_blocks: int = 0) -> None:
+    def __init__(self, role: str, num_blocks: int, ctx: zmq.Context, buffer_blocks: int = 0,
+                 prefix_caching: bool = False) -> None:
         self.config = EngineConfig(splitwise_role=role, block_size=BLOCK, pd_transfer_timeout=LEASE,
-                                   cache_transfer_protocol=("tcp",), enable_prefix_caching=False)
+                                   cache_transfer_protocol=("tcp",), enable_prefix_caching=prefix_caching)
         self.clock = Clock()
         self.num_blocks = num_blocks
         self.scheduler = Scheduler(SchedulerConfig(role=role, max_model_len=256),
-                                   KVCacheManager(num_blocks, BLOCK, enable_prefix_caching=False))
+                                   KVCacheManager(num_blocks, BLOCK, enable_prefix_caching=prefix_caching))
         self.service = FakeCacheService(ctx)
         layout = KVLayout(num_blocks, 2, BLOCK, 1, 16, "float32")
         if role == "prefill":
@@ -391,3 +392,47 @@ def test_a_full_buffer_queues_and_a_dead_prefill_quarantines_buffer_blocks(pd_bu
     d.clock.now += QUARANTINE_GRACE + 0.1
     d.conn.poll()
     assert d.conn.phase_of(jobs[1][0]) is DecodePhase.PREALLOCATED  # the freed buffer took the queued one
+
+
+# ---- decode-side prefix reuse ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("buffer_blocks", [0, 12], ids=["cache", "buffer"])
+def test_d_asks_p_only_for_the_blocks_its_prefix_cache_lacks(buffer_blocks):
+    ctx = zmq.Context()
+    p, d = Side("prefill", 32, ctx), Side("decode", 8, ctx, buffer_blocks=buffer_blocks, prefix_caching=True)
+    try:
+        tid, rp, rd = submit(p, d)  # 10 tokens: blocks 0-1 full, block 2 partial
+        finish_prefills(p, d, [tid])
+        if buffer_blocks:
+            (swap_tid, _, _), = d.service.swaps
+            d.service.reports.append(SwapDone(swap_tid, nbytes=30, seconds=0.001))
+            d.conn.poll()
+        assert rd in d.scheduler.running
+        first_blocks = [b.block_id for b in rd.blocks[:2]]
+        d.scheduler.abort(rd.request_id)  # the first conversation turn is over: its blocks stay cached
+
+        tid2, rp2, rd2 = submit(p, d)  # the same prompt again: D has its two full blocks
+        pump(p, d, lambda: p.conn.phase_of(tid2) is PrefillPhase.SCHEDULED)
+        out = p.scheduler.schedule()
+        (plan,) = p.conn.transfers(out.chunks)
+        assert len(plan.src_blocks) == len(plan.dst_blocks) == 1  # only the partial block goes
+        if not buffer_blocks:
+            assert plan.dst_blocks == [rd2.blocks[2].block_id]
+        assert d.conn.stats_dict()["pd_kv_blocks_skipped"] == 2
+        p.scheduler.update(out, {rp2.request_id: 42})
+        p.conn.on_prefilled(rp2, 42, None)
+        p.service.reports.append(TransferDone(tid2, ok=True, nbytes=10))
+        pump(p, d, lambda: p.conn.phase_of(tid2) is None)
+        if buffer_blocks:
+            (_, (swap_tid, src, dst)) = d.service.swaps
+            assert len(src) == len(dst) == 1  # only the block P sent is copied; the cached two are D's own
+            d.service.reports.append(SwapDone(swap_tid, nbytes=10, seconds=0.001))
+            d.conn.poll()
+        assert rd2 in d.scheduler.running and rd2.num_cached_tokens == 2 * BLOCK
+        assert [b.block_id for b in rd2.blocks[:2]] == first_blocks  # the very same cached blocks
+    finally:
+        for side in (p, d):
+            side.conn.close()
+            side.service.sock.close()
+        ctx.term()

@@ -57,6 +57,9 @@ class ServerMetrics:
                                      "control messages refused: forged, replayed or from another cluster", registry=r)
         self.refused_kv = Gauge("pdserve_kv_refused_connections",
                                 "decode: KV data connections refused (no or another --cluster-secret)", registry=r)
+        self.blocks_skipped = Gauge("pdserve_kv_blocks_skipped",
+                                    "decode: prompt blocks not transferred, found in this instance's prefix cache",
+                                    registry=r)
         # decode role with --splitwise-cache-buffer-size (seed 002)
         self.buffer_blocks = Gauge("pdserve_splitwise_buffer_blocks", "blocks of the splitwise cache buffer",
                                    registry=r)
@@ -126,6 +129,7 @@ class ServerMetrics:
         self.queued_for_blocks.set(stats.get("pd_queued_for_blocks", 0))
         self.refused_control.set(stats.get("pd_refused_control_messages", 0))
         self.refused_kv.set(stats.get("kv_refused_connections", 0))
+        self.blocks_skipped.set(stats.get("pd_kv_blocks_skipped", 0))
         if "pd_buffer_blocks" in stats:
             self.buffer_blocks.set(stats["pd_buffer_blocks"])
             self.buffer_used.set(stats["pd_buffer_blocks_used"])

@@ -89,7 +89,8 @@ class CacheMessager:
             k = plan.num_whole_blocks
             ranges = block_ranges(self.layout, plan.src_blocks[:k], plan.dst_blocks[:k]) if msg.layer == 0 else []
             ranges += layer_ranges(self.layout, plan.src_blocks[k:], plan.dst_blocks[k:], msg.layer)
-            groups[plan.endpoint].append((plan, ranges))
+            if ranges:  # none: D had these blocks already (its own prefix cache)
+                groups[plan.endpoint].append((plan, ranges))
         for endpoint, items in groups.items():
             try:
                 self._writer(endpoint).write([r for _, ranges in items for r in ranges])

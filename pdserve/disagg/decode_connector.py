@@ -62,6 +62,7 @@ class Incoming:
     phase: Phase = Phase.QUEUED
     lease_deadline: float = float("inf")
     buffer: list[Block] = field(default_factory=list)  # buffer blocks (with a splitwise cache buffer)
+    cached: list[Block] = field(default_factory=list)  # with a buffer: the prompt's blocks in D's prefix cache
     done: PrefillDone | None = None  # P's message, kept while the KV waits in the buffer
     abort_after_swap: bool = False  # aborted while the copy into its cache blocks was in flight
     held: list[Block] = field(default_factory=list)  # its cache blocks, kept until that copy is done
@@ -81,6 +82,7 @@ class DecodeConnector(ConnectorBase):
         self.swap_bytes = 0
         self._swap_seconds: list[float] = []  # drained by the stats call, as the transfer seconds
         self._buffer_waits: list[float] = []  # prefill done -> copy started
+        self.skipped_blocks = 0  # prompt blocks P did not send: D had them in its prefix cache
         self.control = DecodeControl(ctx)
         self.endpoints = endpoints
         self.service = service  # runs the receivers; reports what they refused
@@ -153,6 +155,7 @@ class DecodeConnector(ConnectorBase):
         elif inc.phase is Phase.BUFFERED:  # P is done writing: the buffer blocks are free at once
             self._buffered.remove(inc)
             self.buffer.free(inc.buffer)
+            self._drop_cached(inc)
             r.mark_finished("abort")
         elif inc.phase is Phase.SWAPPING_IN:  # the copy is in flight: its blocks go when it is done
             inc.abort_after_swap = True
@@ -173,7 +176,8 @@ class DecodeConnector(ConnectorBase):
         return {**self.stats.as_dict(), "pd_refused_control_messages": self.control.refused,
                 "pd_queued_for_blocks": len(self._queue),
                 "pd_quarantined_blocks": sum(len(b) for _, b, _ in self._quarantine),
-                "kv_refused_connections": self.service.refused_connections, **self._buffer_stats()}
+                "kv_refused_connections": self.service.refused_connections,
+                "pd_kv_blocks_skipped": self.skipped_blocks, **self._buffer_stats()}
 
     def _buffer_stats(self) -> dict:
         if self.buffer is None:
@@ -221,22 +225,33 @@ class DecodeConnector(ConnectorBase):
             now = self.clock()
             r.times.preallocated = now
             inc.lease_deadline = now + self.config.pd_transfer_timeout
-            blocks = inc.buffer if self.buffer is not None else r.blocks
+            # Entries before skip_blocks name D's cached blocks; P never writes them.
+            blocks = inc.cached + inc.buffer if self.buffer is not None else r.blocks
+            skip = len(inc.cached) if self.buffer is not None else r.num_cached_tokens // self.layout.block_size
+            self.skipped_blocks += skip
             info = CacheInfo(inc.transfer_id, r.num_prompt_tokens, prompt_digest(r.prompt_token_ids),
                              [b.block_id for b in blocks], self.layout, inc.endpoints,
-                             self.config.pd_transfer_timeout, inc.lease_deadline)
+                             self.config.pd_transfer_timeout, inc.lease_deadline, skip)
             self._send(inc, info)
             r.times.cache_info_sent = self.clock()
 
     def _reserve(self, inc: Incoming) -> bool:
-        """Blocks for the prompt: the buffer's, or (D's own preempted requests going first) the cache's."""
+        """Blocks for the prompt: the buffer's, or (D's own preempted requests going first) the cache's.
+        The prompt's leading blocks in D's own prefix cache are taken as they are; P will not send them."""
+        cached = self.scheduler.cached_prefix(inc.request)
         if self.buffer is None:
-            return not self.scheduler.has_waiting and self.scheduler.preallocate(inc.request)
-        need = -(-inc.request.num_prompt_tokens // self.layout.block_size)
+            return not self.scheduler.has_waiting and self.scheduler.preallocate(inc.request, cached)
+        need = -(-inc.request.num_prompt_tokens // self.layout.block_size) - len(cached)
         if self.buffer.num_free_blocks < need:
             return False
         inc.buffer = self.buffer.allocate(need)
+        self.scheduler.hold_blocks(cached)  # until the swap-in takes them for the request
+        inc.cached = cached
         return True
+
+    def _drop_cached(self, inc: Incoming) -> None:
+        self.scheduler.release_blocks(inc.cached)
+        inc.cached = []
 
     def _on_prefill_done(self, inc: Incoming, msg: PrefillDone) -> list[RequestOutput]:
         self._send(inc, PrefillAck(inc.transfer_id))
@@ -273,16 +288,18 @@ class DecodeConnector(ConnectorBase):
         first), and the cache service copies their KV over."""
         while self._buffered and not self.scheduler.has_waiting:
             inc = self._buffered[0]
-            if not self.scheduler.preallocate(inc.request):
+            if not self.scheduler.preallocate(inc.request, inc.cached):
                 return
+            self._drop_cached(inc)  # the request holds them now
             self._buffered.popleft()
             inc.move(Phase.SWAPPING_IN)
             r = inc.request
             r.times.swap_started = self.clock()
             if r.times.buffered is not None:
                 self._buffer_waits.append(r.times.swap_started - r.times.buffered)
+            skip = r.num_cached_tokens // self.layout.block_size
             self.service.swap_in(inc.transfer_id, [b.block_id for b in inc.buffer],
-                                 [b.block_id for b in r.blocks[:len(inc.buffer)]])
+                                 [b.block_id for b in r.blocks[skip:skip + len(inc.buffer)]])
 
     def _on_swapped_in(self, report: SwapDone) -> list[RequestOutput]:
         inc = self._by_tid.get(report.transfer_id)
@@ -329,6 +346,7 @@ class DecodeConnector(ConnectorBase):
         if self.buffer is not None:
             blocks, inc.buffer = inc.buffer, []
             self._quarantine.append((release, blocks, self.buffer))
+            self._drop_cached(inc)  # P never writes D's cached blocks
         else:
             blocks, inc.request.blocks = inc.request.blocks, []
             self._quarantine.append((release, blocks, None))

@@ -104,6 +104,7 @@ class CacheInfo(msgspec.Struct, tag=True):
     endpoints: list[Endpoint]
     lease: float  # seconds from now until D gives the blocks up
     lease_until: float  # the same moment on D's clock (unix time)
+    skip_blocks: int = 0  # D's prefix cache holds the prompt's first blocks: P sends only the rest
 
 
 class PrefillDone(msgspec.Struct, tag=True):

@@ -62,6 +62,7 @@ class Outgoing:
     lease: float = 0.0  # D's lease length; renewed every third of it
     renewed: float = 0.0  # when the lease was last renewed (or granted)
     sent_blocks: int = 0  # leading blocks whose every layer is planned for D (survives preemption)
+    skip_blocks: int = 0  # leading blocks D has already (its prefix cache): never sent
     started_writing: bool = False  # a plan went to the worker (so the messager knows this transfer)
     first_token: tuple[int, TokenLogprobs | None] | None = None
     transfer: TransferDone | None = None
@@ -114,11 +115,12 @@ class PrefillConnector(ConnectorBase):
             r = c.request
             start, end = r.num_computed_tokens, r.num_computed_tokens + c.num_new_tokens
             # Blocks before this chunk that D has not got yet are prefix-cache hits (at the first chunk,
-            # or after a preemption resumed past what was sent): they go whole, before layer 0.
-            first = min(out.sent_blocks, start // bs)
+            # or after a preemption resumed past what was sent): they go whole, before layer 0. Blocks D
+            # has in its own prefix cache never go.
+            first = max(min(out.sent_blocks, start // bs), out.skip_blocks)
             last = (end - 1) // bs
             plans.append(TransferPlan(out.transfer_id, out.endpoint, [b.block_id for b in r.blocks[first:last + 1]],
-                                      out.dst_blocks[first:last + 1], start // bs - first,
+                                      out.dst_blocks[first:last + 1], max(start // bs - first, 0),
                                       c.completes_known_tokens, out.deadline))
             out.sent_blocks = max(out.sent_blocks, end // bs)
             out.started_writing = True
@@ -203,7 +205,7 @@ class PrefillConnector(ConnectorBase):
         endpoint = choose_endpoint(list(self.config.cache_transfer_protocol), info.endpoints)
         error = self._check_cache_info(out.request, info, endpoint)
         if error is None:
-            out.endpoint, out.dst_blocks = endpoint, info.dst_blocks
+            out.endpoint, out.dst_blocks, out.skip_blocks = endpoint, info.dst_blocks, info.skip_blocks
             # D's own clock says when it gives the blocks up; the receipt time covers clock skew between hosts.
             out.deadline = min(received + info.lease, info.lease_until) - LEASE_MARGIN
             out.lease, out.renewed = info.lease, received

@@ -117,6 +117,14 @@ class Scheduler:
         """A finished KV producer's blocks, once its KV went out (or will not)."""
         self.kv.free(request)
 
+    def cached_prefix(self, request: Request) -> list[Block]:
+        """The prompt's leading blocks already in this instance's prefix cache (nothing taken)."""
+        return self.kv.find_cached_prefix(request)
+
+    def hold_blocks(self, blocks: list[Block]) -> None:
+        """Take a reference on cached blocks, so that eviction leaves them (release_blocks gives it back)."""
+        self.kv.pool.take(blocks)
+
     def release_blocks(self, blocks: list[Block]) -> None:
         """Blocks taken off a request earlier (a decode connector's quarantine) go back to the pool."""
         self.kv.pool.free(reversed(blocks))
@@ -128,14 +136,17 @@ class Scheduler:
 
     # ---- decode role: prompt KV filled from outside ------------------------------------------
 
-    def preallocate(self, request: Request) -> bool:
+    def preallocate(self, request: Request, cached: list[Block] = ()) -> bool:
         """Reserve blocks for the whole prompt (plus the first generated token) of a request whose
-        prompt KV another instance will write. False (and nothing held) when blocks are short."""
+        prompt KV another instance will write, the `cached` prefix (cached_prefix) taken as it is.
+        False (and nothing held) when blocks are short."""
         self.check_request(request)
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        if not self.kv.allocate(request, request.num_prompt_tokens + 1):
+        if not self.kv.allocate(request, request.num_prompt_tokens + 1 - len(cached) * self.kv.block_size, cached):
             return False
+        request.num_cached_tokens = len(cached) * self.kv.block_size
+        self.kv.stats.record(request.num_prompt_tokens, request.num_cached_tokens)
         request.status = RequestStatus.PREALLOCATED
         self.requests[request.request_id] = request
         self.preallocated[request.request_id] = request
