@@ -249,8 +249,9 @@ def _pair(tmp: Path, protocol: str, d_blocks: int, timeout: float = 4) -> tuple[
     return router, p, d
 
 
-def _long_prompt(tokenizer, n: int) -> list[int]:
-    return tokenizer.encode(PARAGRAPH * 40)[:n]
+def _long_prompt(tokenizer, n: int, offset: int = 0) -> list[int]:
+    """n tokens of the paragraph text from `offset` on (prompts with different offsets share no prefix block)."""
+    return tokenizer.encode(PARAGRAPH * 40)[offset:offset + n]
 
 
 def _fault_during_prefill(router: Router, p: Server, d: Server, prompt: list[int],
@@ -286,7 +287,8 @@ def test_small_decode_cache_queues_then_serves_and_killed_prefill_frees_decode_b
     before = segments()
     router, p, d = _pair(tmp_path, "ipc", d_blocks=40)  # one 450-token prompt takes 29 of D's 40 blocks
     try:
-        prompts = [_long_prompt(tokenizer, 450 + i) for i in range(3)]
+        # different starts: D's prefix cache must not share blocks between them (it would, from one start)
+        prompts = [_long_prompt(tokenizer, 450 + i, offset=5 * i) for i in range(3)]
         client = httpx.Client(timeout=120)
 
         def run(prompt: list[int]) -> dict:
