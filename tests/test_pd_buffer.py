@@ -4,7 +4,9 @@ request's KV into its cache only when the request can decode.
 
 Ten concurrent PD requests whose KV fits D's cache one at a time: every prefill is done (P holds
 nothing) before D has finished decoding the first; output equals a mixed instance's; at the end
-every buffer and cache block is free. The flag on a prefill instance exits 2.
+every buffer and cache block is free; a repeated prompt moves only the blocks D's prefix cache
+lacks. D killed with requests in its buffer: P frees everything and serves on, no segment is left.
+The flag on a prefill instance exits 2.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -113,3 +116,40 @@ def test_the_buffer_flag_on_a_prefill_instance_exits_2() -> None:
                           "--splitwise-cache-buffer-size", "1"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2, out.stderr
     assert "--splitwise-cache-buffer-size is for decode instances" in out.stderr
+
+
+def test_decode_killed_with_requests_in_its_buffer_leaves_prefill_whole(tmp_path: Path) -> None:
+    before = segments()
+    router = Router(tmp_path / "router")
+    reg = ["--router", router.url, "--cache-transfer-protocol", "ipc", "--pd-transfer-timeout", "4"]
+    p = Server(tmp_path / "p", "--splitwise-role", "prefill", "--num-gpu-blocks-override", "200", *reg, *COMMON,
+               "--max-num-batched-tokens", "1280", wait=False)
+    d = Server(tmp_path / "d", "--splitwise-role", "decode", "--num-gpu-blocks-override", "16",
+               "--splitwise-cache-buffer-size", "0.25", *reg, *COMMON, wait=False)
+    try:
+        for s in (p, d):
+            s.wait_ready(240)
+        router.wait_pairs(2)
+
+        def one(prompt: list[int]) -> int:
+            try:
+                return httpx.post(f"{router.url}/v1/completions", timeout=60, json={
+                    "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}).status_code
+            except httpx.HTTPError:
+                return 0
+
+        with ThreadPoolExecutor(6) as pool:
+            answers = [pool.submit(one, prompt) for prompt in _prompts()[:6]]
+            wait_for(lambda: metrics(d.metrics_port)["pdserve_num_requests_buffered"] >= 3, 60,
+                     "no request waited in D's buffer")
+            d.kill()
+            statuses = [a.result() for a in answers]
+        assert any(s != 200 for s in statuses), statuses  # the buffered ones died with D
+        d.wait_gone()  # D's processes are gone, its cache and buffer segments too
+        wait_for(lambda: metrics(p.metrics_port)["pdserve_kv_cache_free_blocks"] == 200, 20,
+                 "P did not free its blocks after D died")
+        r = httpx.post(f"{p.url}/v1/completions", timeout=60, json={"prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 200  # P serves on
+    finally:
+        stop_all([s for s in (p, d, router) if s.proc.poll() is None])
+    assert segments() <= before, f"shared-memory segments left behind: {segments() - before}"
