@@ -99,3 +99,26 @@ def _pd_port(server: Server) -> int:
                 return int(line.rsplit("pd-comm-port ", 1)[1].split(")")[0])
         time.sleep(0.1)
     raise AssertionError(f"no pd-comm-port in the log:\n{server.log()}")
+
+
+def test_a_cache_without_a_segment_starts_a_mixed_instance_without_its_cache_service(tmp_path: Path) -> None:
+    """A CUDA cache has no shared-memory segment for the cache service to attach to (issue 17: the
+    default CUDA config died on it). PDSERVE_PRIVATE_KV_CACHE=1 gives a CPU cache the same property."""
+    log = tmp_path / "mixed.jsonl"
+    server = Server(tmp_path / "mixed", *_flags(False, True, log), wait=False, env={"PDSERVE_PRIVATE_KV_CACHE": "1"})
+    try:
+        server.wait_ready(240)
+        events = [json.loads(line) for line in log.read_text().splitlines()]
+        assert [e["step"] for e in events if e["event"] == "step"] == [Step.START_WORKER.name,
+                                                                        Step.WORKER_CREATES_CACHE.name]
+        assert [e for e in events if e["event"] == "cache_created"][0]["segment"] is None
+        assert any(e["event"] == "cache_service_not_started" for e in events)
+        assert not server.children("pdserve.disagg.cache_service")
+        assert not server.own_segments()
+        assert _complete(server).json()["choices"][0]["text"].startswith(" Paris")
+        # weights out and in again: the path that sent the cache service a segment of None
+        assert httpx.post(f"{server.url}/clear_load_weight", timeout=60).status_code == 200
+        assert httpx.post(f"{server.url}/update_model_weight", timeout=300).status_code == 200
+        assert _complete(server).json()["choices"][0]["text"].startswith(" Paris")
+    finally:
+        server.stop()

@@ -168,6 +168,8 @@ def start_processes(config: EngineConfig, ctx: zmq.Context, sockdir: str) -> Sta
     start = _Startup(config, ctx, sockdir, StartupLog(config.startup_log, steps, key))
     try:
         for step in steps:
+            if start.service_has_nothing_to_attach(steps, step):
+                continue
             start.log.record("step", step=step.name)
             getattr(start, step.name.lower())()
         start.log.record("ready")
@@ -183,6 +185,19 @@ def start_processes(config: EngineConfig, ctx: zmq.Context, sockdir: str) -> Sta
 
 class _Startup:
     """What the steps share; one method per Step, named after it."""
+
+    def service_has_nothing_to_attach(self, steps: tuple[Step, ...], step: Step) -> bool:
+        """A mixed instance's cache service attaches to the worker's cache through its shared-memory
+        segment. A cache in device memory (CUDA) has none, and the service has no work in a mixed
+        instance yet (the host prefix tier is not built), so it is not started; the log says so."""
+        if step not in (Step.START_CACHE_SERVICE, Step.SERVICE_ATTACHES) or cache_owner(steps) != WORKER:
+            return False
+        if self.segment is not None:
+            return False
+        if step is Step.START_CACHE_SERVICE:
+            self.log.record("cache_service_not_started", reason="the worker's KV cache has no shared-memory "
+                            "segment (device memory); a mixed instance's cache service has nothing to attach to")
+        return True
 
     def __init__(self, config: EngineConfig, ctx: zmq.Context, sockdir: str, slog: StartupLog) -> None:
         self.config, self.ctx, self.sockdir, self.log = config, ctx, sockdir, slog

@@ -34,6 +34,7 @@ class ProfileResult:
     peak_activations: int
     cache_bytes: int
     num_blocks: int
+    held_elsewhere: int = 0  # CUDA: memory in use that is not our weights (the context, other processes)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -58,17 +59,23 @@ def profile_num_blocks(runner: ModelRunner, config: EngineConfig) -> ProfileResu
         runner.logits(chunks, is_dummy_or_profile_run=True)
         torch.cuda.synchronize(runner.device)
         peak = torch.cuda.max_memory_allocated(runner.device) - before
-        device_memory = torch.cuda.mem_get_info(runner.device)[1]
+        torch.cuda.empty_cache()  # what the profile run's activations reserved is not held elsewhere
+        free, device_memory = torch.cuda.mem_get_info(runner.device)
+        # Used now but not ours to size from: the CUDA context, other processes on the GPU (as the
+        # peers subtract them; sizing from the total alone over-commits a shared or busy GPU).
+        held_elsewhere = max(device_memory - free - torch.cuda.memory_allocated(runner.device), 0)
     else:
         peak = _cpu_peak_growth(lambda: runner.logits(chunks, is_dummy_or_profile_run=True))
         device_memory = config.kv_cache_memory or (psutil.virtual_memory().available + weights)
+        held_elsewhere = 0
     layout = KVLayout.for_model(runner.config, 1, config.block_size, runner.kv_cache_dtype)
-    cache_bytes = int(device_memory * config.gpu_memory_utilization) - weights - peak
+    cache_bytes = int(device_memory * config.gpu_memory_utilization) - weights - peak - held_elsewhere
     num_blocks = max(cache_bytes // layout.block_bytes, 0)
-    result = ProfileResult(device_memory, weights, peak, cache_bytes, num_blocks)
+    result = ProfileResult(device_memory, weights, peak, cache_bytes, num_blocks, held_elsewhere)
     log.info("profile run: device memory %.2f GiB x %.2f - weights %.2f GiB - peak activations %.3f GiB "
-             "= %.2f GiB for the KV cache", device_memory / 2**30, config.gpu_memory_utilization,
-             weights / 2**30, peak / 2**30, cache_bytes / 2**30)
+             "- held elsewhere %.2f GiB = %.2f GiB for the KV cache", device_memory / 2**30,
+             config.gpu_memory_utilization, weights / 2**30, peak / 2**30, held_elsewhere / 2**30,
+             cache_bytes / 2**30)
     return result
 
 

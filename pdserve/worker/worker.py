@@ -5,6 +5,7 @@ executes the steps the engine sends."""
 from __future__ import annotations
 
 import logging
+import os
 
 import msgspec
 import torch
@@ -31,6 +32,9 @@ from pdserve.transfer_plan import LayerDone, StepTransfers
 from pdserve.worker.profile_run import profile_num_blocks
 
 log = logging.getLogger("pdserve.worker")
+# "1": a CPU cache in private memory, with no shared-memory segment, as a CUDA cache is (tests use it to
+# run the no-segment startup path on a CPU machine)
+PRIVATE_CACHE_ENV = "PDSERVE_PRIVATE_KV_CACHE"
 
 
 class KVCacheTooSmall(ValueError):
@@ -91,7 +95,7 @@ class Worker:
         assert command is not None
         if not command.create:
             self.runner.kv_cache = KVCache.attach_shared(self.layout, command.segment)
-        elif self.runner.device.type == "cpu":
+        elif self.runner.device.type == "cpu" and os.environ.get(PRIVATE_CACHE_ENV) != "1":
             self.runner.kv_cache = KVCache.create_shared(self.layout)
         else:
             self.runner.kv_cache = KVCache.allocate(self.layout, self.runner.device)
