@@ -169,7 +169,9 @@ class DecodeConnector(ConnectorBase):
         return r
 
     def next_deadline(self) -> float | None:
-        deadlines = [i.lease_deadline for i in self._by_tid.values()] + [t for t, _, _ in self._quarantine]
+        # Leases run only while P may write; a buffered request waits for cache blocks, which a step frees.
+        deadlines = [i.lease_deadline for i in self._by_tid.values() if i.phase is Phase.PREALLOCATED]
+        deadlines += [t for t, _, _ in self._quarantine] + [i.queue_deadline for i in self._queue]
         return min(deadlines, default=None)
 
     def stats_dict(self) -> dict:
