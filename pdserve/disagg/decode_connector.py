@@ -169,7 +169,8 @@ class DecodeConnector(ConnectorBase):
         return r
 
     def next_deadline(self) -> float | None:
-        # Leases run only while P may write; a buffered request waits for cache blocks, which a step frees.
+        if self._buffered and self.scheduler.can_preallocate(self._buffered[0].request, self._buffered[0].cached):
+            return self.clock()  # KV waiting for cache blocks that a finished step has just freed: at once
         deadlines = [i.lease_deadline for i in self._by_tid.values() if i.phase is Phase.PREALLOCATED]
         deadlines += [t for t, _, _ in self._quarantine] + [i.queue_deadline for i in self._queue]
         return min(deadlines, default=None)

@@ -117,6 +117,11 @@ class Scheduler:
         """A finished KV producer's blocks, once its KV went out (or will not)."""
         self.kv.free(request)
 
+    def can_preallocate(self, request: Request, cached: list[Block] = ()) -> bool:
+        """preallocate() would succeed now (nothing is taken)."""
+        needed = self.kv.blocks_needed(request.num_prompt_tokens + 1) - len(cached)
+        return not self.waiting and needed <= self.kv.pool.num_free_blocks
+
     def cached_prefix(self, request: Request) -> list[Block]:
         """The prompt's leading blocks already in this instance's prefix cache (nothing taken)."""
         return self.kv.find_cached_prefix(request)
