@@ -110,11 +110,18 @@ class CliProcess:
         try:
             self.proc.wait(20)
         except subprocess.TimeoutExpired:
+            stuck = []  # which process of the tree hung, for whoever reads the failure
+            for p in [psutil.Process(self.proc.pid), *psutil.Process(self.proc.pid).children(recursive=True)]:
+                try:
+                    stuck.append(f"{p.pid} {p.status()} {' '.join(p.cmdline())[:120]}")
+                except psutil.Error:
+                    pass
             for p in psutil.Process(self.proc.pid).children(recursive=True):
                 p.kill()
             self.proc.kill()
             self.proc.wait()
-            pytest.fail(f"{self} did not exit within 20 s of SIGTERM:\n{self.log()}")
+            pytest.fail(f"{self} did not exit within 20 s of SIGTERM; still running:\n" + "\n".join(stuck)
+                        + f"\n{self.log()}")
         assert self.proc.returncode in (0, 128 + signal.SIGTERM, -signal.SIGTERM), (
             f"{self} exited with code {self.proc.returncode} on SIGTERM:\n{self.log()}")
         assert "Traceback" not in self.log(), f"tracebacks while stopping {self}:\n{self.log()}"
