@@ -91,7 +91,7 @@ def check_greedy(url: str, device: str) -> tuple[bool, str]:
             x = torch.tensor([ids], device=device)
             gen = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=NEW_TOKENS,
                                  min_new_tokens=NEW_TOKENS, output_logits=True, return_dict_in_generate=True,
-                                 pad_token_id=2)
+                                 pad_token_id=tok.eos_token_ids[0])
         want = [tok.token_text(t) for t in gen.sequences[0, len(ids):].tolist()]
         got = served_greedy(url, ids)
         same = next((i for i, (a, b) in enumerate(zip(want, got, strict=False)) if a != b), None)
@@ -99,7 +99,7 @@ def check_greedy(url: str, device: str) -> tuple[bool, str]:
             lines.append(f"  {prompt[:40]!r}: {len(want)} tokens equal")
             continue
         logits = gen.logits[same][0].float()
-        logits[2] = float("-inf")  # EOS, which min_new_tokens / min_tokens keep out on both sides
+        logits[list(tok.eos_token_ids)] = float("-inf")  # min_new_tokens / min_tokens keep EOS out on both sides
         top2 = logits.topk(2).values
         margin = float(top2[0] - top2[1])
         tie = margin < NEAR_TIE

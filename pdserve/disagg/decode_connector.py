@@ -64,8 +64,7 @@ class Incoming:
     buffer: list[Block] = field(default_factory=list)  # buffer blocks (with a splitwise cache buffer)
     cached: list[Block] = field(default_factory=list)  # with a buffer: the prompt's blocks in D's prefix cache
     done: PrefillDone | None = None  # P's message, kept while the KV waits in the buffer
-    abort_after_swap: bool = False  # aborted while the copy into its cache blocks was in flight
-    held: list[Block] = field(default_factory=list)  # its cache blocks, kept until that copy is done
+    held: list[Block] = field(default_factory=list)  # aborted while swapping in: its cache blocks, till copied
 
     def move(self, phase: Phase) -> None:
         check_transition(DECODE_TRANSITIONS, self.phase, phase, self.transfer_id)
@@ -158,13 +157,12 @@ class DecodeConnector(ConnectorBase):
             self._drop_cached(inc)
             r.mark_finished("abort")
         elif inc.phase is Phase.SWAPPING_IN:  # the copy is in flight: its blocks go when it is done
-            inc.abort_after_swap = True
             self._hold_until_swapped(inc)
             self.scheduler.abort(request_id)
         else:  # still queued for blocks; P has heard nothing
             self._queue.remove(inc)
             r.mark_finished("abort")
-        if not inc.abort_after_swap:
+        if inc.phase is not Phase.SWAPPING_IN:  # that one ends when its copy is done
             self._end(inc, Phase.ABORTED)
         return r
 
@@ -311,7 +309,7 @@ class DecodeConnector(ConnectorBase):
         self.buffer.free(inc.buffer)
         self.swap_bytes += report.nbytes
         self._swap_seconds.append(report.seconds)
-        if inc.abort_after_swap:  # its request ended already; now its blocks can go
+        if inc.request.is_finished:  # aborted while the copy ran; now its blocks can go
             self._release_held(inc)
             self._end(inc, Phase.ABORTED)
             return []
