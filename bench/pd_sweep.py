@@ -47,9 +47,11 @@ def wait_healthy(url: str, proc: subprocess.Popen, name: str, timeout: float = 3
         time.sleep(1)
 
 
-def bench_serve(url: str, args: argparse.Namespace, rate: float, result: Path) -> dict:
-    """`pdserve bench serve` against URL with the workload in args; its summary."""
-    subprocess.run([sys.executable, "-m", "pdserve.cli", "bench", "serve", "--base-url", url, "--num-prompts",
+def bench_serve(url: str, args: argparse.Namespace, rate: float, result: Path, seed: int = 0) -> dict:
+    """`pdserve bench serve` against URL with the workload in args; its summary. Runs against one server
+    need distinct seeds: the same prompts again would be answered from its prefix cache."""
+    subprocess.run([sys.executable, "-m", "pdserve.cli", "bench", "serve", "--base-url", url, "--seed", str(seed),
+                    "--num-prompts",
                     str(args.num_prompts), "--request-rate", str(rate), "--random-input-len", str(args.input_len),
                     "--random-output-len", str(args.output_len), "--ignore-eos", "--save-result", str(result),
                     "--no-progress"], check=True)

@@ -52,10 +52,11 @@ def measure(name: str, command: list[str], env: dict[str, str], args: argparse.N
     try:
         wait_healthy(url, proc, name, timeout=900)
         # Warm-up, not reported: first requests pay one-time costs (oneDNN primitives, lazy imports).
+        # Every run its own seed, so no run meets prompts an earlier one left in the prefix cache.
         bench_serve(url, argparse.Namespace(**{**vars(args), "num_prompts": args.warmup_prompts}), 4.0,
-                    args.out.with_name(f"{args.out.name}-{_slug(name)}-warmup.json"))
-        return {rate: bench_serve(url, args, rate, args.out.with_name(f"{args.out.name}-{_slug(name)}-{rate}.json"))
-                for rate in args.rates}
+                    args.out.with_name(f"{args.out.name}-{_slug(name)}-warmup.json"), seed=1000)
+        return {rate: bench_serve(url, args, rate, args.out.with_name(f"{args.out.name}-{_slug(name)}-{rate}.json"),
+                                  seed=i) for i, rate in enumerate(args.rates)}
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(120)
