@@ -33,6 +33,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     cache_transfer_protocol: tuple[str, ...] = ("ipc", "tcp")  # in preference order
     pd_transfer_timeout: float = 30.0  # seconds D holds blocks for KV that has not arrived
     splitwise_cache_buffer_size: float = 0.0  # GB of host buffer D receives P's KV into (decode only; 0: none)
+    swap_space: float = 0.0  # GB of host memory for the prefix cache's evicted blocks (0: no host tier)
     startup_timeout: float = 600.0
     startup_log: str | None = None  # JSON-lines file recording the startup order
 
@@ -56,6 +57,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         if self.splitwise_cache_buffer_size and self.splitwise_role != "decode":
             raise ValueError(f"--splitwise-cache-buffer-size is for decode instances (--splitwise-role decode); "
                              f"this one is {self.splitwise_role}")
+        if self.swap_space < 0:
+            raise ValueError("--swap-space must be at least 0 (GB)")
+        if self.swap_space and not self.enable_prefix_caching:
+            raise ValueError("--swap-space keeps blocks evicted from the prefix cache; it needs "
+                             "--enable-prefix-caching")
         if self.pd_transfer_timeout <= 0:
             raise ValueError("--pd-transfer-timeout must be positive")
         if self.tensor_parallel_size != 1:

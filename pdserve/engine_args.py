@@ -37,6 +37,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size)
     g.add_argument("--quantization", default=None,
                    help="w8a8: opt-in, not exact: int8 weights and dynamic int8 activations (CPU, fbgemm)")
+    g.add_argument("--swap-space", type=float, default=d.swap_space,
+                   help="GB of host memory for KV blocks evicted from the prefix cache; a later prefix hit there "
+                        "is copied back instead of recomputed (0: off)")
     g.add_argument("--startup-log", default=None, help="write the startup order (JSON lines) to this file")
     pd = p.add_argument_group("prefill/decode disaggregation")
     pd.add_argument("--splitwise-role", choices=["mixed", "prefill", "decode"], default=d.splitwise_role,
@@ -68,5 +71,5 @@ def engine_config_from_args(args: argparse.Namespace, **extra: object) -> Engine
         tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
         splitwise_role=args.splitwise_role, pd_comm_port=args.pd_comm_port,
         cache_transfer_protocol=args.cache_transfer_protocol, pd_transfer_timeout=args.pd_transfer_timeout,
-        splitwise_cache_buffer_size=args.splitwise_cache_buffer_size,
+        splitwise_cache_buffer_size=args.splitwise_cache_buffer_size, swap_space=args.swap_space,
         startup_log=args.startup_log, **extra)

@@ -73,6 +73,18 @@ class ServerMetrics:
         self.buffer_wait_seconds = Histogram("pdserve_splitwise_buffer_wait_seconds",
                                              "KV complete in the buffer -> copy into the cache started",
                                              buckets=(0.001, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30), registry=r)
+        # the host prefix tier (--swap-space)
+        self.host_blocks = Gauge("pdserve_host_cache_blocks", "blocks of the host prefix tier", registry=r)
+        self.host_used = Gauge("pdserve_host_cache_blocks_used", "host tier blocks holding KV (or being written)",
+                               registry=r)
+        self.host_hits = Gauge("pdserve_host_cache_hit_blocks", "prompt blocks served from the host tier",
+                               registry=r)
+        self.host_swap_ins = Gauge("pdserve_host_cache_swap_in_blocks", "blocks copied host tier -> cache",
+                                   registry=r)
+        self.host_swap_outs = Gauge("pdserve_host_cache_swap_out_blocks", "blocks copied cache -> host tier",
+                                    registry=r)
+        self.host_swap_in_seconds = Gauge("pdserve_host_cache_swap_in_seconds",
+                                          "engine time spent waiting for host tier -> cache copies", registry=r)
         self._last_bytes = 0
 
     def request_started(self) -> None:
@@ -118,8 +130,18 @@ class ServerMetrics:
             self.preemptions.set(stats["num_preemptions"])
             self.total_blocks.set(stats["num_blocks"])
             self.preallocated.set(stats["preallocated"])
+            if "host_blocks" in stats:
+                self._refresh_host_tier(stats)
             if "kv_bytes_sent" in stats:
                 self._refresh_pd(stats)
+
+    def _refresh_host_tier(self, stats: dict) -> None:
+        self.host_blocks.set(stats["host_blocks"])
+        self.host_used.set(stats["host_blocks_used"])
+        self.host_hits.set(stats["host_hit_blocks"])
+        self.host_swap_ins.set(stats["host_swap_in_blocks"])
+        self.host_swap_outs.set(stats["host_swap_out_blocks"])
+        self.host_swap_in_seconds.set(stats["host_swap_in_seconds"])
 
     def _refresh_pd(self, stats: dict) -> None:
         self.kv_sent.set(stats["kv_bytes_sent"])

@@ -7,7 +7,9 @@ The engine first sends CreateCache (PD roles: this process owns the cache segmen
 - prefill: the cache messager takes StepTransfers / LayerDone from the worker on `--messager-address`
   and writes the KV into decode instances; it reports TransferDone to the engine;
 - decode: receivers for the transports that need one run here (tcp), writing into this cache;
-- mixed: nothing runs yet; this is where the cache transfer manager (host tier) will live.
+- mixed: only the host tier's copies, if any.
+With --swap-space (any role) it also keeps the host prefix tier: a segment of the cache's block layout
+that SaveBlocks copies cache blocks into and LoadBlocks copies back (engine/host_tier.py is the index).
 """
 
 from __future__ import annotations
@@ -24,11 +26,15 @@ from pdserve.config import EngineConfig
 from pdserve.disagg.cache_messager import CacheMessager
 from pdserve.disagg.messages import (
     AttachCache,
+    BlocksLoaded,
+    BlocksSaved,
     CacheServiceReady,
     CreateCache,
     DetachCache,
     ExtendDeadline,
+    LoadBlocks,
     ReceiverStats,
+    SaveBlocks,
     ServiceError,
     ServiceInput,
     ServiceShutdown,
@@ -61,6 +67,11 @@ class CacheService:
             self.buffer = KVSegment.create(command.layout.with_blocks(command.buffer_blocks).nbytes)
             log.info("splitwise cache buffer: %d blocks (%.2f GiB) receive the prefill instances' KV",
                      command.buffer_blocks, command.buffer_blocks * command.layout.block_bytes / 2**30)
+        self.host: KVSegment | None = None
+        if command.host_blocks:
+            self.host = KVSegment.create(command.layout.with_blocks(command.host_blocks).nbytes)
+            log.info("host prefix tier (--swap-space): %d blocks (%.2f GiB)",
+                     command.host_blocks, command.host_blocks * command.layout.block_bytes / 2**30)
         destination = self.buffer if self.buffer is not None else self.cache
         buffer = CacheBuffer(destination.shm.buf, buffer_address(destination.shm.buf))
         self.receivers: list[KVReceiver] = []
@@ -79,7 +90,8 @@ class CacheService:
 
     def ready_message(self) -> CacheServiceReady:
         return CacheServiceReady(self.cache.name, self.created, [r.endpoint for r in self.receivers],
-                                 self.messager_address, self.buffer.name if self.buffer is not None else None)
+                                 self.messager_address, self.buffer.name if self.buffer is not None else None,
+                                 self.host.name if self.host is not None else None)
 
     def close(self) -> None:
         for receiver in self.receivers:
@@ -89,20 +101,38 @@ class CacheService:
             self.messager.source = None  # type: ignore[assignment]
         if self.inbox is not None:
             self.inbox.close()
-        if self.buffer is not None:
-            self.buffer.close()
+        for segment in (self.buffer, self.host):
+            if segment is not None:
+                segment.close()
         self.cache.close()
 
     def swap_in(self, msg: SwapIn) -> SwapDone:
-        """Buffer blocks -> cache blocks, runs of adjacent blocks as one copy."""
+        """Buffer blocks -> cache blocks."""
         assert self.buffer is not None, "SwapIn needs --splitwise-cache-buffer-size"
         start = time.perf_counter()
-        src, dst = self.buffer.shm.buf, self.cache.shm.buf
-        nbytes = 0
-        for s, d, n in block_ranges(self.layout, msg.buffer_blocks, msg.cache_blocks):
-            dst[d:d + n] = src[s:s + n]
-            nbytes += n
+        nbytes = self._copy(self.buffer, self.cache, msg.buffer_blocks, msg.cache_blocks)
         return SwapDone(msg.transfer_id, nbytes, time.perf_counter() - start)
+
+    def save(self, msg: SaveBlocks) -> BlocksSaved:
+        assert self.host is not None, "SaveBlocks needs --swap-space"
+        start = time.perf_counter()
+        self._copy(self.cache, self.host, msg.cache_blocks, msg.host_blocks)
+        return BlocksSaved(msg.save_id, msg.host_blocks, time.perf_counter() - start)
+
+    def load(self, msg: LoadBlocks) -> BlocksLoaded:
+        assert self.host is not None, "LoadBlocks needs --swap-space"
+        start = time.perf_counter()
+        self._copy(self.host, self.cache, msg.host_blocks, msg.cache_blocks)
+        return BlocksLoaded(time.perf_counter() - start)
+
+    def _copy(self, src: KVSegment, dst: KVSegment, src_blocks: list[int], dst_blocks: list[int]) -> int:
+        """Whole blocks between two segments of the cache's block layout, runs of adjacent blocks as one copy."""
+        sbuf, dbuf = src.shm.buf, dst.shm.buf
+        nbytes = 0
+        for s, d, n in block_ranges(self.layout, src_blocks, dst_blocks):
+            dbuf[d:d + n] = sbuf[s:s + n]
+            nbytes += n
+        return nbytes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,6 +200,10 @@ def _serve(engine: zmq.Socket, service: CacheService) -> None:
                 service.cache = KVSegment.attach(msg.segment, msg.layout.nbytes)
             elif isinstance(msg, SwapIn):
                 engine.send(msgspec.msgpack.encode(service.swap_in(msg)))
+            elif isinstance(msg, SaveBlocks):
+                engine.send(msgspec.msgpack.encode(service.save(msg)))
+            elif isinstance(msg, LoadBlocks):
+                engine.send(msgspec.msgpack.encode(service.load(msg)))
 
 
 if __name__ == "__main__":

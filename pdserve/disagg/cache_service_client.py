@@ -7,11 +7,15 @@ import zmq
 from pdserve.config import EngineConfig
 from pdserve.disagg.messages import (
     AttachCache,
+    BlocksLoaded,
+    BlocksSaved,
     CacheServiceReady,
     CreateCache,
     DetachCache,
     ExtendDeadline,
+    LoadBlocks,
     ReceiverStats,
+    SaveBlocks,
     ServiceError,
     ServiceMessage,
     ServiceShutdown,
@@ -24,6 +28,8 @@ from pdserve.utils.child_process import ChildDied, ChildProcess
 
 
 class CacheServiceClient:
+    LOAD_TIMEOUT = 60.0  # seconds a host-tier load may take before the engine gives the service up
+
     def __init__(self, config: EngineConfig, ctx: zmq.Context, address: str, messager_address: str) -> None:
         self.child = ChildProcess("cache service", "pdserve.disagg.cache_service",
                                   ["--config", config.encode(), "--messager-address", messager_address],
@@ -31,6 +37,12 @@ class CacheServiceClient:
         self.proc = self.child.proc
         self.refused_connections = 0  # decode side: KV connections its receivers refused
         self._attached_to_worker = False  # mixed role: the worker owns the cache, the service attached to it
+        self._transfer_reports: list[TransferDone | SwapDone] = []  # arrived while a load was awaited
+        self._saved: list[BlocksSaved] = []
+
+    @property
+    def sockets(self) -> list[zmq.Socket]:
+        return [self.child.sock]
 
     @property
     def sock(self) -> zmq.Socket:
@@ -61,15 +73,40 @@ class CacheServiceClient:
         self.child.send(SwapIn(transfer_id, buffer_blocks, cache_blocks))
 
     def transfer_reports(self) -> list[TransferDone | SwapDone]:
-        """What the service sent since the last call: transfer and swap reports (returned), receiver
-        stats (kept)."""
-        out: list[TransferDone | SwapDone] = []
-        while (msg := self.child.receive_nowait()) is not None:
-            if isinstance(msg, TransferDone | SwapDone):
-                out.append(msg)
-            elif isinstance(msg, ReceiverStats):
-                self.refused_connections = msg.refused_connections
+        """Transfer and swap reports the service sent since the last call."""
+        self._drain()
+        out, self._transfer_reports = self._transfer_reports, []
         return out
+
+    # ---- the host tier (engine/host_tier.py's HostCopier) ----
+
+    def save_blocks(self, save_id: int, device_blocks: list[int], host_blocks: list[int]) -> None:
+        self.child.send(SaveBlocks(save_id, device_blocks, host_blocks))
+
+    def load_blocks(self, host_blocks: list[int], device_blocks: list[int]) -> None:
+        self.child.send(LoadBlocks(host_blocks, device_blocks))
+        while not isinstance(self._route(self.child.receive(self.LOAD_TIMEOUT, "copy blocks from the host tier")),
+                             BlocksLoaded):
+            pass
+
+    def blocks_saved(self) -> list[tuple[int, list[int]]]:
+        """(save id, host blocks) of the saves completed since the last call."""
+        self._drain()
+        out, self._saved = self._saved, []
+        return [(m.save_id, m.host_blocks) for m in out]
+
+    def _drain(self) -> None:
+        while (msg := self.child.receive_nowait()) is not None:
+            self._route(msg)
+
+    def _route(self, msg: object) -> object:
+        if isinstance(msg, TransferDone | SwapDone):
+            self._transfer_reports.append(msg)
+        elif isinstance(msg, BlocksSaved):
+            self._saved.append(msg)
+        elif isinstance(msg, ReceiverStats):
+            self.refused_connections = msg.refused_connections
+        return msg
 
     def alive(self) -> bool:
         return self.child.alive()

@@ -2,7 +2,8 @@
 
 - worker -> cache messager: which blocks of this step go where, then one signal per finished layer;
 - cache messager -> engine: a request's KV is (or failed to get) written;
-- engine <-> cache service: create or attach the cache at startup;
+- engine <-> cache service: create or attach the cache at startup; copies between the cache and the
+  host tier (--swap-space) or the splitwise buffer;
 - control plane between a decode engine (DEALER) and a prefill engine (ROUTER on --pd-comm-port).
 """
 
@@ -20,11 +21,13 @@ from pdserve.transport import Endpoint
 class CreateCache(msgspec.Struct, tag=True):
     layout: KVLayout
     buffer_blocks: int = 0  # decode role: a host buffer of this many blocks (same layout) receives P's KV
+    host_blocks: int = 0  # --swap-space: the host prefix tier, this many blocks of the same layout
 
 
 class AttachCache(msgspec.Struct, tag=True):
     layout: KVLayout
     segment: str
+    host_blocks: int = 0  # at startup only; an AttachCache after weights were reloaded keeps the tier
 
 
 class DetachCache(msgspec.Struct, tag=True):
@@ -47,11 +50,27 @@ class SwapIn(msgspec.Struct, tag=True):
     cache_blocks: list[int]
 
 
+class SaveBlocks(msgspec.Struct, tag=True):
+    """Host tier: copy these cache blocks into these host blocks, then report BlocksSaved."""
+
+    save_id: int
+    cache_blocks: list[int]
+    host_blocks: list[int]
+
+
+class LoadBlocks(msgspec.Struct, tag=True):
+    """Host tier: copy these host blocks into these cache blocks, then report BlocksLoaded."""
+
+    host_blocks: list[int]
+    cache_blocks: list[int]
+
+
 class ServiceShutdown(msgspec.Struct, tag=True):
     pass
 
 
-ServiceInput = CreateCache | AttachCache | DetachCache | ExtendDeadline | SwapIn | ServiceShutdown
+ServiceInput = (CreateCache | AttachCache | DetachCache | ExtendDeadline | SwapIn | SaveBlocks | LoadBlocks
+                | ServiceShutdown)
 
 
 class CacheServiceReady(msgspec.Struct, tag=True):
@@ -60,6 +79,7 @@ class CacheServiceReady(msgspec.Struct, tag=True):
     endpoints: list[Endpoint]  # what a prefill instance can write to (decode role: the buffer, if any)
     messager_address: str | None  # where the worker sends StepTransfers / LayerDone (prefill side)
     buffer_segment: str | None = None  # decode role with a splitwise cache buffer
+    host_segment: str | None = None  # with --swap-space
 
 
 class TransferDone(msgspec.Struct, tag=True):
@@ -77,6 +97,16 @@ class SwapDone(msgspec.Struct, tag=True):
     seconds: float
 
 
+class BlocksSaved(msgspec.Struct, tag=True):
+    save_id: int
+    host_blocks: list[int]
+    seconds: float
+
+
+class BlocksLoaded(msgspec.Struct, tag=True):
+    seconds: float
+
+
 class ServiceError(msgspec.Struct, tag=True):
     error: str
 
@@ -87,7 +117,8 @@ class ReceiverStats(msgspec.Struct, tag=True):
     refused_connections: int  # KV connections that failed the cluster-secret challenge, since start
 
 
-ServiceMessage = CacheServiceReady | TransferDone | SwapDone | ServiceError | ReceiverStats
+ServiceMessage = (CacheServiceReady | TransferDone | SwapDone | BlocksSaved | BlocksLoaded | ServiceError
+                  | ReceiverStats)
 
 
 # ---- control plane: decode <-> prefill -------------------------------------------------------

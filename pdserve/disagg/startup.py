@@ -111,13 +111,15 @@ class StartedProcesses:
     segment: str | None = None  # the cache's shared-memory segment (CPU)
     buffer_blocks: int = 0  # decode role: blocks of the splitwise cache buffer P writes into
     buffer_segment: str | None = None
+    host_blocks: int = 0  # --swap-space: blocks of the host prefix tier
+    host_segment: str | None = None
 
     def shutdown(self) -> None:
         for proc in (self.worker, self.cache_service):
             if proc is not None:
                 proc.shutdown()
-        remove_segment(self.segment)
-        remove_segment(self.buffer_segment)
+        for segment in (self.segment, self.buffer_segment, self.host_segment):
+            remove_segment(segment)
 
 
 def splitwise_buffer_blocks(config: EngineConfig, layout: KVLayout) -> int:
@@ -128,6 +130,17 @@ def splitwise_buffer_blocks(config: EngineConfig, layout: KVLayout) -> int:
     if blocks < 1:
         raise ValueError(f"--splitwise-cache-buffer-size {config.splitwise_cache_buffer_size:g} GB holds no "
                          f"{layout.block_bytes / 2**20:.1f} MiB block of this model's KV cache")
+    return blocks
+
+
+def host_tier_blocks(config: EngineConfig, layout: KVLayout) -> int:
+    """--swap-space in blocks of the cache's layout (0: no host tier)."""
+    if not config.swap_space:
+        return 0
+    blocks = int(config.swap_space * 2**30) // layout.block_bytes
+    if blocks < 1:
+        raise ValueError(f"--swap-space {config.swap_space:g} GB holds no {layout.block_bytes / 2**20:.1f} MiB "
+                         f"block of this model's KV cache")
     return blocks
 
 
@@ -179,7 +192,8 @@ def start_processes(config: EngineConfig, ctx: zmq.Context, sockdir: str) -> Sta
         for proc in (start.worker, start.service):
             if proc is not None:
                 proc.shutdown()
-        remove_segment(start.segment)
+        for segment in (start.segment, start.buffer_segment, start.host_segment):
+            remove_segment(segment)
         raise
 
 
@@ -194,6 +208,9 @@ class _Startup:
             return False
         if self.segment is not None:
             return False
+        if self.config.swap_space:
+            raise ValueError("--swap-space needs the KV cache in shared host memory (a CPU cache); the host "
+                             "tier of a device cache is not built yet")
         if step is Step.START_CACHE_SERVICE:
             self.log.record("cache_service_not_started", reason="the worker's KV cache has no shared-memory "
                             "segment (device memory); a mixed instance's cache service has nothing to attach to")
@@ -211,6 +228,8 @@ class _Startup:
         self.endpoints: list[Endpoint] = []
         self.buffer_blocks = 0
         self.buffer_segment: str | None = None
+        self.host_blocks = 0
+        self.host_segment: str | None = None
 
     def start_worker(self) -> None:
         from pdserve.engine.worker_client import WorkerClient
@@ -241,11 +260,13 @@ class _Startup:
         if self.layout is None:  # no worker yet: the layout from config.json
             self.layout = layout_without_profile(self.config, self.config.num_gpu_blocks_override)
         self.buffer_blocks = splitwise_buffer_blocks(self.config, self.layout)
-        ready = self.service.setup(CreateCache(self.layout, self.buffer_blocks), self.timeout)
+        self.host_blocks = host_tier_blocks(self.config, self.layout)
+        ready = self.service.setup(CreateCache(self.layout, self.buffer_blocks, self.host_blocks), self.timeout)
         self.segment, self.messager_address, self.endpoints = ready.segment, ready.messager_address, ready.endpoints
-        self.buffer_segment = ready.buffer_segment
+        self.buffer_segment, self.host_segment = ready.buffer_segment, ready.host_segment
         self.log.record("cache_created", CACHE_SERVICE, segment=self.segment, num_blocks=self.layout.num_blocks,
-                        **({"buffer_blocks": self.buffer_blocks} if self.buffer_blocks else {}))
+                        **({"buffer_blocks": self.buffer_blocks} if self.buffer_blocks else {}),
+                        **({"host_blocks": self.host_blocks} if self.host_blocks else {}))
 
     def worker_attaches(self) -> None:
         from pdserve.engine.messages import CacheCommand
@@ -256,10 +277,13 @@ class _Startup:
     def service_attaches(self) -> None:
         from pdserve.disagg.messages import AttachCache
 
-        self.service.setup(AttachCache(self.layout, self.segment), self.timeout)
-        self.log.record("cache_attached", CACHE_SERVICE, segment=self.segment)
+        self.host_blocks = host_tier_blocks(self.config, self.layout)
+        ready = self.service.setup(AttachCache(self.layout, self.segment, self.host_blocks), self.timeout)
+        self.host_segment = ready.host_segment
+        self.log.record("cache_attached", CACHE_SERVICE, segment=self.segment,
+                        **({"host_blocks": self.host_blocks} if self.host_blocks else {}))
 
     def result(self) -> StartedProcesses:
         return StartedProcesses(self.worker, self.service, self.layout, self.loaded.max_model_len,
                                 self.loaded.vocab_size, self.loaded.profile, self.endpoints, self.log, self.segment,
-                                self.buffer_blocks, self.buffer_segment)
+                                self.buffer_blocks, self.buffer_segment, self.host_blocks, self.host_segment)

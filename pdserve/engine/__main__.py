@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         core = EngineCore(config, started.worker, layout.num_blocks, started.max_model_len, started.vocab_size)
         if started.cache_service is not None:
             core.cache_service = started.cache_service
+        if started.host_blocks:
+            core.kv.add_host_tier(started.host_blocks, started.cache_service)
         core.layout = layout
         port = None
         if config.splitwise_role == "prefill":

@@ -85,9 +85,10 @@ class BlockPool:
                 del self._evictable[block.block_id]
             block.ref_cnt += 1
 
-    def free(self, blocks: Iterable[Block]) -> None:
-        """Drop one reference from each block. Pass a request's blocks last-first, so its tail
-        blocks (least likely to be shared) are evicted before its head."""
+    def free(self, blocks: Iterable[Block]) -> list[Block]:
+        """Drop one reference from each block; returns the cached blocks this made evictable. Pass a
+        request's blocks last-first, so its tail blocks (least likely to be shared) are evicted first."""
+        evictable = []
         for block in blocks:
             if block.ref_cnt <= 0:
                 raise RuntimeError(f"block {block.block_id} freed more often than taken")
@@ -95,8 +96,10 @@ class BlockPool:
             if block.ref_cnt == 0:
                 if block.block_hash is not None:
                     self._evictable[block.block_id] = None
+                    evictable.append(block)
                 else:
                     self._clean.append(block.block_id)
+        return evictable
 
     def cache_full_block(self, block: Block, block_hash: BlockHash) -> None:
         """Index a block that just became full; a block with the same content already indexed wins."""
@@ -106,11 +109,12 @@ class BlockPool:
         self._by_hash[block_hash] = block.block_id
 
     def reset_prefix_cache(self) -> None:
-        for block_id in list(self._evictable):
-            block = self.blocks[block_id]
-            del self._by_hash[block.block_hash]
-            block.block_hash = None
-            self._clean.append(block_id)
+        """Unindex every block (the KV no longer matches the weights): unreferenced cached blocks
+        become clean, blocks in use stay with their holders and will be freed as clean."""
+        for block_id in self._by_hash.values():
+            self.blocks[block_id].block_hash = None
+        self._by_hash.clear()
+        self._clean.extend(self._evictable)
         self._evictable.clear()
 
     def check_all_free(self) -> None:

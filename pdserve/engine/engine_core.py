@@ -72,9 +72,9 @@ class EngineCore:
             raise_if_stopping()
             pending: list[RequestOutput] = []
             timeout = 0 if self.scheduler.has_work else self._idle_timeout_ms()
-            if self.connector.sockets:
+            if sockets := self._peer_sockets():
                 poller = zmq.Poller()
-                for sock in (inputs, *self.connector.sockets):
+                for sock in (inputs, *sockets):
                     poller.register(sock, zmq.POLLIN)
                 poller.poll(timeout)
                 timeout = 0
@@ -94,11 +94,31 @@ class EngineCore:
                 raise RuntimeError(f"the worker process exited (code {self.worker.proc.returncode})")
             if not self.cache_service.alive():
                 raise RuntimeError(f"the cache service process exited (code {self.cache_service.exit_code()})")
+            self._poll_host_tier()
             pending.extend(self._poll_connector())
             if self.scheduler.has_work:
                 pending.extend(self.step())
             if pending:
                 outputs.send(encoder.encode(EngineOutputs(pending)))
+
+    def _peer_sockets(self) -> list[zmq.Socket]:
+        sockets = list(self.connector.sockets)
+        if self.kv.host is not None:
+            sockets += [s for s in self.cache_service.sockets if s not in sockets]
+        return sockets
+
+    def _poll_host_tier(self) -> None:
+        """Saves to the host tier that completed give their device blocks back."""
+        if self.kv.host is not None:
+            for save_id, host_blocks in self.cache_service.blocks_saved():
+                self.kv.saved(save_id, host_blocks)
+
+    def _wait_for_host_saves(self, timeout: float = 10.0) -> None:
+        """Until no device block is held for a copy to the host tier (they are seconds at most)."""
+        deadline = time.monotonic() + timeout
+        while self.kv.saves_in_flight and time.monotonic() < deadline:
+            zmq.select(self.cache_service.sockets, [], [], 0.05)
+            self._poll_host_tier()
 
     def _poll_connector(self) -> list[RequestOutput]:
         outputs = self.connector.poll()
@@ -210,8 +230,18 @@ class EngineCore:
             "num_computed_tokens": self.num_computed_tokens,
             "prefix_cache_requests": prefix.requests, "prefix_cache_hit_requests": prefix.hit_requests,
             "prefix_cache_queried_tokens": prefix.queried_tokens, "prefix_cache_hit_tokens": prefix.hit_tokens,
+            **self._host_tier_stats(),
             **self.connector.stats_dict(),
         }
+
+    def _host_tier_stats(self) -> dict:
+        host = self.kv.host
+        if host is None:
+            return {}
+        return {"host_blocks": host.num_blocks, "host_blocks_used": host.num_used_blocks,
+                "host_hit_blocks": host.stats.hit_blocks, "host_swap_in_blocks": host.stats.swap_in_blocks,
+                "host_swap_out_blocks": host.stats.swap_out_blocks,
+                "host_swap_in_seconds": host.stats.swap_in_seconds}
 
     def _utility(self, call: UtilityCall) -> tuple[UtilityResult, list[RequestOutput]]:
         """Answer a utility call; also returns outputs of requests it ended (clear_weights aborts all)."""
@@ -219,7 +249,7 @@ class EngineCore:
         try:
             if call.method == "clear_weights":
                 aborted = [final_output(r) for rid in list(self.scheduler.requests) if (r := self.abort(rid))]
-                self.kv.pool.reset_prefix_cache()  # cached KV dies with the cache memory
+                self.kv.reset_prefix_cache()  # cached KV dies with the cache memory
                 self.weights_loaded = False
                 self.worker.weights("clear")
                 self.cache_service.worker_cache_freed()
@@ -240,10 +270,11 @@ class EngineCore:
             if call.method == "check_idle":
                 if self.scheduler.num_unfinished:
                     raise AssertionError(f"{self.scheduler.num_unfinished} requests are still unfinished")
+                self._wait_for_host_saves()
                 self.kv.pool.check_all_free()
                 return UtilityResult(call.call_id, self.stats())
             if call.method == "reset_prefix_cache":
-                self.kv.pool.reset_prefix_cache()
+                self.kv.reset_prefix_cache()
                 return UtilityResult(call.call_id, {})
             raise ValueError(f"unknown utility method {call.method!r}")
         except (AssertionError, ValueError) as e:

@@ -1,10 +1,19 @@
-"""Which blocks each request holds: prefix-cache lookups, allocation for a step, freeing."""
+"""Which blocks each request holds: prefix-cache lookups, allocation for a step, freeing.
+
+With a host tier (host_tier.py) the prefix cache has two levels: blocks freed into the device cache
+are saved to host memory as well, and a lookup that runs past the device hits goes on in the host
+tier, copying those blocks back into device blocks it indexes as cached.
+"""
 
 from __future__ import annotations
 
+import itertools
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from pdserve.engine.block_pool import Block, BlockPool, hash_block
+from pdserve.engine.host_tier import HostCopier, HostTier
 from pdserve.engine.request import Request
 
 
@@ -32,6 +41,15 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self.stats = PrefixCacheStats()
+        self.host: HostTier | None = None
+        self.copier: HostCopier | None = None
+        self._saves: dict[int, list[Block]] = {}  # save id -> device blocks held until their copy is done
+        self._save_ids = itertools.count()
+
+    def add_host_tier(self, num_blocks: int, copier: HostCopier) -> None:
+        if not self.enable_prefix_caching:
+            raise ValueError("the host tier keeps prefix-cache blocks; it needs prefix caching")
+        self.host, self.copier = HostTier(num_blocks), copier
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -44,13 +62,42 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return []
         self._hash_full_blocks(request, request.num_tokens - 1)
+        hashes = request.block_hashes[:(request.num_tokens - 1) // self.block_size]
         hits: list[Block] = []
-        for block_hash in request.block_hashes[:(request.num_tokens - 1) // self.block_size]:
+        for block_hash in hashes:
             block = self.pool.lookup(block_hash)
             if block is None:
                 break
             hits.append(block)
+        if self.host is not None and len(hits) < len(hashes):
+            hits += self._load_from_host(hits, hashes[len(hits):])
         return hits
+
+    def _load_from_host(self, hits: list[Block], hashes: list[bytes]) -> list[Block]:
+        """Copy the host tier's run of these hashes into free device blocks, indexed as cached (not
+        held: the caller takes them, as it takes device hits). As many as the pool has room for."""
+        host_blocks = []
+        for block_hash in hashes:
+            if (host_block := self.host.lookup(block_hash)) is None:
+                break
+            host_blocks.append(host_block)
+        self.pool.take(hits)  # so that making room below does not evict the device hits
+        try:
+            n = min(len(host_blocks), self.pool.num_free_blocks)
+            if n == 0:
+                return []
+            blocks = self.pool.allocate(n)
+            start = time.perf_counter()
+            self.copier.load_blocks(host_blocks[:n], [b.block_id for b in blocks])
+            self.host.stats.swap_in_seconds += time.perf_counter() - start
+            self.host.stats.hit_blocks += n
+            self.host.stats.swap_in_blocks += n
+            for block, block_hash in zip(blocks, hashes, strict=False):
+                self.pool.cache_full_block(block, block_hash)
+            self.pool.free(reversed(blocks))  # now cached and evictable, like any device hit
+            return blocks
+        finally:
+            self.pool.free(reversed(hits))
 
     def allocate(self, request: Request, num_new_tokens: int, cached_prefix: list[Block] = ()) -> bool:
         """Give `request` blocks for `num_new_tokens` more tokens (after any cached prefix).
@@ -79,9 +126,51 @@ class KVCacheManager:
         request.num_committed_blocks = max(request.num_committed_blocks, full)
 
     def free(self, request: Request) -> None:
-        self.pool.free(reversed(request.blocks))
+        self.release(reversed(request.blocks))
         request.blocks = []
         request.num_committed_blocks = 0
+
+    def release(self, blocks: Iterable[Block]) -> None:
+        """Drop one reference from each block (pass a request's blocks last-first)."""
+        evictable = self.pool.free(blocks)
+        if self.host is not None and evictable:
+            self._save_to_host(evictable)
+
+    def _save_to_host(self, blocks: list[Block]) -> None:
+        """Cached blocks just became evictable: copy those the host tier lacks there, holding them
+        in the device pool until the copy is done (saved())."""
+        to_save, host_blocks = [], []
+        for block in blocks:
+            if block.block_hash in self.host:
+                self.host.lookup(block.block_hash)  # used again: keep it longer
+                continue
+            if (host_block := self.host.reserve(block.block_hash)) is None:
+                break  # every host block has a copy in flight
+            to_save.append(block)
+            host_blocks.append(host_block)
+        if to_save:
+            self.pool.take(to_save)
+            save_id = next(self._save_ids)
+            self._saves[save_id] = to_save
+            self.copier.save_blocks(save_id, [b.block_id for b in to_save], host_blocks)
+
+    def saved(self, save_id: int, host_blocks: list[int]) -> None:
+        """The copier finished save `save_id` (into these host blocks): the device blocks go back."""
+        blocks = self._saves.pop(save_id)
+        for block, host_block in zip(blocks, host_blocks, strict=True):
+            self.host.saved(block.block_hash, host_block)
+        self.pool.free(blocks)  # in the order they were freed first: the tail of a prompt is evicted first
+
+    @property
+    def saves_in_flight(self) -> int:
+        return len(self._saves)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block, in both tiers (copies in flight still hold their device blocks
+        until reported)."""
+        self.pool.reset_prefix_cache()
+        if self.host is not None:
+            self.host.clear()
 
     def _hash_full_blocks(self, request: Request, num_tokens: int) -> None:
         bs = self.block_size

@@ -86,6 +86,13 @@ class NoConnector:
 class CacheService(Protocol):
     """The cache service process as the engine sees it (started per the startup table, or not)."""
 
+    @property
+    def sockets(self) -> list[zmq.Socket]:
+        """What the engine loop polls to hear of completed host-tier saves."""
+
+    def blocks_saved(self) -> list[tuple[int, list[int]]]:
+        """Host-tier saves completed since the last call: (save id, host blocks)."""
+
     def alive(self) -> bool: ...
 
     def exit_code(self) -> int | None: ...
@@ -99,6 +106,11 @@ class CacheService(Protocol):
 
 class NoCacheService:
     """The rows of the startup table that start no cache service."""
+
+    sockets: list = []
+
+    def blocks_saved(self) -> list[tuple[int, list[int]]]:
+        return []
 
     def alive(self) -> bool:
         return True

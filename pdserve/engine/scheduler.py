@@ -132,7 +132,7 @@ class Scheduler:
 
     def release_blocks(self, blocks: list[Block]) -> None:
         """Blocks taken off a request earlier (a decode connector's quarantine) go back to the pool."""
-        self.kv.pool.free(reversed(blocks))
+        self.kv.release(reversed(blocks))
 
     @property
     def has_work(self) -> bool:

@@ -1,0 +1,91 @@
+"""The host prefix tier (`--swap-space GB`): which full KV blocks the cache service keeps in host memory.
+
+The device pool (block_pool.py) evicts its least recently freed cached blocks when it needs room. With
+a host tier, a cached block's KV is saved to host memory when it becomes evictable (its last holder
+freed it), so by the time the pool evicts it the copy exists; a later prompt whose prefix goes on past
+the device cache's hits finds the rest here, and those blocks are copied back instead of recomputed.
+
+Saved when freed, not when evicted: eviction happens while a step is being scheduled, just before the
+block is overwritten, and a copy there would make the step wait for the cache service. A block being
+saved stays held in the device pool until the copy is reported done, so nothing overwrites it.
+
+This index lives in the engine; the bytes live in the cache service's host segment, which copies on
+the engine's orders (`HostCopier`). Host blocks are reused least recently used first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Protocol
+
+from pdserve.engine.block_pool import BlockHash
+
+
+class HostCopier(Protocol):
+    """The process that holds the host tier's memory (the cache service)."""
+
+    def save_blocks(self, save_id: int, device_blocks: list[int], host_blocks: list[int]) -> None:
+        """Start copying device blocks to host blocks; report it done later (KVCacheManager.saved)."""
+
+    def load_blocks(self, host_blocks: list[int], device_blocks: list[int]) -> None:
+        """Copy host blocks into device blocks; returns when the copy is complete."""
+
+
+@dataclass
+class HostTierStats:
+    hit_blocks: int = 0  # blocks a prompt found here (after the device cache)
+    swap_in_blocks: int = 0  # host -> device
+    swap_out_blocks: int = 0  # device -> host, completed
+    swap_in_seconds: float = 0.0  # the engine's wall time waiting for loads
+
+
+class HostTier:
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError("the host tier needs at least one block")
+        self.num_blocks = num_blocks
+        self._saved: OrderedDict[BlockHash, int] = OrderedDict()  # least recently used first
+        self._saving: dict[BlockHash, int] = {}  # copies in flight: not readable, not reusable
+        self._clean: list[int] = list(range(num_blocks - 1, -1, -1))
+        self.stats = HostTierStats()
+
+    @property
+    def num_used_blocks(self) -> int:
+        return len(self._saved) + len(self._saving)
+
+    def __contains__(self, block_hash: BlockHash) -> bool:
+        return block_hash in self._saved or block_hash in self._saving
+
+    def lookup(self, block_hash: BlockHash) -> int | None:
+        """The host block holding this hash's KV (now the most recently used), or None."""
+        block = self._saved.get(block_hash)
+        if block is not None:
+            self._saved.move_to_end(block_hash)
+        return block
+
+    def reserve(self, block_hash: BlockHash) -> int | None:
+        """A host block to save this hash into: a clean one, else the least recently used saved one.
+        None when every block has a copy in flight."""
+        if self._clean:
+            block = self._clean.pop()
+        elif self._saved:
+            _, block = self._saved.popitem(last=False)
+        else:
+            return None
+        self._saving[block_hash] = block
+        return block
+
+    def saved(self, block_hash: BlockHash, block: int) -> None:
+        """The copy into `block` completed: the hash is readable from now on."""
+        if self._saving.get(block_hash) == block:
+            del self._saving[block_hash]
+            self._saved[block_hash] = block
+            self.stats.swap_out_blocks += 1
+        # else: clear() ran while it was in flight; the block went back to the clean list then
+
+    def clear(self) -> None:
+        """Forget every saved block (the weights changed, so the KV is stale)."""
+        self._saved.clear()
+        self._saving.clear()
+        self._clean = list(range(self.num_blocks - 1, -1, -1))
