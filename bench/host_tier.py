@@ -101,6 +101,11 @@ def main() -> None:
         lines.append(f"| {name} | {m['pdserve_prefix_cache_hit_rate']:.2f} | "
                      f"{m.get('pdserve_host_cache_hit_blocks', 0):.0f} | {s['ttft']['median']:.0f} | "
                      f"{s['ttft']['percentiles']['P99']:.0f} | {s['e2el']['median']:.0f} |")
+    m = runs[f"--swap-space {args.swap_space:g}"]["metrics"]
+    if m.get("pdserve_host_cache_swap_in_blocks"):
+        lines += ["", f"host -> cache loads: {m['pdserve_host_cache_swap_in_blocks']:.0f} blocks, "
+                  f"{1000 * m['pdserve_host_cache_swap_in_seconds'] / m['pdserve_host_cache_swap_in_blocks']:.3f} "
+                  f"ms per block as the engine waited for them (round trip to the cache service included)"]
     base, tier = (r["summary"] for r in runs.values())
     lines += ["", f"TTFT p50 with the host tier / without: {tier['ttft']['median'] / base['ttft']['median']:.2f}x"]
     table = "\n".join(lines)
