@@ -364,6 +364,25 @@ def test_with_a_buffer_p_is_released_before_d_has_cache_blocks(pd_buffer):
     assert d.conn.phase_of(jobs[1][0]) is DecodePhase.SWAPPING_IN
 
 
+def test_without_a_buffer_the_same_requests_wait_on_d_and_p_cannot_start_them():
+    ctx = zmq.Context()
+    p, d = Side("prefill", 32, ctx), Side("decode", 4, ctx)  # the same D, no buffer
+    try:
+        jobs = [submit(p, d) for _ in range(3)]
+        tids = [tid for tid, _, _ in jobs]
+        assert [d.conn.phase_of(t) for t in tids] == [DecodePhase.PREALLOCATED, DecodePhase.QUEUED,
+                                                      DecodePhase.QUEUED]
+        pump(p, d, lambda: p.conn.phase_of(tids[0]) is PrefillPhase.SCHEDULED)
+        assert [p.conn.phase_of(t) for t in tids[1:]] == [PrefillPhase.AWAITING_CACHE_INFO] * 2
+        finish_prefills(p, d, tids[:1])
+        assert [p.conn.phase_of(t) for t in tids[1:]] == [PrefillPhase.AWAITING_CACHE_INFO] * 2  # until D frees
+    finally:
+        for side in (p, d):
+            side.conn.close()
+            side.service.sock.close()
+        ctx.term()
+
+
 def test_aborts_in_the_buffer_free_its_blocks_and_wait_for_a_copy_in_flight(pd_buffer):
     p, d = pd_buffer
     jobs = [submit(p, d) for _ in range(2)]
