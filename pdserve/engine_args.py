@@ -48,7 +48,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                     help="control-plane port of a prefill/decode instance (default: a free port); FastDeploy's "
                          "per-rank list '9800,9801' is accepted, its first port used")
     pd.add_argument("--cache-transfer-protocol", type=_protocols, default=d.cache_transfer_protocol,
-                    help="KV transports in preference order, e.g. ipc,tcp (ipc: same host, tcp: any host)")
+                    help="KV transports in preference order, e.g. ipc,tcp (ipc: same host, tcp: any host, rdma: NIXL, "
+                         "optional: pip install nixl-cu12==1.5.1)")
     pd.add_argument("--pd-transfer-timeout", type=float, default=d.pd_transfer_timeout,
                     help="seconds a decode instance holds blocks for KV that has not arrived")
     pd.add_argument("--splitwise-cache-buffer-size", type=float, default=d.splitwise_cache_buffer_size,

@@ -68,7 +68,8 @@ FLAGS: tuple[FDFlag, ...] = (
     FDFlag("--cache-queue-port", per_rank_ports,
            unneeded="the cache service is reached over a unix socket in the instance's IPC folder"),
     FDFlag("--rdma-comm-ports", per_rank_ports,
-           unneeded="KV moves over --cache-transfer-protocol ipc or tcp; tcp picks its own port"),
+           unneeded="rdma (NIXL) agents exchange their metadata inside pdserve's sealed control messages, so "
+                    "they listen on no port of their own; UCX picks its transports' ports"),
     FDFlag("--data-parallel-size", int, refuse=_above_one("one data-parallel rank per instance")),
     FDFlag("--workers", int, refuse=lambda n: "one HTTP process per instance (raise --max-concurrency); for more "
            "throughput start more instances behind `pdserve router`" if n > 1 else None),
@@ -118,10 +119,10 @@ def fastdeploy_refusals(args: argparse.Namespace) -> list[str]:
     if quantization not in (None, "w8a8"):
         lines.append(f"--quantization {quantization}: not available; pdserve offers w8a8 (int8 weights and "
                      "activations, CPU) or the model's own dtype (--dtype)")
-    unknown = [p for p in getattr(args, "cache_transfer_protocol", ()) if p not in ("ipc", "tcp")]
+    unknown = [p for p in getattr(args, "cache_transfer_protocol", ()) if p not in ("ipc", "tcp", "rdma")]
     if unknown:
-        lines.append(f"--cache-transfer-protocol {','.join(unknown)}: not available; pdserve offers ipc (same host) "
-                     "and tcp (any host)")
+        lines.append(f"--cache-transfer-protocol {','.join(unknown)}: not available; pdserve offers ipc (same host), "
+                     "tcp (any host) and rdma (NIXL)")
     if getattr(args, "tensor_parallel_size", 1) > 1:
         lines.append(f"--tensor-parallel-size {args.tensor_parallel_size}: one device per instance today "
                      "(tensor parallelism is not built yet)")

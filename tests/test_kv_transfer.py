@@ -3,12 +3,17 @@ and the cache messager's layer-by-layer writes, checked byte for byte between tw
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
+from pdserve.config import EngineConfig
 from pdserve.disagg.cache_messager import CacheMessager
 from pdserve.disagg.messages import TransferDone
 from pdserve.disagg.startup import CACHE_SERVICE, TRUTH_TABLE, WORKER, Step
@@ -23,6 +28,7 @@ from pdserve.transport import (
     choose_endpoint,
     host_id,
     open_writer,
+    rdma_available,
     start_receiver,
 )
 from pdserve.transport.ipc import buffer_address
@@ -83,6 +89,26 @@ def test_transport_writes_ranges_into_the_peer_cache(caches: tuple[KVCache, KVCa
     finally:
         writer.close()
         receiver.close()
+
+
+@pytest.mark.e2e  # two processes with UCX, a few seconds
+@pytest.mark.skipif(not rdma_available(), reason="NIXL is not installed (make venv installs it)")
+@pytest.mark.parametrize("ucx_tls", [None, "tcp"], ids=["ucx-default", "ucx-tcp"])
+def test_rdma_transport_writes_ranges_between_two_processes(ucx_tls: str | None) -> None:
+    # In processes of their own: UCX can crash an interpreter's teardown (tests/nixl_roundtrip.py).
+    env = {**os.environ, **({"UCX_TLS": ucx_tls} if ucx_tls else {})}
+    out = subprocess.run([sys.executable, "-m", "tests.nixl_roundtrip"], capture_output=True, text=True, timeout=120,
+                         env=env, cwd=Path(__file__).parent.parent)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout + out.stderr[-2000:]
+
+
+def test_rdma_without_nixl_is_refused_with_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    import pdserve.transport
+
+    monkeypatch.setattr(pdserve.transport, "rdma_available", lambda: False)
+    with pytest.raises(ValueError, match="pip install nixl-cu12"):
+        EngineConfig(splitwise_role="decode", cache_transfer_protocol=("rdma",))
+    EngineConfig(cache_transfer_protocol=("rdma",))  # a mixed instance moves no KV: nothing to refuse
 
 
 def test_tcp_writer_reports_a_missing_receiver() -> None:

@@ -1,5 +1,6 @@
-"""Prefill/decode disaggregation end to end: a router, a prefill instance and two decode instances
-(one reached over ipc, one over tcp, with different block counts), against a mixed instance.
+"""Prefill/decode disaggregation end to end: a router, a prefill instance and decode instances reached
+over ipc, over tcp and (when NIXL is installed) over rdma twice -- UCX left to choose its transport, and
+UCX_TLS=tcp as across hosts -- with different block counts, against a mixed instance.
 
 Greedy output through the router must be the mixed instance's output. The two deployments differ
 in batching (and so in float rounding), so where the texts part, the test requires that the mixed
@@ -18,15 +19,19 @@ import openai
 import psutil
 import pytest
 
+from pdserve.transport import rdma_available
 from tests.greedy import assert_same_greedy_completion
 from tests.servers import BLOCK, BrokenInstance, Router, Server, metrics, register, segments, stop_all, wait_for
 
 pytestmark = pytest.mark.e2e  # starts pdserve processes or loads the model: not in `make test-fast`
+NEEDS_NIXL = pytest.mark.skipif(not rdma_available(), reason="NIXL is not installed (make venv installs it)")
 
 MODEL = "SmolLM2-135M-Instruct"
 CHUNK = 128  # --max-num-batched-tokens: prompts longer than this are prefilled in chunks
 COMMON = ["--max-model-len", "1024", "--max-num-batched-tokens", str(CHUNK), "--max-num-seqs", "32"]
 MAX_TOKENS = 12
+NIXL = rdma_available()
+DECODES = ("decode_ipc", "decode_tcp", *(("decode_rdma", "decode_rdma_tcp") if NIXL else ()))
 
 PARAGRAPH = ("The river runs past the old mill, where the miller keeps a ledger of every sack of grain. "
              "In spring the water rises, and the wheel turns faster than in any other season of the year. ")
@@ -47,7 +52,7 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     router = Router(tmp / "router")
     reg = ["--router", router.url]
     specs = {
-        "prefill": ["--splitwise-role", "prefill", "--cache-transfer-protocol", "ipc,tcp",
+        "prefill": ["--splitwise-role", "prefill", "--cache-transfer-protocol", "ipc,tcp,rdma" if NIXL else "ipc,tcp",
                     "--num-gpu-blocks-override", "400", *reg],
         "decode_ipc": ["--splitwise-role", "decode", "--cache-transfer-protocol", "ipc",
                        "--num-gpu-blocks-override", "300", *reg],
@@ -55,11 +60,18 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
                        "--num-gpu-blocks-override", "200", *reg],
         "mixed": ["--num-gpu-blocks-override", "400"],
     }
-    servers = {name: Server(tmp / name, *flags, *COMMON, wait=False) for name, flags in specs.items()}
+    env = {}
+    if NIXL:
+        specs["decode_rdma"] = ["--splitwise-role", "decode", "--cache-transfer-protocol", "rdma",
+                                "--num-gpu-blocks-override", "250", *reg]
+        specs["decode_rdma_tcp"] = [*specs["decode_rdma"]]
+        env["decode_rdma_tcp"] = {"UCX_TLS": "tcp"}  # as between hosts without RDMA NICs
+    servers = {name: Server(tmp / name, *flags, *COMMON, wait=False, env=env.get(name))
+               for name, flags in specs.items()}
     try:
         for s in servers.values():
             s.wait_ready(240)
-        router.wait_pairs(3)
+        router.wait_pairs(len(DECODES) + 1)
         yield {"router": router, **servers}
     finally:
         stop_all([*servers.values(), router])
@@ -99,9 +111,9 @@ def test_pd_output_equals_mixed_for_20_concurrent_prompts(pd: dict, tokenizer) -
     compared = sum(assert_same_greedy_completion(a, b, f"prompt {i}")
                    for i, (a, b) in enumerate(zip(pd_outs, mixed_outs, strict=True)))
     assert compared >= 0.8 * MAX_TOKENS * len(prompts), f"only {compared} tokens matched before near ties"
-    # Both transports carried KV: each decode instance offers only one.
+    # Every transport carried KV: each decode instance offers only one.
     sent = metrics(pd["prefill"].metrics_port)["pdserve_kv_transfer_bytes_sent"]
-    got = {n: metrics(pd[n].metrics_port)["pdserve_kv_transfer_bytes_received"] for n in ("decode_ipc", "decode_tcp")}
+    got = {n: metrics(pd[n].metrics_port)["pdserve_kv_transfer_bytes_received"] for n in DECODES}
     assert all(v > 0 for v in got.values()), got
     assert sent == sum(got.values())
     _assert_all_blocks_free(pd)
@@ -219,7 +231,7 @@ def test_prefill_that_breaks_mid_request_is_retried_and_leaves_the_pool(pd: dict
 
 def _assert_all_blocks_free(pd: dict, timeout: float = 15) -> None:
     """Every instance gives all its blocks back (P after D's acknowledgement)."""
-    for name in ("prefill", "decode_ipc", "decode_tcp", "mixed"):
+    for name in ("prefill", *DECODES, "mixed"):
         port = pd[name].metrics_port
 
         def free(port: int = port) -> bool:
@@ -325,9 +337,10 @@ def test_small_decode_cache_queues_then_serves_and_killed_prefill_frees_decode_b
     assert segments() <= before
 
 
-def test_killed_decode_frees_prefill_blocks(tmp_path: Path, tokenizer) -> None:
+@pytest.mark.parametrize("protocol", ["tcp", pytest.param("rdma", marks=NEEDS_NIXL)])
+def test_killed_decode_frees_prefill_blocks(tmp_path: Path, tokenizer, protocol: str) -> None:
     before = segments()
-    router, p, d = _pair(tmp_path, "tcp", d_blocks=100)
+    router, p, d = _pair(tmp_path, protocol, d_blocks=100)
     try:
         # P's worker resumes once D is dead, so the KV has nowhere to go.
         def kill_decode(worker: psutil.Process) -> None:

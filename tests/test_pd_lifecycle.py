@@ -14,6 +14,7 @@ import pytest
 import zmq
 
 from pdserve.config import EngineConfig
+from pdserve.disagg.connector_base import prompt_digest
 from pdserve.disagg.decode_connector import DecodeConnector
 from pdserve.disagg.lifecycle import (
     DECODE_TRANSITIONS,
@@ -25,7 +26,7 @@ from pdserve.disagg.lifecycle import (
     PrefillPhase,
     check_transition,
 )
-from pdserve.disagg.messages import PDError, SwapDone, TransferDone
+from pdserve.disagg.messages import CacheInfo, PDError, SwapDone, TransferDone
 from pdserve.disagg.prefill_connector import PrefillConnector
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.messages import PDParams, RequestOutput
@@ -34,7 +35,7 @@ from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 from pdserve.http.errors import PD_ERROR
 from pdserve.kv_layout import KVLayout
 from pdserve.sampling import SamplingParams
-from pdserve.transport import TcpEndpoint
+from pdserve.transport import RdmaEndpoint, TcpEndpoint
 
 BLOCK = 4
 LEASE = 10.0
@@ -302,18 +303,26 @@ def test_p_gives_up_on_cache_info_that_never_comes(pd):
     assert p.conn.phase_of(tid) is None
 
 
-def test_a_forged_control_message_is_refused_and_changes_nothing(pd):
+@pytest.mark.parametrize("forged", ["give up", "rdma agent"])
+def test_a_forged_control_message_is_refused_and_changes_nothing(pd, forged):
     p, d = pd
     tid, rp, rd = submit(p, d)
-    pump(p, d, lambda: p.conn.phase_of(tid) is PrefillPhase.SCHEDULED)
+    if forged == "give up":
+        pump(p, d, lambda: p.conn.phase_of(tid) is PrefillPhase.SCHEDULED)
+        msg = PDError(tid, "forged: give up")
+    else:  # cache info naming an outsider's NIXL agent: P must never add it, nor write its KV there
+        layout = KVLayout(32, 2, BLOCK, 1, 16, "float32")
+        msg = CacheInfo(tid, rp.num_prompt_tokens, prompt_digest(rp.prompt_token_ids), [0, 1, 2], layout,
+                        [RdmaEndpoint("outsider", b"metadata", 0, layout.nbytes)], LEASE, time.time() + LEASE)
     ctx = zmq.Context.instance()
     forger = ctx.socket(zmq.DEALER)
     forger.setsockopt(zmq.LINGER, 0)
     forger.connect(f"tcp://127.0.0.1:{p.conn.port}")
-    forger.send(msgspec.msgpack.encode(PDError(tid, "forged: give up")))  # not sealed with the cluster secret
+    forger.send(msgspec.msgpack.encode(msg))  # not sealed with the cluster secret
     pump(p, d, lambda: p.conn.stats_dict()["pd_refused_control_messages"] == 1)
     forger.close()
-    assert p.conn.phase_of(tid) is PrefillPhase.SCHEDULED
+    pump(p, d, lambda: p.conn.phase_of(tid) is PrefillPhase.SCHEDULED)
+    assert p.conn.endpoint_of(tid) == TcpEndpoint("127.0.0.1", 1)  # D's own, never the forger's
 
 
 # ---- decode side with a splitwise cache buffer (seed 002) ----------------------------------------

@@ -101,6 +101,8 @@ class CacheService:
             self.messager.source = None  # type: ignore[assignment]
         if self.inbox is not None:
             self.inbox.close()
+        if (nixl := sys.modules.get("pdserve.transport.nixl")) is not None:
+            nixl.release()  # before the memory it registered is unmapped
         for segment in (self.buffer, self.host):
             if segment is not None:
                 segment.close()
@@ -206,5 +208,11 @@ def _serve(engine: zmq.Socket, service: CacheService) -> None:
                 engine.send(msgspec.msgpack.encode(service.load(msg)))
 
 
+def _exit(code: int) -> None:
+    if (nixl := sys.modules.get("pdserve.transport.nixl")) is not None:
+        nixl.exit_now(code)  # UCX may crash the interpreter's own teardown
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _exit(main())

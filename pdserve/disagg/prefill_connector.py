@@ -175,6 +175,11 @@ class PrefillConnector(ConnectorBase):
         out = self._by_tid.get(transfer_id)
         return out.phase if out is not None else None
 
+    def endpoint_of(self, transfer_id: str) -> Endpoint | None:
+        """Where the transfer's KV goes (once D's cache info has come)."""
+        out = self._by_tid.get(transfer_id)
+        return out.endpoint if out is not None else None
+
     # ---- internals ---------------------------------------------------------------------------
 
     def _on_message(self, identity: bytes, msg: ControlMessage) -> list[RequestOutput]:

@@ -34,4 +34,4 @@ class PDRequest(BaseModel):
     transfer_id: str = Field(min_length=1, max_length=200)
     role: Literal["prefill", "decode"]
     prefill_addr: str | None = None  # decode side: host:port of the prefill instance's --pd-comm-port
-    transport: Literal["ipc", "tcp"] | None = None  # decode side: the router's choice for this pair
+    transport: Literal["ipc", "tcp", "rdma"] | None = None  # decode side: the router's choice for this pair

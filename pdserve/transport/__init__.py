@@ -2,7 +2,8 @@
 
 `open_writer(endpoint, source)` gives the prefill side a `KVWriter`; `start_receiver(protocol, ...)`
 gives the decode side whatever serves its endpoint (ipc needs nothing running: P maps D's segment).
-A new transport (rdma) adds an endpoint type, a writer and, if it needs one, a receiver.
+A transport is an endpoint type, a writer and, if it needs one, a receiver: ipc (same host, P maps D's
+segment), tcp (any host, our own stream), rdma (NIXL over UCX, optional: `pip install nixl-cu12`).
 """
 
 from __future__ import annotations
@@ -15,12 +16,21 @@ from pdserve.transport.base import (
     IpcEndpoint,
     KVReceiver,
     KVWriter,
+    RdmaEndpoint,
     TcpEndpoint,
     TransferError,
     host_id,
 )
 
-PROTOCOLS = ("ipc", "tcp")
+PROTOCOLS = ("ipc", "tcp", "rdma")
+RDMA_INSTALL = "pip install nixl-cu12==1.5.1 (after the pinned torch: it asks for an unpinned one)"
+
+
+def rdma_available() -> bool:
+    """NIXL is installed (the rdma transport is an optional dependency)."""
+    import importlib.util
+
+    return any(importlib.util.find_spec(name) is not None for name in ("nixl_cu12", "nixl_cu13", "nixl"))
 
 
 def open_writer(endpoint: Endpoint, source: CacheBuffer) -> KVWriter:
@@ -28,6 +38,10 @@ def open_writer(endpoint: Endpoint, source: CacheBuffer) -> KVWriter:
         from pdserve.transport.ipc import IpcWriter
 
         return IpcWriter(endpoint, source)
+    if isinstance(endpoint, RdmaEndpoint):
+        from pdserve.transport.nixl import NixlWriter
+
+        return NixlWriter(endpoint, source)
     from pdserve.transport.tcp import TcpWriter
 
     return TcpWriter(endpoint, source)
@@ -45,6 +59,10 @@ def start_receiver(protocol: str, destination: CacheBuffer, segment: str | None,
         from pdserve.transport.tcp import TcpReceiver
 
         return TcpReceiver(destination, host, advertise_host=advertise_host)
+    if protocol == "rdma":
+        from pdserve.transport.nixl import NixlReceiver
+
+        return NixlReceiver(destination)
     raise TransferError(f"unknown cache transfer protocol {protocol!r}; choose from {', '.join(PROTOCOLS)}")
 
 
@@ -65,5 +83,6 @@ def choose_endpoint(preferred: Sequence[str], offered: list[Endpoint]) -> Endpoi
     return next((e for e in offered if e.protocol == protocol), None)
 
 
-__all__ = ["PROTOCOLS", "CacheBuffer", "Endpoint", "IpcEndpoint", "KVReceiver", "KVWriter", "TcpEndpoint",
-           "TransferError", "choose_endpoint", "choose_protocol", "host_id", "open_writer", "start_receiver"]
+__all__ = ["PROTOCOLS", "RDMA_INSTALL", "CacheBuffer", "Endpoint", "IpcEndpoint", "KVReceiver", "KVWriter",
+           "RdmaEndpoint", "TcpEndpoint", "TransferError", "choose_endpoint", "choose_protocol", "host_id",
+           "open_writer", "rdma_available", "start_receiver"]

@@ -34,7 +34,19 @@ class TcpEndpoint(msgspec.Struct, tag="tcp", frozen=True):
     protocol = "tcp"
 
 
-Endpoint = IpcEndpoint | TcpEndpoint
+class RdmaEndpoint(msgspec.Struct, tag="rdma", frozen=True):
+    """A NIXL agent's address and memory keys (transport/nixl.py): whoever holds it can write into the
+    registered memory, so it travels only inside sealed control messages."""
+
+    agent: str
+    metadata: bytes
+    address: int  # the registered region in D's address space
+    size: int
+
+    protocol = "rdma"
+
+
+Endpoint = IpcEndpoint | TcpEndpoint | RdmaEndpoint
 
 
 HOST_ID_ENV = "PDSERVE_HOST_ID"
