@@ -28,6 +28,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     quantization: str | None = None  # "w8a8": opt-in int8 weights + dynamic int8 activations (CPU)
     splitwise_role: str = "mixed"  # mixed | prefill | decode
     pd_comm_port: int | None = None  # control plane (ZMQ); None: a free port, reported at startup
+    rdma_comm_port: int | None = None  # the rdma transport's UCX TCP listeners (None: UCX picks)
     pd_host: str = "127.0.0.1"  # the address the control plane and the KV receiver listen on
     advertise_host: str | None = None  # the address peers are told to use (default: pd_host)
     cache_transfer_protocol: tuple[str, ...] = ("ipc", "tcp")  # in preference order

@@ -47,6 +47,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     pd.add_argument("--pd-comm-port", type=first_port, default=None,
                     help="control-plane port of a prefill/decode instance (default: a free port); FastDeploy's "
                          "per-rank list '9800,9801' is accepted, its first port used")
+    pd.add_argument("--rdma-comm-ports", type=first_port, default=None,
+                    help="the rdma transport's listen port (UCX's TCP listeners; default: UCX picks); FastDeploy's "
+                         "per-rank list is accepted, its first port used")
     pd.add_argument("--cache-transfer-protocol", type=_protocols, default=d.cache_transfer_protocol,
                     help="KV transports in preference order, e.g. ipc,tcp (ipc: same host, tcp: any host, rdma: NIXL, "
                          "optional: pip install nixl-cu12==1.5.1)")
@@ -70,7 +73,7 @@ def engine_config_from_args(args: argparse.Namespace, **extra: object) -> Engine
         enable_prefix_caching=args.enable_prefix_caching, gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory=args.kv_cache_memory, num_gpu_blocks_override=args.num_gpu_blocks_override,
         tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
-        splitwise_role=args.splitwise_role, pd_comm_port=args.pd_comm_port,
+        splitwise_role=args.splitwise_role, pd_comm_port=args.pd_comm_port, rdma_comm_port=args.rdma_comm_ports,
         cache_transfer_protocol=args.cache_transfer_protocol, pd_transfer_timeout=args.pd_transfer_timeout,
         splitwise_cache_buffer_size=args.splitwise_cache_buffer_size, swap_space=args.swap_space,
         startup_log=args.startup_log, **extra)

@@ -67,9 +67,6 @@ FLAGS: tuple[FDFlag, ...] = (
            unneeded="the engine and its worker talk over unix sockets in the instance's IPC folder"),
     FDFlag("--cache-queue-port", per_rank_ports,
            unneeded="the cache service is reached over a unix socket in the instance's IPC folder"),
-    FDFlag("--rdma-comm-ports", per_rank_ports,
-           unneeded="rdma (NIXL) agents exchange their metadata inside pdserve's sealed control messages, so "
-                    "they listen on no port of their own; UCX picks its transports' ports"),
     FDFlag("--data-parallel-size", int, refuse=_above_one("one data-parallel rank per instance")),
     FDFlag("--workers", int, refuse=lambda n: "one HTTP process per instance (raise --max-concurrency); for more "
            "throughput start more instances behind `pdserve router`" if n > 1 else None),

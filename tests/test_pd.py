@@ -21,7 +21,18 @@ import pytest
 
 from pdserve.transport import rdma_available
 from tests.greedy import assert_same_greedy_completion
-from tests.servers import BLOCK, BrokenInstance, Router, Server, metrics, register, segments, stop_all, wait_for
+from tests.servers import (
+    BLOCK,
+    BrokenInstance,
+    Router,
+    Server,
+    free_port,
+    metrics,
+    register,
+    segments,
+    stop_all,
+    wait_for,
+)
 
 pytestmark = pytest.mark.e2e  # starts pdserve processes or loads the model: not in `make test-fast`
 NEEDS_NIXL = pytest.mark.skipif(not rdma_available(), reason="NIXL is not installed (make venv installs it)")
@@ -31,6 +42,7 @@ CHUNK = 128  # --max-num-batched-tokens: prompts longer than this are prefilled 
 COMMON = ["--max-model-len", "1024", "--max-num-batched-tokens", str(CHUNK), "--max-num-seqs", "32"]
 MAX_TOKENS = 12
 NIXL = rdma_available()
+RDMA_PORT = free_port()
 DECODES = ("decode_ipc", "decode_tcp", *(("decode_rdma", "decode_rdma_tcp") if NIXL else ()))
 
 PARAGRAPH = ("The river runs past the old mill, where the miller keeps a ledger of every sack of grain. "
@@ -64,7 +76,7 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     if NIXL:
         specs["decode_rdma"] = ["--splitwise-role", "decode", "--cache-transfer-protocol", "rdma",
                                 "--num-gpu-blocks-override", "250", *reg]
-        specs["decode_rdma_tcp"] = [*specs["decode_rdma"]]
+        specs["decode_rdma_tcp"] = [*specs["decode_rdma"], "--rdma-comm-ports", str(RDMA_PORT)]
         env["decode_rdma_tcp"] = {"UCX_TLS": "tcp"}  # as between hosts without RDMA NICs
     servers = {name: Server(tmp / name, *flags, *COMMON, wait=False, env=env.get(name))
                for name, flags in specs.items()}
@@ -117,6 +129,13 @@ def test_pd_output_equals_mixed_for_20_concurrent_prompts(pd: dict, tokenizer) -
     assert all(v > 0 for v in got.values()), got
     assert sent == sum(got.values())
     _assert_all_blocks_free(pd)
+
+
+@NEEDS_NIXL
+def test_rdma_comm_ports_is_where_the_decode_instances_ucx_listens(pd: dict) -> None:
+    (service,) = pd["decode_rdma_tcp"].children("pdserve.disagg.cache_service")
+    listening = {c.laddr.port for c in service.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN}
+    assert RDMA_PORT in listening, listening
 
 
 def test_prefix_cache_hits_on_prefill_are_sent_whole(pd: dict, tokenizer) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 
@@ -72,6 +73,9 @@ class CacheService:
             self.host = KVSegment.create(command.layout.with_blocks(command.host_blocks).nbytes)
             log.info("host prefix tier (--swap-space): %d blocks (%.2f GiB)",
                      command.host_blocks, command.host_blocks * command.layout.block_bytes / 2**30)
+        if config.rdma_comm_port and "rdma" in config.cache_transfer_protocol:
+            port = config.rdma_comm_port  # UCX reads it when the NIXL agent is made (a free port is checked then)
+            os.environ["UCX_TCP_PORT_RANGE"] = f"{port}-{port}"
         destination = self.buffer if self.buffer is not None else self.cache
         buffer = CacheBuffer(destination.shm.buf, buffer_address(destination.shm.buf))
         self.receivers: list[KVReceiver] = []
