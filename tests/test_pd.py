@@ -313,10 +313,11 @@ def _stream_error(url: str, prompt: list[int]) -> tuple[str, float]:
     return text, time.monotonic() - start
 
 
-def test_small_decode_cache_queues_then_serves_and_killed_prefill_frees_decode_blocks(tmp_path: Path,
-                                                                                         tokenizer) -> None:
+@pytest.mark.parametrize("protocol", ["ipc", pytest.param("rdma", marks=NEEDS_NIXL)])
+def test_small_decode_cache_queues_then_serves_and_killed_prefill_frees_decode_blocks(tmp_path: Path, tokenizer,
+                                                                                         protocol: str) -> None:
     before = segments()
-    router, p, d = _pair(tmp_path, "ipc", d_blocks=40)  # one 450-token prompt takes 29 of D's 40 blocks
+    router, p, d = _pair(tmp_path, protocol, d_blocks=40)  # one 450-token prompt takes 29 of D's 40 blocks
     try:
         # different starts: D's prefix cache must not share blocks between them (it would, from one start)
         prompts = [_long_prompt(tokenizer, 450 + i, offset=5 * i) for i in range(3)]
