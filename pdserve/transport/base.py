@@ -42,6 +42,7 @@ class RdmaEndpoint(msgspec.Struct, tag="rdma", frozen=True):
     metadata: bytes
     address: int  # the registered region in D's address space
     size: int
+    gpu: int | None = None  # None: host memory; else the CUDA device holding the region (not run yet)
 
     protocol = "rdma"
 

@@ -32,7 +32,6 @@ from pdserve.transport.base import ByteRange, CacheBuffer, KVReceiver, KVWriter,
 
 log = logging.getLogger("pdserve.transport.nixl")
 
-MEM = "DRAM"  # a GPU cache registers as "VRAM" with the device id in each descriptor (not run here)
 POLL_SECONDS = 50e-6
 
 _agent: Any = None  # this process's agent (one per process; UCX workers are not cheap)
@@ -67,15 +66,23 @@ def local_agent() -> Any:
     return _agent
 
 
-def register(buffer: CacheBuffer) -> None:
+def memory_kind(gpu: int | None) -> tuple[str, int]:
+    """NIXL's memory type and device id: host memory ("DRAM"), or a CUDA device's ("VRAM", its index).
+    The VRAM side is the same calls with other descriptors; it has not run (no GPU here, and PD roles
+    keep their cache in host shared memory today)."""
+    return ("DRAM", 0) if gpu is None else ("VRAM", gpu)
+
+
+def register(buffer: CacheBuffer, gpu: int | None = None) -> None:
     """Register a cache's memory with this process's agent (once per region)."""
     key = (buffer.address, buffer.size)
     if key not in _registered:
         agent = local_agent()
+        mem, device = memory_kind(gpu)
         try:
-            _registered[key] = agent.register_memory([(buffer.address, buffer.size, 0, "")], MEM)
+            _registered[key] = agent.register_memory([(buffer.address, buffer.size, device, "")], mem)
         except Exception as e:
-            raise TransferError(f"NIXL could not register {buffer.size} bytes of KV cache: {e}") from None
+            raise TransferError(f"NIXL could not register {buffer.size} bytes of KV cache ({mem}): {e}") from None
 
 
 def release() -> None:
@@ -104,10 +111,11 @@ class NixlReceiver(KVReceiver):
 
     PUMP_SECONDS = 0.001
 
-    def __init__(self, destination: CacheBuffer) -> None:
-        register(destination)
+    def __init__(self, destination: CacheBuffer, gpu: int | None = None) -> None:
+        register(destination, gpu)
         agent = local_agent()
-        self._endpoint = RdmaEndpoint(_agent_name, agent.get_agent_metadata(), destination.address, destination.size)
+        self._endpoint = RdmaEndpoint(_agent_name, agent.get_agent_metadata(), destination.address, destination.size,
+                                      gpu)
         self._stop = threading.Event()
         self._pump = threading.Thread(target=self._progress, name="nixl-progress", daemon=True)
         self._pump.start()
@@ -133,11 +141,14 @@ class NixlReceiver(KVReceiver):
 
 
 class NixlWriter(KVWriter):
-    def __init__(self, endpoint: RdmaEndpoint, source: CacheBuffer, timeout: float = 30.0) -> None:
-        register(source)
+    def __init__(self, endpoint: RdmaEndpoint, source: CacheBuffer, timeout: float = 30.0,
+                 gpu: int | None = None) -> None:
+        register(source, gpu)
         self._agent = local_agent()
         self._src = source
         self._dst = endpoint
+        self._src_mem, self._src_dev = memory_kind(gpu)
+        self._dst_mem, self._dst_dev = memory_kind(endpoint.gpu)
         self._timeout = timeout
         self._pending: list[Any] = []
         try:
@@ -152,15 +163,15 @@ class NixlWriter(KVWriter):
             if dst < 0 or n < 0 or dst + n > self._dst.size:
                 raise TransferError(f"destination range [{dst}, {dst + n}) is outside the {self._dst.size}-byte cache")
             if n:
-                local.append((self._src.address + src, n, 0))
-                remote.append((self._dst.address + dst, n, 0))
+                local.append((self._src.address + src, n, self._src_dev))
+                remote.append((self._dst.address + dst, n, self._dst_dev))
                 total += n
         if not local:
             return 0
         agent = self._agent
         try:
-            handle = agent.initialize_xfer("WRITE", agent.get_xfer_descs(local, MEM),
-                                           agent.get_xfer_descs(remote, MEM), self._peer)
+            handle = agent.initialize_xfer("WRITE", agent.get_xfer_descs(local, self._src_mem),
+                                           agent.get_xfer_descs(remote, self._dst_mem), self._peer)
         except Exception as e:
             raise TransferError(f"NIXL could not prepare a WRITE to the decode instance: {e}") from None
         self._pending.append(handle)
