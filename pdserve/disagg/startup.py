@@ -122,25 +122,15 @@ class StartedProcesses:
             remove_segment(segment)
 
 
-def splitwise_buffer_blocks(config: EngineConfig, layout: KVLayout) -> int:
-    """--splitwise-cache-buffer-size in blocks of the cache's layout (0: no buffer)."""
-    if not config.splitwise_cache_buffer_size:
+def gigabytes_in_blocks(flag: str, gigabytes: float, layout: KVLayout) -> int:
+    """A host memory flag (--splitwise-cache-buffer-size, --swap-space) in blocks of the cache's layout
+    (0: not asked for)."""
+    if not gigabytes:
         return 0
-    blocks = int(config.splitwise_cache_buffer_size * 2**30) // layout.block_bytes
+    blocks = int(gigabytes * 2**30) // layout.block_bytes
     if blocks < 1:
-        raise ValueError(f"--splitwise-cache-buffer-size {config.splitwise_cache_buffer_size:g} GB holds no "
-                         f"{layout.block_bytes / 2**20:.1f} MiB block of this model's KV cache")
-    return blocks
-
-
-def host_tier_blocks(config: EngineConfig, layout: KVLayout) -> int:
-    """--swap-space in blocks of the cache's layout (0: no host tier)."""
-    if not config.swap_space:
-        return 0
-    blocks = int(config.swap_space * 2**30) // layout.block_bytes
-    if blocks < 1:
-        raise ValueError(f"--swap-space {config.swap_space:g} GB holds no {layout.block_bytes / 2**20:.1f} MiB "
-                         f"block of this model's KV cache")
+        raise ValueError(f"{flag} {gigabytes:g} GB holds no {layout.block_bytes / 2**20:.1f} MiB block of this "
+                         f"model's KV cache")
     return blocks
 
 
@@ -259,8 +249,9 @@ class _Startup:
 
         if self.layout is None:  # no worker yet: the layout from config.json
             self.layout = layout_without_profile(self.config, self.config.num_gpu_blocks_override)
-        self.buffer_blocks = splitwise_buffer_blocks(self.config, self.layout)
-        self.host_blocks = host_tier_blocks(self.config, self.layout)
+        self.buffer_blocks = gigabytes_in_blocks("--splitwise-cache-buffer-size",
+                                                 self.config.splitwise_cache_buffer_size, self.layout)
+        self.host_blocks = gigabytes_in_blocks("--swap-space", self.config.swap_space, self.layout)
         ready = self.service.setup(CreateCache(self.layout, self.buffer_blocks, self.host_blocks), self.timeout)
         self.segment, self.messager_address, self.endpoints = ready.segment, ready.messager_address, ready.endpoints
         self.buffer_segment, self.host_segment = ready.buffer_segment, ready.host_segment
@@ -277,7 +268,7 @@ class _Startup:
     def service_attaches(self) -> None:
         from pdserve.disagg.messages import AttachCache
 
-        self.host_blocks = host_tier_blocks(self.config, self.layout)
+        self.host_blocks = gigabytes_in_blocks("--swap-space", self.config.swap_space, self.layout)
         ready = self.service.setup(AttachCache(self.layout, self.segment, self.host_blocks), self.timeout)
         self.host_segment = ready.host_segment
         self.log.record("cache_attached", CACHE_SERVICE, segment=self.segment,
