@@ -86,17 +86,23 @@ def main() -> None:
         args.vllm_dtype = str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     results = {name: measure(name, cmd, env, args) for name, (cmd, env) in deployments(args).items()}
+    table = ratio_table(results, next(iter(results)), args, "vLLM")
+    args.out.with_suffix(".md").write_text(table + "\n")
+    print(table)
+
+
+def ratio_table(results: dict[str, dict[float, dict]], ref_name: str, args: argparse.Namespace, ref_label: str) -> str:
+    """One row per rate and server: latency figures and TTFT/TPOT/ITL ratios against `ref_name`'s."""
 
     def p(s: dict, key: str, q: str) -> float:
         return s[key]["median"] if q == "p50" else s[key]["percentiles"]["P99"]
 
-    vllm = next(iter(results))
     lines = [f"{args.num_prompts} random prompts, {args.input_len} -> {args.output_len} tokens (EOS ignored), Poisson "
              f"arrivals; `pdserve bench serve`; ms", "",
-             "| rate req/s | deployment | TTFT p50 | TTFT p99 | TPOT p50 | ITL p99 | E2EL p50 | TTFT p50 / vLLM | "
-             "TPOT p50 / vLLM | ITL p99 / vLLM | failed |", "|---" * 11 + "|"]
+             "| rate req/s | deployment | TTFT p50 | TTFT p99 | TPOT p50 | ITL p99 | E2EL p50 | "
+             f"TTFT p50 / {ref_label} | TPOT p50 / {ref_label} | ITL p99 / {ref_label} | failed |", "|---" * 11 + "|"]
     for rate in args.rates:
-        ref = results[vllm][rate]
+        ref = results[ref_name][rate]
         for name, by_rate in results.items():
             s = by_rate[rate]
             ratios = [p(s, key, q) / p(ref, key, q) for key, q in (("ttft", "p50"), ("tpot", "p50"), ("itl", "p99"))]
@@ -104,9 +110,7 @@ def main() -> None:
                 f"| {rate:g} | {name} | {p(s, 'ttft', 'p50'):.0f} | {p(s, 'ttft', 'p99'):.0f} | "
                 f"{p(s, 'tpot', 'p50'):.1f} | {p(s, 'itl', 'p99'):.0f} | {p(s, 'e2el', 'p50'):.0f} | "
                 + " | ".join(f"{r:.2f}" for r in ratios) + f" | {s['failed']} |")
-    table = "\n".join(lines)
-    args.out.with_suffix(".md").write_text(table + "\n")
-    print(table)
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
