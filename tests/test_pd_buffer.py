@@ -121,7 +121,9 @@ def test_the_buffer_flag_on_a_prefill_instance_exits_2() -> None:
 def test_decode_killed_with_requests_in_its_buffer_leaves_prefill_whole(tmp_path: Path) -> None:
     before = segments()
     router = Router(tmp_path / "router")
-    reg = ["--router", router.url, "--cache-transfer-protocol", "ipc", "--pd-transfer-timeout", "4"]
+    # The lease must outlast P's longest step: on a 2-core AVX2 box (fp32, D beside P) the first step of
+    # six 128-token prompts outlasted a 4 s lease, and every transfer failed before D could be killed.
+    reg = ["--router", router.url, "--cache-transfer-protocol", "ipc", "--pd-transfer-timeout", "10"]
     p = Server(tmp_path / "p", "--splitwise-role", "prefill", "--num-gpu-blocks-override", "200", *reg, *COMMON,
                "--max-num-batched-tokens", "1280", wait=False)
     d = Server(tmp_path / "d", "--splitwise-role", "decode", "--num-gpu-blocks-override", "16",
@@ -146,7 +148,7 @@ def test_decode_killed_with_requests_in_its_buffer_leaves_prefill_whole(tmp_path
             statuses = [a.result() for a in answers]
         assert any(s != 200 for s in statuses), statuses  # the buffered ones died with D
         d.wait_gone()  # D's processes are gone, its cache and buffer segments too
-        wait_for(lambda: metrics(p.metrics_port)["pdserve_kv_cache_free_blocks"] == 200, 20,
+        wait_for(lambda: metrics(p.metrics_port)["pdserve_kv_cache_free_blocks"] == 200, 30,
                  "P did not free its blocks after D died")
         r = httpx.post(f"{p.url}/v1/completions", timeout=60, json={"prompt": "Hi", "max_tokens": 2})
         assert r.status_code == 200  # P serves on
