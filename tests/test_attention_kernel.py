@@ -168,7 +168,6 @@ def test_a_failed_build_falls_back_with_one_warning(tmp_path, ops, embedded_runn
     assert tokens == expected
 
 
-
 @pytest.mark.e2e
 def test_prefill_steps_take_sdpa_where_the_kernels_prefill_is_slow(ops, embedded_runner, monkeypatch):
     """On AVX2 the kernel's prefill tiles are 3-10x slower than SDPA: a step with a prefill chunk goes
