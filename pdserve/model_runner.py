@@ -19,7 +19,6 @@ from pdserve.loader import resolve_model_folder
 from pdserve.model import DecoderModel, ForwardBatch, SequenceChunk, default_device, load_decoder, resolve_dtype
 from pdserve.model.load import resolve_kv_cache_dtype
 from pdserve.sampling import Sampler
-from pdserve.utils.cpu_features import kernel_prefill_is_fast
 
 log = logging.getLogger("pdserve.model")
 
@@ -51,7 +50,6 @@ class ModelRunner:
                         self.max_model_len, self.max_model_len)
         self.sampler = Sampler()
         self.kv_cache: KVCache | None = None
-        self.kernel_prefills = kernel_prefill_is_fast()  # off the CPU the kernel is not used at all
 
     def load_model(self) -> None:
         self.model = load_decoder(self.folder, self.dtype, self.device, max_positions=self._max_positions,
@@ -74,10 +72,8 @@ class ModelRunner:
 
     def logits(self, chunks: list[SequenceChunk], is_dummy_or_profile_run: bool = False,
                on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
-        # A profile run has no cache to read in place, so it takes the gather + SDPA path; so does a
-        # step with a prefill chunk where the kernel's prefill tiles are slow (AVX2).
-        with_fallback = (is_dummy_or_profile_run or not self.model.uses_paged_kernel
-                         or (not self.kernel_prefills and any(len(c.token_ids) > 1 for c in chunks)))
+        # A profile run has no cache to read in place, so it takes the gather + SDPA path.
+        with_fallback = is_dummy_or_profile_run or not self.model.uses_paged_kernel
         batch = ForwardBatch.build(chunks, self.block_size, self.device, is_dummy_or_profile_run, with_fallback)
         if is_dummy_or_profile_run:  # seed 001, bug 2: a dummy run signals nothing to anyone
             return self.model(batch, None)

@@ -168,41 +168,6 @@ def test_a_failed_build_falls_back_with_one_warning(tmp_path, ops, embedded_runn
     assert tokens == expected
 
 
-@pytest.mark.e2e
-def test_prefill_steps_take_sdpa_where_the_kernels_prefill_is_slow(ops, embedded_runner, monkeypatch):
-    """On AVX2 the kernel's prefill tiles are 3-10x slower than SDPA: a step with a prefill chunk goes
-    through gather + SDPA there, a decode-only step still through the kernel, and the logits agree."""
-    from pdserve.model import ForwardBatch
-
-    paths: list[bool] = []
-    build = ForwardBatch.build
-
-    def spy(chunks, block_size, device="cpu", is_dummy_or_profile_run=False, with_fallback=True):
-        paths.append(with_fallback)
-        return build(chunks, block_size, device, is_dummy_or_profile_run, with_fallback)
-
-    monkeypatch.setattr(ForwardBatch, "build", spy)
-    ids = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308]
-    runs = {}
-    for fast in (True, False):
-        monkeypatch.setattr(embedded_runner, "kernel_prefills", fast)
-        embedded_runner.allocate_kv_cache(4)
-        first = embedded_runner.logits([SequenceChunk(ids, 0, [0, 1])])
-        nxt = embedded_runner.logits([SequenceChunk([int(first.argmax())], len(ids), [0, 1])])
-        runs[fast] = (first, nxt)
-    assert paths == [False, False, True, False]  # prefill: kernel, then SDPA; decode: kernel both times
-    for a, b in zip(runs[True], runs[False], strict=True):
-        assert (a - b).abs().max().item() < 2e-3
-
-
-def test_only_avx2_without_avx512_routes_prefill_away_from_the_kernel(monkeypatch):
-    from pdserve.utils import cpu_features
-
-    for flags, fast in (({"avx2", "avx512f"}, True), ({"avx2", "fma"}, False), ({"asimd"}, True)):
-        monkeypatch.setattr(cpu_features, "cpu_flags", lambda flags=flags: frozenset(flags))
-        assert cpu_features.kernel_prefill_is_fast() == fast
-
-
 def test_a_build_lock_left_by_a_killed_build_is_dropped(tmp_path):
     """torch's builder waits as long as its lock exists: an old one (a killed build) must not hang starts."""
     from pdserve.kernels import _drop_stale_lock

@@ -4,7 +4,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "vec16.h"
+#include "vec.h"
 
 namespace pdserve {
 
@@ -29,10 +29,10 @@ struct Geometry {  // what every work item of one call shares
 struct Scratch {
   std::vector<float> q, acc, scores, row_sum;
   std::vector<int64_t> offsets;      // few rows: each token's offset into the cache
-  std::vector<f32x16> dots;          // few rows: partial dot products, 16 tokens per row
+  std::vector<fvec> dots;          // few rows: partial dot products, kLanes tokens per row
   std::vector<uint16_t> q_bf16;      // few rows: the bf16 query
   std::vector<uint32_t> qp, pp, vp;  // many rows, native bf16: query, weight and V pairs
-  std::vector<float> m, l;           // many rows: running max and sum, 16 rows per vector
+  std::vector<float> m, l;           // many rows: running max and sum, kLanes rows per vector
 };
 
 }  // namespace pdserve

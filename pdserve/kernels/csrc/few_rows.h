@@ -12,13 +12,13 @@
 #endif
 
 #include "attention_common.h"
-#include "vec16.h"
+#include "vec.h"
 
 namespace pdserve {
 
 // Few rows (a decode token's query heads, or a short chunk's), for `heads` KV heads side by side: every
 // score of the context first, then one exact softmax per row, then the weighted sum of V with the
-// accumulators in registers. K is read once for all rows of a head, 16 tokens' dot products are summed
+// accumulators in registers. K is read once for all rows of a head, kLanes tokens' dot products are summed
 // by one transpose tree, and all heads of a token are read together: a block's rows are adjacent in the
 // cache, so one work item streams each block front to back, which the hardware prefetcher follows
 // (reading one head's 128-byte slices of a scattered block ran at a third of the bandwidth).
@@ -42,20 +42,20 @@ inline void prefetch_token(const Scratch& s, const Geometry& g, const T* cache, 
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b);
 }
 
-// Head h's dot products of token t with its ROWS queries, one 16-lane partial-sum vector per row.
+// Head h's dot products of token t with its ROWS queries, one vector of partial sums per row.
 template <typename T, int ROWS>
-inline void dot_rows(const Scratch& s, const Geometry& g, const T* kr, int64_t h, f32x16* d) {
+inline void dot_rows(const Scratch& s, const Geometry& g, const T* kr, int64_t h, fvec* d) {
   const float* q = s.q.data() + h * ROWS * g.head_dim;
   for (int64_t c = 0; c < g.head_dim / kLanes; ++c) {
-    const f32x16 kc = load16(kr + c * kLanes);
-    for (int r = 0; r < ROWS; ++r) d[r] += load16(q + r * g.head_dim + c * kLanes) * kc;
+    const fvec kc = vload(kr + c * kLanes);
+    for (int r = 0; r < ROWS; ++r) d[r] += vload(q + r * g.head_dim + c * kLanes) * kc;
   }
 }
 
 #if defined(__AVX512BF16__)
 // The same with native bf16 dot products on the model's own bf16 query (the scale comes after).
 template <int ROWS>
-inline void dot_rows_bf16(const Scratch& s, const Geometry& g, const c10::BFloat16* kr, int64_t h, f32x16* d) {
+inline void dot_rows_bf16(const Scratch& s, const Geometry& g, const c10::BFloat16* kr, int64_t h, fvec* d) {
   const uint16_t* q = s.q_bf16.data() + h * ROWS * g.head_dim;
   __m512 a[ROWS];
   for (int r = 0; r < ROWS; ++r) a[r] = _mm512_setzero_ps();
@@ -64,7 +64,7 @@ inline void dot_rows_bf16(const Scratch& s, const Geometry& g, const c10::BFloat
     for (int r = 0; r < ROWS; ++r)
       a[r] = _mm512_dpbf16_ps(a[r], (__m512bh)_mm512_loadu_si512(q + r * g.head_dim + c), kc);
   }
-  for (int r = 0; r < ROWS; ++r) d[r] = (f32x16)a[r] * g.scale;
+  for (int r = 0; r < ROWS; ++r) d[r] = (fvec)a[r] * g.scale;
 }
 #endif
 
@@ -76,7 +76,7 @@ void few_scores(Scratch& s, const Geometry& g, const T* k, int64_t heads, int64_
     for (int64_t i = 0; i < kLanes; ++i) {
       if (t0 + i + kLanes < n) prefetch_token(s, g, k, heads, t0 + i + kLanes);
       for (int64_t h = 0; h < heads; ++h) {
-        f32x16 d[ROWS] = {};
+        fvec d[ROWS] = {};
         if (t0 + i < n) {
           const T* kr = k + s.offsets[t0 + i] + h * g.kv_head_stride;
 #if defined(__AVX512BF16__)
@@ -95,15 +95,15 @@ void few_scores(Scratch& s, const Geometry& g, const T* k, int64_t heads, int64_
         for (int r = 0; r < ROWS; ++r) s.dots[(h * ROWS + r) * kLanes + i] = d[r];
       }
     }
-    for (int64_t r = 0; r < rows; ++r) store16(s.scores.data() + r * stride + t0, reduce16(&s.dots[r * kLanes]));
+    for (int64_t r = 0; r < rows; ++r) vstore(s.scores.data() + r * stride + t0, reduce_lanes(&s.dots[r * kLanes]));
   }
 }
 
 // sc[0, n) become exp(sc - max) and sc[n, padded) zero; returns their sum.
 inline float exact_softmax(float* sc, int64_t n, int64_t padded) {
-  f32x16 mv = splat(-std::numeric_limits<float>::infinity());
+  fvec mv = splat(-std::numeric_limits<float>::infinity());
   int64_t t = 0;
-  for (; t + kLanes <= n; t += kLanes) mv = vmax(mv, load16(sc + t));
+  for (; t + kLanes <= n; t += kLanes) mv = vmax(mv, vload(sc + t));
   float m = hmax(mv);
   for (; t < n; ++t) m = std::max(m, sc[t]);
   const float sum = exp_sum(sc, n, m);
@@ -122,13 +122,13 @@ void few_values(Scratch& s, const Geometry& g, const T* v, int64_t heads, int64_
       for (int64_t c = 0; c < g.head_dim; c += kLanes) {
         float* acc = s.acc.data() + h * ROWS * g.head_dim + c;
         const float* p = s.scores.data() + h * ROWS * stride;
-        f32x16 a[ROWS];
-        for (int r = 0; r < ROWS; ++r) a[r] = load16(acc + r * g.head_dim);
+        fvec a[ROWS];
+        for (int r = 0; r < ROWS; ++r) a[r] = vload(acc + r * g.head_dim);
         for (int64_t t = t0; t < t1; ++t) {
-          const f32x16 vc = load16(vh + s.offsets[t] + c);
+          const fvec vc = vload(vh + s.offsets[t] + c);
           for (int r = 0; r < ROWS; ++r) a[r] += p[r * stride + t] * vc;
         }
-        for (int r = 0; r < ROWS; ++r) store16(acc + r * g.head_dim, a[r]);
+        for (int r = 0; r < ROWS; ++r) vstore(acc + r * g.head_dim, a[r]);
       }
     }
   }

@@ -9,7 +9,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "vec16.h"
+#include "vec.h"
 
 using namespace pdserve;
 
@@ -30,7 +30,7 @@ void rotate_rows(T* x, int64_t tokens, int64_t heads, int64_t tok_stride, int64_
         for (int64_t d = 0; d < head_dim; ++d)
           swapped[d] = interleaved ? row[d ^ 1] : row[d < half ? d + half : d - half];
         for (int64_t d = 0; d < head_dim; d += kLanes)
-          store16(xr + d, load16(row.data() + d) * load16(c + d) + load16(swapped.data() + d) * load16(s + d));
+          vstore(xr + d, vload(row.data() + d) * vload(c + d) + vload(swapped.data() + d) * vload(s + d));
       }
     }
   });
@@ -44,8 +44,8 @@ void silu_mul_rows(T* out, const T* x, int64_t tokens, int64_t width, int64_t x_
       const T* up = gate + width;
       T* o = out + t * width;
       for (int64_t i = 0; i < width; i += kLanes) {
-        const f32x16 g = load16(gate + i);
-        store16(o + i, g / (1.f + exp16(-g)) * load16(up + i));
+        const fvec g = vload(gate + i);
+        vstore(o + i, g / (1.f + vexp(-g)) * vload(up + i));
       }
     }
   });
@@ -53,13 +53,13 @@ void silu_mul_rows(T* out, const T* x, int64_t tokens, int64_t width, int64_t x_
 
 // Rounded to T as Hugging Face's RMSNorm rounds: normalise in fp32, round, then scale by the weight.
 template <typename T>
-inline f32x16 round_to(f32x16 v) {
+inline fvec round_to(fvec v) {
   if constexpr (std::is_same_v<T, float>) {
     return v;
   } else {
     T tmp[kLanes];
-    store16(tmp, v);
-    return load16(tmp);
+    vstore(tmp, v);
+    return vload(tmp);
   }
 }
 
@@ -69,14 +69,14 @@ void rms_norm_rows(T* out, const T* x, const T* weight, int64_t tokens, int64_t 
     for (int64_t t = begin; t < end; ++t) {
       const T* xr = x + t * x_stride;
       T* o = out + t * width;
-      f32x16 sq{};
+      fvec sq{};
       for (int64_t i = 0; i < width; i += kLanes) {
-        const f32x16 v = load16(xr + i);
+        const fvec v = vload(xr + i);
         sq += v * v;
       }
       const float r = 1.f / std::sqrt(hsum(sq) / static_cast<float>(width) + eps);
       for (int64_t i = 0; i < width; i += kLanes)
-        store16(o + i, round_to<T>(load16(xr + i) * r) * load16(weight + i));
+        vstore(o + i, round_to<T>(vload(xr + i) * r) * vload(weight + i));
     }
   });
 }
@@ -98,7 +98,7 @@ void dispatch(at::ScalarType type, const char* what, F&& run) {
 void rotary_embedding(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
                       bool interleaved) {
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "x: [tokens, heads, head_dim]");
-  TORCH_CHECK(x.size(2) % kLanes == 0, "head_dim must be a multiple of 16");
+  TORCH_CHECK(x.size(2) % 16 == 0, "head_dim must be a multiple of 16");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
                   sin.is_contiguous() && cos.size(1) == x.size(2),
               "cos/sin: contiguous fp32 [positions, head_dim]");
@@ -115,7 +115,7 @@ void rotary_embedding(const at::Tensor& x, const at::Tensor& positions, const at
 
 // out[T, I] = silu(x[:, :I]) * x[:, I:], math in fp32.
 void silu_and_mul(const at::Tensor& out, const at::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % (2 * kLanes) == 0,
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 32 == 0,
               "x: [tokens, 2 * width] with width a multiple of 16");
   TORCH_CHECK(out.is_contiguous() && out.size(0) == x.size(0) && 2 * out.size(1) == x.size(1) &&
                   out.scalar_type() == x.scalar_type(),
@@ -129,7 +129,7 @@ void silu_and_mul(const at::Tensor& out, const at::Tensor& x) {
 
 // out[T, H] = x / sqrt(mean(x^2) + eps) * weight, per row.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % kLanes == 0,
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 16 == 0,
               "x: [tokens, hidden] with hidden a multiple of 16");
   TORCH_CHECK(weight.is_contiguous() && weight.size(0) == x.size(1) && weight.scalar_type() == x.scalar_type(),
               "weight: contiguous [hidden] of x's dtype");

@@ -1,7 +1,7 @@
 // The many-rows path of paged attention (a prefill chunk's tile of query tokens x the query heads of
-// one KV head): rows in groups of 16, one vector lane per row, flash-attention style over the blocks.
+// one KV head): rows in groups of kLanes (16, or 8 on AVX2), one vector lane per row, flash-attention style over the blocks.
 //
-// Each group holds its query transposed ([head_dim][16 rows]), so every key element is one broadcast
+// Each group holds its query transposed ([head_dim][kLanes rows]), so every key element is one broadcast
 // from the cache straight into a multiply-add: K is never converted or copied, and the online
 // softmax's running max and sum are per-lane vectors. Several tokens' scores (or several rows x
 // chunks of V's accumulators) are in flight at once: a single dependent chain of multiply-adds ran at a
@@ -24,16 +24,19 @@
 #endif
 
 #include "attention_common.h"
-#include "vec16.h"
+#include "vec.h"
 
 namespace pdserve {
 
+#if defined(__AVX512BF16__)
+static_assert(kLanes == 16, "the native bf16 paths hold 16 rows in one __m512");
+#endif
+
+constexpr int kTokensInFlight = 8;  // score accumulators: 8 registers
 #if defined(__AVX512F__)
-constexpr int kTokensInFlight = 8;  // score accumulators: 8 of 32 registers
-constexpr int kRowsInFlight = 4;    // PV accumulators: 4 rows x 4 chunks of 16 dims
+constexpr int kRowsInFlight = 4;  // PV accumulators: 4 rows x 4 chunks of kLanes dims, 16 of 32 registers
 #else
-constexpr int kTokensInFlight = 4;  // AVX2: a 16-float vector takes two of the 16 registers
-constexpr int kRowsInFlight = 2;
+constexpr int kRowsInFlight = 2;  // 2 x 4 = 8 of AVX2's 16 registers, beside the V chunks being read
 #endif
 constexpr int kChunksInFlight = 4;
 
@@ -46,16 +49,16 @@ constexpr bool native_bf16() {
 #endif
 }
 
-// --- scores: sc[t] (16 rows) = q . k[t] * scale ------------------------------------------------------
+// --- scores: sc[t] (kLanes rows) = q . k[t] * scale -------------------------------------------------
 
 template <typename T, int TN>
 inline void score_tokens(const float* qf, const T* k, int64_t tok_stride, int64_t head_dim, float* sc) {
-  f32x16 a[TN] = {};
+  fvec a[TN] = {};
   for (int64_t d = 0; d < head_dim; ++d) {
-    const f32x16 qv = load16(qf + d * kLanes);
+    const fvec qv = vload(qf + d * kLanes);
     for (int j = 0; j < TN; ++j) a[j] += qv * widen(k[j * tok_stride + d]);
   }
-  for (int j = 0; j < TN; ++j) store16(sc + j * kLanes, a[j]);
+  for (int j = 0; j < TN; ++j) vstore(sc + j * kLanes, a[j]);
 }
 
 #if defined(__AVX512BF16__)
@@ -104,49 +107,49 @@ void group_scores(Scratch& s, const Geometry& g, int64_t group_index, const T* k
   for (; t < n; ++t) score_tokens<T, 1>(qf, kb + t * g.kv_tok_stride, g.kv_tok_stride, g.head_dim, sc + t * kLanes);
 }
 
-// --- online softmax over one block, 16 rows at once ---------------------------------------------------
+// --- online softmax over one block, kLanes rows at once ----------------------------------------------
 
 // sc[t] (t < n) become exp(sc - new max), zero where a lane's row sits before token t (t >= visible);
 // the group's running max m and sum l are updated. Returns alpha, the factor for the old accumulators.
-inline f32x16 group_softmax(float* sc, int64_t n, i32x16 visible, bool masked, float* m, float* l) {
-  const f32x16 minus_inf = splat(-std::numeric_limits<float>::infinity());
-  const f32x16 m_old = load16(m);
-  f32x16 mx = m_old;
+inline fvec group_softmax(float* sc, int64_t n, ivec visible, bool masked, float* m, float* l) {
+  const fvec minus_inf = splat(-std::numeric_limits<float>::infinity());
+  const fvec m_old = vload(m);
+  fvec mx = m_old;
   for (int64_t t = 0; t < n; ++t) {
-    f32x16 x = load16(sc + t * kLanes);
+    fvec x = vload(sc + t * kLanes);
     if (masked) {
-      x = (i32x16{} + static_cast<int32_t>(t)) >= visible ? minus_inf : x;
-      store16(sc + t * kLanes, x);
+      x = (ivec{} + static_cast<int32_t>(t)) >= visible ? minus_inf : x;
+      vstore(sc + t * kLanes, x);
     }
     mx = vmax(mx, x);
   }
-  f32x16 sum{};
-  for (int64_t t = 0; t < n; ++t) {  // exp(-inf - mx) is exp16's clamp, 1e-38: below any weight that counts
-    const f32x16 p = exp16(load16(sc + t * kLanes) - mx);
-    store16(sc + t * kLanes, p);
+  fvec sum{};
+  for (int64_t t = 0; t < n; ++t) {  // exp(-inf - mx) is vexp's clamp, 1e-38: below any weight that counts
+    const fvec p = vexp(vload(sc + t * kLanes) - mx);
+    vstore(sc + t * kLanes, p);
     sum += p;
   }
-  const f32x16 alpha = exp16(m_old - mx);  // m starts at -1e30, not -inf: no inf - inf
-  store16(m, mx);
-  store16(l, load16(l) * alpha + sum);
+  const fvec alpha = vexp(m_old - mx);  // m starts at -1e30, not -inf: no inf - inf
+  vstore(m, mx);
+  vstore(l, vload(l) * alpha + sum);
   return alpha;
 }
 
-// --- values: acc = acc * alpha + P V, R rows x C chunks of 16 dims in registers ----------------------
+// --- values: acc = acc * alpha + P V, R rows x C chunks of kLanes dims in registers -----------------
 
 template <typename T, int R, int C>
 inline void weigh_values(float* acc, int64_t head_dim, const float* alpha, const float* p, const T* v,
                          int64_t tok_stride, int64_t n) {
-  f32x16 a[R][C];
+  fvec a[R][C];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) a[r][c] = load16(acc + r * head_dim + c * kLanes) * alpha[r];
+    for (int c = 0; c < C; ++c) a[r][c] = vload(acc + r * head_dim + c * kLanes) * alpha[r];
   for (int64_t t = 0; t < n; ++t)
     for (int c = 0; c < C; ++c) {
-      const f32x16 vv = load16(v + t * tok_stride + c * kLanes);
+      const fvec vv = vload(v + t * tok_stride + c * kLanes);
       for (int r = 0; r < R; ++r) a[r][c] += p[t * kLanes + r] * vv;
     }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) store16(acc + r * head_dim + c * kLanes, a[r][c]);
+    for (int c = 0; c < C; ++c) vstore(acc + r * head_dim + c * kLanes, a[r][c]);
 }
 
 #if defined(__AVX512BF16__)
@@ -207,9 +210,9 @@ inline void weigh_chunks(Scratch& s, const Geometry& g, float* acc, const float*
 }
 
 template <typename T>
-void group_values(Scratch& s, const Geometry& g, int64_t group_index, const T* vb, int64_t n, f32x16 alpha) {
+void group_values(Scratch& s, const Geometry& g, int64_t group_index, const T* vb, int64_t n, fvec alpha) {
   alignas(64) float alphas[kLanes];
-  store16(alphas, alpha);
+  vstore(alphas, alpha);
 #if defined(__AVX512BF16__)
   if constexpr (native_bf16<T>()) pair_weights(s, s.scores.data(), n);
 #endif
@@ -230,7 +233,7 @@ static_assert(kChunksInFlight == 4, "group_values dispatches 1 .. 4 chunks");
 
 // --- one work item ------------------------------------------------------------------------------------
 
-// The query of row r (of `rows`, grouped by 16) in the layout the score loop takes.
+// The query of row r (of `rows`, grouped by kLanes) in the layout the score loop takes.
 template <typename T>
 void load_query(Scratch& s, const Geometry& g, const T* src, int64_t r) {
   const int64_t group_index = r / kLanes, lane = r % kLanes;
@@ -279,11 +282,11 @@ void attend_many(const WorkItem& w, const Geometry& g, const T* q, const T* k_ca
       const int64_t last = first_pos + std::min(rows - 1, gi * kLanes + kLanes - 1) / g.group;
       if (last < t0) continue;  // no row of this group reaches this block
       const int64_t n = std::min(nt, last - t0 + 1);  // tokens the group's last row sees
-      i32x16 visible;
+      ivec visible;
       std::memcpy(&visible, row_pos.data() + gi * kLanes, sizeof visible);
       visible -= static_cast<int32_t>(t0 - 1);
       group_scores(s, g, gi, k_cache + base, n);
-      const f32x16 alpha = group_softmax(s.scores.data(), n, visible, first - t0 + 1 < n, s.m.data() + gi * kLanes,
+      const fvec alpha = group_softmax(s.scores.data(), n, visible, first - t0 + 1 < n, s.m.data() + gi * kLanes,
                                          s.l.data() + gi * kLanes);
       group_values(s, g, gi, v_cache + base, n, alpha);
     }

@@ -9,12 +9,12 @@
 // together, so each K/V block is read once per group (GQA without repeating K/V). Scores go through
 // an online softmax per cache block, as in flash attention. Math is fp32 whatever the cache dtype.
 //
-// Two paths, both written with GCC vector extensions (16 floats: one AVX-512 register, two AVX2 ones,
-// four NEON ones), so one source serves every CPU the build runs on:
+// Two paths, both written with GCC vector extensions (vec.h: 16 floats on AVX-512 and NEON, 8 on AVX2),
+// so one source serves every CPU the build runs on:
 // - few rows (decode: one token's query heads; few_rows.h) scores the whole context straight from the
 //   cache rows, takes one exact softmax, then sums V with its accumulators in registers; it is bound
 //   by memory bandwidth;
-// - many rows (a prefill chunk; many_rows.h) puts 16 query rows in the 16 lanes of a vector and
+// - many rows (a prefill chunk; many_rows.h) puts query rows in the lanes of a vector and
 //   broadcasts K and V elements from the cache into multiply-adds; over a bf16 cache on a CPU with
 //   AVX512_BF16 it uses the native bf16 dot product. It is bound by arithmetic.
 #include <ATen/ATen.h>
@@ -33,7 +33,7 @@
 #include "attention_common.h"
 #include "few_rows.h"
 #include "many_rows.h"
-#include "vec16.h"
+#include "vec.h"
 
 namespace {
 
@@ -104,7 +104,7 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
   const int64_t heads = q.size(1), head_dim = q.size(2);
   const int64_t kv_heads = key_cache.size(2), block_size = key_cache.size(1);
   TORCH_CHECK(key_cache.size(3) == head_dim && heads % kv_heads == 0, "head counts or head_dim do not match");
-  TORCH_CHECK(head_dim % kLanes == 0 && head_dim <= 256, "head_dim must be a multiple of 16, at most 256");
+  TORCH_CHECK(head_dim % 16 == 0 && head_dim <= 256, "head_dim must be a multiple of 16, at most 256");
   const Geometry g{q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
                    heads / kv_heads, head_dim, block_size, heads * head_dim, static_cast<float>(scale)};
   const int64_t queries_per_tile = std::max<int64_t>(1, kRowsPerTile / g.group);

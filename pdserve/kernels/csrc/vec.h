@@ -1,5 +1,8 @@
-// 16-float vectors with GCC vector extensions: one AVX-512 register, two AVX2 ones, four NEON ones.
-// The kernels are written against these so one source builds for every CPU (-march=native).
+// Float vectors of one machine register, with GCC vector extensions: 16 floats on AVX-512 (and on
+// NEON, as four registers of its 32), 8 on x86 without AVX-512. The kernels are written against these
+// so one source builds for every CPU (-march=native). The width matters on AVX2: a 16-float vector
+// there is two of its 16 registers, and kernels that keep a dozen of them in flight spilled to the
+// stack (a 2,048-token fp32 prefill ran 10x slower than SDPA on a Zen 3 box).
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -12,43 +15,47 @@
 
 namespace pdserve {
 
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-
+#if defined(__x86_64__) && !defined(__AVX512F__)
+constexpr int64_t kLanes = 8;
+#else
 constexpr int64_t kLanes = 16;
+#endif
 
-inline f32x16 splat(float x) { return f32x16{} + x; }
+typedef float fvec __attribute__((vector_size(kLanes * 4)));
+typedef int32_t ivec __attribute__((vector_size(kLanes * 4)));
+typedef uint32_t uvec __attribute__((vector_size(kLanes * 4)));
+typedef uint16_t hvec __attribute__((vector_size(kLanes * 2)));  // kLanes bf16 or fp16 bit patterns
 
-inline f32x16 load16(const float* p) {
-  f32x16 v;
+inline fvec splat(float x) { return fvec{} + x; }
+
+inline fvec vload(const float* p) {
+  fvec v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
 
-inline f32x16 load16(const c10::BFloat16* p) {
-  u16x16 h;
+inline fvec vload(const c10::BFloat16* p) {
+  hvec h;
   std::memcpy(&h, p, sizeof h);
-  return (f32x16)(__builtin_convertvector(h, u32x16) << 16);
+  return (fvec)(__builtin_convertvector(h, uvec) << 16);
 }
 
-inline f32x16 load16(const c10::Half* p) {
-  f32x16 v;
+inline fvec vload(const c10::Half* p) {
+  fvec v;
   for (int i = 0; i < kLanes; ++i) v[i] = static_cast<float>(p[i]);
   return v;
 }
 
-inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
+inline void vstore(float* p, fvec v) { std::memcpy(p, &v, sizeof v); }
 
-inline void store16(c10::BFloat16* p, f32x16 v) {  // round to nearest even, as c10::BFloat16 does
-  const u32x16 bits = (u32x16)v;
-  const u32x16 rounded = (bits + ((bits >> 16) & 1u) + 0x7FFFu) >> 16;
-  const u16x16 h = __builtin_convertvector(rounded, u16x16);
+inline void vstore(c10::BFloat16* p, fvec v) {  // round to nearest even, as c10::BFloat16 does
+  const uvec bits = (uvec)v;
+  const uvec rounded = (bits + ((bits >> 16) & 1u) + 0x7FFFu) >> 16;
+  const hvec h = __builtin_convertvector(rounded, hvec);
   std::memcpy(p, &h, sizeof h);
 }
 
-inline void store16(c10::Half* p, f32x16 v) {
+inline void vstore(c10::Half* p, fvec v) {
   for (int i = 0; i < kLanes; ++i) p[i] = static_cast<c10::Half>(v[i]);
 }
 
@@ -64,17 +71,32 @@ inline float widen(c10::BFloat16 x) {
 typedef float f32x8 __attribute__((vector_size(32)));
 typedef float f32x4 __attribute__((vector_size(16)));
 
-inline float hsum(f32x16 v) {  // a log tree of halves: 4 shuffles and 4 adds
+inline float hsum(fvec v) {  // a log tree of halves
+#if defined(__x86_64__) && !defined(__AVX512F__)
+  const f32x8 a = v;
+#else
   const f32x8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
                   __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#endif
   const f32x4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-// out[i] = the sum of v[i]'s lanes, for 16 vectors at once: a transpose tree of 45 shuffles and adds
-// where 16 separate horizontal sums take 128.
-inline f32x16 reduce16(const f32x16* v) {
-  f32x16 a[8], b[4], c[2];
+// out[i] = the sum of v[i]'s lanes, for kLanes vectors at once: a transpose tree of shuffles and adds
+// (45 for 16 vectors, where 16 separate horizontal sums take 128).
+inline fvec reduce_lanes(const fvec* v) {
+#if defined(__x86_64__) && !defined(__AVX512F__)
+  fvec b[4], c[2];
+  for (int i = 0; i < 4; ++i)  // b[i]: 4 partial sums of v[2i], then 4 of v[2i + 1]
+    b[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int i = 0; i < 2; ++i)  // c[i]: 2 each of v[4i .. 4i + 3]
+    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+  return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+         __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15);
+#else
+  fvec a[8], b[4], c[2];
   for (int i = 0; i < 8; ++i)  // a[i]: 8 partial sums of v[2i], then 8 of v[2i + 1]
     a[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
            __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
@@ -86,11 +108,12 @@ inline f32x16 reduce16(const f32x16* v) {
            __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
   return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
          __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#endif
 }
 
-inline f32x16 vmax(f32x16 a, f32x16 b) { return a > b ? a : b; }
+inline fvec vmax(fvec a, fvec b) { return a > b ? a : b; }
 
-inline float hmax(f32x16 v) {
+inline float hmax(fvec v) {
   float m = v[0];
   for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
   return m;
@@ -98,30 +121,30 @@ inline float hmax(f32x16 v) {
 
 // exp(x) for x in [-87, 88] (clamped): 2^(x log2 e) = 2^n * e^f with n = round(x log2 e), |f| <= ln2 / 2,
 // e^f by its Taylor series to f^7 (relative error below 1e-8 before rounding).
-inline f32x16 exp16(f32x16 x) {
+inline fvec vexp(fvec x) {
   x = x < splat(-87.f) ? splat(-87.f) : x;
   x = x > splat(88.f) ? splat(88.f) : x;
-  const f32x16 t = x * 1.44269504088896341f;
-  const f32x16 half = t < splat(0.f) ? splat(-0.5f) : splat(0.5f);
-  const f32x16 n = __builtin_convertvector(__builtin_convertvector(t + half, i32x16), f32x16);
-  const f32x16 f = (t - n) * 0.69314718055994531f;
-  f32x16 p = splat(1.f / 5040) * f + 1.f / 720;
+  const fvec t = x * 1.44269504088896341f;
+  const fvec half = t < splat(0.f) ? splat(-0.5f) : splat(0.5f);
+  const fvec n = __builtin_convertvector(__builtin_convertvector(t + half, ivec), fvec);
+  const fvec f = (t - n) * 0.69314718055994531f;
+  fvec p = splat(1.f / 5040) * f + 1.f / 720;
   p = p * f + 1.f / 120;
   p = p * f + 1.f / 24;
   p = p * f + 1.f / 6;
   p = p * f + 0.5f;
   p = p * f + 1.f;
   p = p * f + 1.f;
-  const i32x16 bits = (__builtin_convertvector(n, i32x16) + 127) << 23;
-  return p * (f32x16)bits;
+  const ivec bits = (__builtin_convertvector(n, ivec) + 127) << 23;
+  return p * (fvec)bits;
 }
 
 // In place: s[0..n) = exp(s - m); returns their sum. Lanes past n are left alone.
 inline float exp_sum(float* s, int64_t n, float m) {
-  f32x16 sum{};
+  fvec sum{};
   int64_t t = 0;
   for (; t + kLanes <= n; t += kLanes) {
-    const f32x16 e = exp16(load16(s + t) - m);
+    const fvec e = vexp(vload(s + t) - m);
     std::memcpy(s + t, &e, sizeof e);
     sum += e;
   }
