@@ -464,3 +464,27 @@ def test_d_asks_p_only_for_the_blocks_its_prefix_cache_lacks(buffer_blocks):
             side.conn.close()
             side.service.sock.close()
         ctx.term()
+
+
+def test_p_renews_the_lease_from_inside_a_step_that_outlasts_it(pd):
+    """A prefill step on a slow CPU can last longer than D's lease. The engine calls during_step while
+    it waits on the worker: P renews from there, D keeps its blocks, and the messager keeps writing."""
+    p, d = pd
+    tid, rp, rd = submit(p, d)
+    pump(p, d, lambda: p.conn.phase_of(tid) is PrefillPhase.SCHEDULED)
+    out = p.scheduler.schedule()
+    assert len(p.conn.transfers(out.chunks)) == 1  # the step starts: the messager knows the transfer
+    for _ in range(6):  # two leases go by inside the step; P's engine loop does not poll meanwhile
+        p.clock.now += LEASE / 3 + 0.1
+        d.clock.now += LEASE / 3 + 0.1
+        p.conn.during_step()
+        deadline = time.monotonic() + 5
+        while d.conn._by_tid[tid].lease_deadline < d.clock.now + LEASE / 2:  # the renewal reaches D
+            assert time.monotonic() < deadline, "no renewal reached D"
+            assert d.conn.poll() == []
+            time.sleep(0.002)
+    assert d.conn.phase_of(tid) is DecodePhase.PREALLOCATED and d.free_blocks == d.num_blocks - 3
+    assert [deadline for t, deadline in p.service.extended if t == tid][-1] > p.clock.now + LEASE / 2
+    p.scheduler.update(out, {rp.request_id: 42})  # the step ends: the transfer is still alive on both sides
+    p.conn.on_prefilled(rp, 42, None)
+    assert p.conn.poll() == [] and p.conn.phase_of(tid) is PrefillPhase.PREFILLED

@@ -49,6 +49,9 @@ class ConnectorBase:
         self.clock = clock  # time.time; tests pass a fake one
         self.stats = TransferStats()
 
+    def during_step(self) -> None:
+        """Nothing by default; the prefill side renews D's leases (see PrefillConnector)."""
+
     def _fail_request(self, request: Request, error: str) -> RequestOutput:
         self.stats.transfers_failed += 1
         log.warning("request %s: %s", request.request_id, error)

@@ -31,7 +31,8 @@ Decode instance (D), one `DecodePhase` per transfer (decode_connector.py):
 
 Lease rules (times are D's --pd-transfer-timeout, the lease):
 - D gives its blocks up when *prefill done* has not come within one lease of the last sign of P
-  (cache info sent, or P's LeaseRenew, which P sends every third of a lease while it holds the request).
+  (cache info sent, or P's LeaseRenew, which P sends every third of a lease while it holds the request,
+  from inside a long step too: the engine calls the connector's during_step while the worker runs).
 - P stops writing LEASE_MARGIN before D's lease ends (by D's clock and by receipt, whichever is earlier).
 - Blocks D gives up stay quarantined until P can no longer be writing into them (lease end plus
   QUARANTINE_GRACE), so a late write never lands in another request's blocks.

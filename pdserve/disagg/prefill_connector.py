@@ -262,8 +262,12 @@ class PrefillConnector(ConnectorBase):
         if t.first_write is not None and r.times.first_scheduled is not None:
             self.stats.seconds.append(t.last_write - r.times.first_scheduled)
 
-    def _expire(self) -> list[RequestOutput]:
-        now = self.clock()
+    def during_step(self) -> None:
+        """A step (a long prefill on a slow CPU) may outlast D's lease: renew while it runs, or D gives
+        the blocks up and the messager stops writing before the step is done."""
+        self._renew_leases(self.clock())
+
+    def _renew_leases(self, now: float) -> None:
         for out in self._by_tid.values():
             if out.phase in (Phase.SCHEDULED, Phase.PREFILLED, Phase.KV_WRITTEN) and now - out.renewed > out.lease / 3:
                 # Counted from the send: D extends from receipt, so P's deadline never passes D's.
@@ -271,6 +275,10 @@ class PrefillConnector(ConnectorBase):
                 out.renewed, out.deadline = now, now + out.lease - LEASE_MARGIN
                 if out.started_writing:  # the messager may lag the worker: it must know too
                     self.service.extend_deadline(out.transfer_id, out.deadline)
+
+    def _expire(self) -> list[RequestOutput]:
+        now = self.clock()
+        self._renew_leases(now)
         outputs = []
         for out in list(self._by_tid.values()):
             if out.phase is Phase.AWAITING_CACHE_INFO and now > out.wait_deadline:

@@ -183,7 +183,7 @@ class EngineCore:
         step = ExecuteStep(new_requests, self._finished_on_worker, chunks, transfers)
         self._finished_on_worker = []
         try:
-            result = self.worker.execute(step)
+            result = self.worker.execute(step, while_waiting=self.connector.during_step)
         except RuntimeError as e:
             if not self.worker.alive():
                 raise

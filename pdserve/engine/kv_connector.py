@@ -47,6 +47,10 @@ class KVConnector(Protocol):
     def next_deadline(self) -> float | None:
         """The earliest moment poll() has something to do without a message (unix time)."""
 
+    def during_step(self) -> None:
+        """Called every few ms while the worker runs a step, whose length has no bound: keep what must
+        not lapse meanwhile (P's lease renewals) alive. Nothing else of the engine's state may change."""
+
     def stats_dict(self) -> dict:
         """Counters for /metrics."""
 
@@ -75,6 +79,9 @@ class NoConnector:
 
     def next_deadline(self) -> float | None:
         return None
+
+    def during_step(self) -> None:
+        pass
 
     def stats_dict(self) -> dict:
         return {}

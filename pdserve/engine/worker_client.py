@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import zmq
 
 from pdserve.config import EngineConfig
@@ -45,9 +47,10 @@ class WorkerClient:
         assert isinstance(msg, WorkerReady)
         return msg
 
-    def execute(self, step: ExecuteStep) -> StepResult:
+    def execute(self, step: ExecuteStep, while_waiting: Callable[[], None] | None = None) -> StepResult:
+        """Run one step; `while_waiting` runs every 50 ms of it (a step can outlast a PD lease)."""
         self.child.send(step)
-        msg = self.child.receive(None, what="finish a step")
+        msg = self.child.receive(None, what="finish a step", while_waiting=while_waiting, poll_ms=50)
         if isinstance(msg, WorkerError):
             raise RuntimeError(msg.error)
         assert isinstance(msg, StepResult)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import msgspec
 import zmq
@@ -41,9 +42,13 @@ class ChildProcess:
                 raise ChildDied(f"the {self.name} process did not connect within {timeout:.0f} s")
         self.sock.send(self._encoder.encode(msg))
 
-    def receive(self, timeout: float | None, what: str) -> object:
+    def receive(self, timeout: float | None, what: str, while_waiting: Callable[[], None] | None = None,
+                poll_ms: int | None = None) -> object:
+        """The child's next message; `while_waiting` runs every `poll_ms` until it comes."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not self.sock.poll(self.POLL_MS):
+        while not self.sock.poll(poll_ms or self.POLL_MS):
+            if while_waiting is not None:
+                while_waiting()
             raise_if_stopping()
             if not self.alive():
                 raise ChildDied(f"the {self.name} process exited (code {self.proc.returncode}) before it could {what}")
