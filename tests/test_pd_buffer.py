@@ -121,9 +121,9 @@ def test_the_buffer_flag_on_a_prefill_instance_exits_2() -> None:
 def test_decode_killed_with_requests_in_its_buffer_leaves_prefill_whole(tmp_path: Path) -> None:
     before = segments()
     router = Router(tmp_path / "router")
-    # The lease must outlast P's longest step: on a 2-core AVX2 box (fp32, D beside P) the first step of
-    # six 128-token prompts outlasted a 4 s lease, and every transfer failed before D could be killed.
-    reg = ["--router", router.url, "--cache-transfer-protocol", "ipc", "--pd-transfer-timeout", "10"]
+    # A short lease, so P gives up soon after D dies. On a slow box P's first step (six 128-token prompts,
+    # fp32, D beside P) outlasted it in stop 21 and every transfer failed; P now renews from inside a step.
+    reg = ["--router", router.url, "--cache-transfer-protocol", "ipc", "--pd-transfer-timeout", "4"]
     p = Server(tmp_path / "p", "--splitwise-role", "prefill", "--num-gpu-blocks-override", "200", *reg, *COMMON,
                "--max-num-batched-tokens", "1280", wait=False)
     d = Server(tmp_path / "d", "--splitwise-role", "decode", "--num-gpu-blocks-override", "16",
