@@ -32,11 +32,15 @@ namespace pdserve {
 static_assert(kLanes == 16, "the native bf16 paths hold 16 rows in one __m512");
 #endif
 
-constexpr int kTokensInFlight = 8;  // score accumulators: 8 registers
 #if defined(__AVX512F__)
-constexpr int kRowsInFlight = 4;  // PV accumulators: 4 rows x 4 chunks of kLanes dims, 16 of 32 registers
+constexpr int kTokensInFlight = 8;  // score accumulators: 8 of 32 registers
+constexpr int kRowsInFlight = 4;    // PV accumulators: 4 rows x 4 chunks of kLanes dims, 16 of 32 registers
+#elif defined(__x86_64__)
+constexpr int kTokensInFlight = 8;  // AVX2, 8-float vectors: 8 of 16 registers
+constexpr int kRowsInFlight = 2;    // 2 x 4 = 8 of 16, beside the V chunks being read
 #else
-constexpr int kRowsInFlight = 2;  // 2 x 4 = 8 of AVX2's 16 registers, beside the V chunks being read
+constexpr int kTokensInFlight = 4;  // NEON: a 16-float vector is 4 of its 32 registers (unmeasured)
+constexpr int kRowsInFlight = 2;
 #endif
 constexpr int kChunksInFlight = 4;
 
