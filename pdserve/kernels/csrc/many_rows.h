@@ -35,7 +35,7 @@ static_assert(kLanes == 16, "the native bf16 paths hold 16 rows in one __m512");
 #if defined(__AVX512F__)
 constexpr int kTokensInFlight = 8;  // score accumulators: 8 of 32 registers
 constexpr int kRowsInFlight = 4;    // PV accumulators: 4 rows x 4 chunks of kLanes dims, 16 of 32 registers
-#elif defined(__x86_64__)
+#elif defined(PDSERVE_VEC8)
 constexpr int kTokensInFlight = 8;  // AVX2, 8-float vectors: 8 of 16 registers
 constexpr int kRowsInFlight = 2;    // 2 x 4 = 8 of 16, beside the V chunks being read
 #else

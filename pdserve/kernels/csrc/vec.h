@@ -1,8 +1,8 @@
 // Float vectors of one machine register, with GCC vector extensions: 16 floats on AVX-512 (and on
 // NEON, as four registers of its 32), 8 on x86 without AVX-512. The kernels are written against these
 // so one source builds for every CPU (-march=native). The width matters on AVX2: a 16-float vector
-// there is two of its 16 registers, and kernels that keep a dozen of them in flight spilled to the
-// stack (a 2,048-token fp32 prefill ran 10x slower than SDPA on a Zen 3 box).
+// there is two of its 16 registers, too few for the dozen the kernels keep in flight (a 2,048-token
+// fp32 prefill's attention ran 11x slower than SDPA on a Zen 3 box; with 8-float vectors, 1.1x faster).
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -16,6 +16,10 @@
 namespace pdserve {
 
 #if defined(__x86_64__) && !defined(__AVX512F__)
+#define PDSERVE_VEC8 1  // AVX2: 8-float vectors (many_rows.h's register budgets key on this too)
+#endif
+
+#if defined(PDSERVE_VEC8)
 constexpr int64_t kLanes = 8;
 #else
 constexpr int64_t kLanes = 16;
@@ -72,7 +76,7 @@ typedef float f32x8 __attribute__((vector_size(32)));
 typedef float f32x4 __attribute__((vector_size(16)));
 
 inline float hsum(fvec v) {  // a log tree of halves
-#if defined(__x86_64__) && !defined(__AVX512F__)
+#if defined(PDSERVE_VEC8)
   const f32x8 a = v;
 #else
   const f32x8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
@@ -85,7 +89,7 @@ inline float hsum(fvec v) {  // a log tree of halves
 // out[i] = the sum of v[i]'s lanes, for kLanes vectors at once: a transpose tree of shuffles and adds
 // (45 for 16 vectors, where 16 separate horizontal sums take 128).
 inline fvec reduce_lanes(const fvec* v) {
-#if defined(__x86_64__) && !defined(__AVX512F__)
+#if defined(PDSERVE_VEC8)
   fvec b[4], c[2];
   for (int i = 0; i < 4; ++i)  // b[i]: 4 partial sums of v[2i], then 4 of v[2i + 1]
     b[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
