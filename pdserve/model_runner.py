@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import gc
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -72,9 +72,32 @@ class ModelRunner:
 
     def logits(self, chunks: list[SequenceChunk], is_dummy_or_profile_run: bool = False,
                on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
+        """[len(chunks), vocab]: the logits after each chunk's last token."""
+        return self._forward(chunks, is_dummy_or_profile_run, on_layer_done, ())
+
+    def logits_with_prompt(self, chunks: list[SequenceChunk], full_logits: Sequence[int],
+                           on_layer_done: Callable[[int], None] | None = None
+                           ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """As `logits`, plus {chunk index: [chunk tokens, vocab]} for the chunks in `full_logits`."""
+        out = self._forward(chunks, False, on_layer_done, full_logits)
+        if not full_logits:
+            return out, {}
+        full, last, offset = set(full_logits), [], 0
+        per_chunk: dict[int, torch.Tensor] = {}
+        for i, chunk in enumerate(chunks):
+            n = len(chunk.token_ids) if i in full else 1
+            if i in full:
+                per_chunk[i] = out[offset:offset + n]
+            last.append(offset + n - 1)
+            offset += n
+        return out[torch.tensor(last, device=out.device)], per_chunk
+
+    def _forward(self, chunks: list[SequenceChunk], is_dummy_or_profile_run: bool,
+                 on_layer_done: Callable[[int], None] | None, full_logits: Sequence[int]) -> torch.Tensor:
         # A profile run has no cache to read in place, so it takes the gather + SDPA path.
         with_fallback = is_dummy_or_profile_run or not self.model.uses_paged_kernel
-        batch = ForwardBatch.build(chunks, self.block_size, self.device, is_dummy_or_profile_run, with_fallback)
+        batch = ForwardBatch.build(chunks, self.block_size, self.device, is_dummy_or_profile_run, with_fallback,
+                                   full_logits)
         if is_dummy_or_profile_run:  # seed 001, bug 2: a dummy run signals nothing to anyone
             return self.model(batch, None)
         return self.model(batch, self.kv_cache, on_layer_done)

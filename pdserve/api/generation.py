@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
@@ -24,6 +25,18 @@ class ChoiceDelta:
     token_ids: list[int]
     logprobs: list[TokenLogprobs]
     finish_reason: str | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None  # with the first delta, when asked for
+
+
+@dataclass
+class AnswerShape:
+    """What the answer carries besides generated text."""
+
+    tool_parser: Callable[[], Any] | None = None  # chat with tools: reads tool calls back from the text
+    tools_forced: bool = False  # tool_choice required or named: the answer is calls only
+    echo: bool = False  # completions: the prompt's text (and logprobs) first
+    generate: bool = True  # False: echo with max_tokens 0 (one token is computed, none returned)
+    prompt_logprobs_field: bool = False  # the client sent prompt_logprobs: answer vLLM's field
 
 
 @dataclass
@@ -38,6 +51,7 @@ class Generation:
     times: dict[int, RequestTimes] = field(default_factory=dict)
     finish_reasons: dict[int, str] = field(default_factory=dict)
     pd: PDParams | None = None  # a PD request: each choice i is transfer `{transfer_id}-{i}`
+    shape: AnswerShape = field(default_factory=lambda: AnswerShape())
 
     def usage(self) -> dict:
         prompt = len(self.prompt_token_ids)
@@ -87,7 +101,8 @@ async def generate_choices(engine: AsyncEngine, tokenizer: Tokenizer, gen: Gener
                     gen.times[index] = out.times
                     if index == 0:
                         gen.num_cached_tokens = out.num_cached_tokens
-                await queue.put(ChoiceDelta(index, text, out.new_token_ids, out.new_logprobs or [], finish))
+                await queue.put(ChoiceDelta(index, text, out.new_token_ids, out.new_logprobs or [], finish,
+                                            out.prompt_logprobs))
                 if finish is not None:
                     gen.finish_reasons[index] = finish
                     return

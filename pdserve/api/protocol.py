@@ -1,22 +1,115 @@
-"""OpenAI request bodies (pydantic, so bad input becomes a 400 naming the field)."""
+"""OpenAI request bodies (pydantic, so bad input becomes a 400 naming the field).
+
+Fields that do not change the answer (user, metadata, store, ...) are accepted and ignored; a known
+OpenAI or vLLM field that would change it and is not implemented is refused with a 400 naming it
+(`REFUSED`), never dropped. docs/api.md lists both.
+"""
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from pdserve.http.chat_content import text_content
 from pdserve.http.wire import PDRequest
 from pdserve.sampling import SamplingParams
+from pdserve.structured.spec import StructuredOutput
+
+# field -> why it is refused; a request may still send the field's neutral value (`NEUTRAL`)
+REFUSED: dict[str, str] = {
+    "best_of": "best_of is not supported; send n requests",
+    "use_beam_search": "beam search is not supported",
+    "length_penalty": "length_penalty applies to beam search, which is not supported",
+    "suffix": "suffix (insertion) is not supported",
+    "functions": "the deprecated `functions` is not supported; send `tools`",
+    "function_call": "the deprecated `function_call` is not supported; send `tool_choice`",
+    "audio": "audio output is not supported: this server serves text",
+    "modalities": "only the text modality is supported",
+    "prediction": "predicted outputs are not supported",
+    "web_search_options": "web search is not supported",
+    "reasoning_effort": "reasoning_effort is not supported: the served model does not reason",
+    "verbosity": "verbosity is not supported",
+    "bad_words": "bad_words is not supported; use logit_bias",
+    "logits_processors": "custom logits processors are not supported",
+    "include_stop_str_in_output": "include_stop_str_in_output is not supported",
+    "truncate_prompt_tokens": "truncate_prompt_tokens is not supported",
+    "spaces_between_special_tokens": "spaces_between_special_tokens=false is not supported",
+    "continue_final_message": "continue_final_message is not supported",
+    "chat_template": "a per-request chat_template is not supported",
+    "documents": "documents are not supported",
+    "mm_processor_kwargs": "multimodal inputs are not supported",
+    "return_tokens_as_token_ids": "return_tokens_as_token_ids is not supported",
+    "return_token_ids": "return_token_ids is not supported",
+    "priority": "request priorities are not supported",
+    "kv_transfer_params": "kv_transfer_params is vLLM's connector API; pdserve's router pairs P and D",
+    "vllm_xargs": "vllm_xargs is not supported",
+}
+NEUTRAL: dict[str, Any] = {"best_of": 1, "use_beam_search": False, "length_penalty": 1.0, "modalities": ["text"],
+                           "spaces_between_special_tokens": True, "continue_final_message": False,
+                           "include_stop_str_in_output": False, "return_tokens_as_token_ids": False,
+                           "return_token_ids": False, "priority": 0}
+# accepted and ignored: they do not change the answer
+IGNORED = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier", "request_id",
+           "guided_decoding_backend", "parallel_tool_calls_hint", "cache_salt", "add_special_tokens")
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsParams(BaseModel):
+    """vLLM's `structured_outputs` (exactly one of json, regex, choice, grammar, json_object)."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict[str, Any] | str | bool | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool | None = None
+    whitespace_pattern: str | None = None
+    structural_tag: Any = None
+
+    @field_validator("structural_tag")
+    @classmethod
+    def _no_structural_tag(cls, v: Any) -> Any:
+        if v is not None:
+            raise ValueError("structural_tag is not supported")
+        return v
+
+
+def _spec(kind: str, value: Any, flexible: bool, pattern: str | None) -> StructuredOutput:
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
+        value = json.dumps(value)
+    elif kind == "choice":
+        value = json.dumps(list(value))
+    return StructuredOutput(kind=kind, value=value, whitespace_flexible=flexible, whitespace_pattern=pattern)
+
+
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="allow")  # unknown OpenAI fields (user, ...) are accepted and ignored
+    model_config = ConfigDict(extra="allow")  # unknown fields (user, metadata, ...) are accepted and ignored
 
     model: str | None = None
     n: int = Field(1, ge=1, le=16)
@@ -35,11 +128,73 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = Field(None, min_length=1)
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
     collect_metrics: bool = False  # pdserve: per-request server timestamps in the response
     pd: PDRequest | None = None  # pdserve: set by the router on requests to prefill/decode instances
 
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, why in REFUSED.items():
+                if name in data and data[name] is not None and data[name] != NEUTRAL.get(name, object()):
+                    raise PydanticCustomError("refused_field", "{field}: {why}", {"field": name, "why": why})
+        return data
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v is not None:
+            for key, value in v.items():
+                if not key.lstrip("-").isdigit():
+                    raise ValueError(f"logit_bias keys are token ids, got {key!r}")
+                if not -100 <= value <= 100:
+                    raise ValueError(f"logit_bias values must be in [-100, 100], got {value} for token {key}")
+        return v
+
+    def structured_spec(self) -> StructuredOutput | None:
+        """The one output constraint this request asks for (ValueError if it asks for several)."""
+        found: list[StructuredOutput] = []
+        pattern = self.guided_whitespace_pattern
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(_spec("json_object", "", False, pattern))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.json_schema is None:
+                raise ValueError("response_format.json_schema.schema is required for type json_schema")
+            found.append(_spec("json", rf.json_schema.json_schema, False, pattern))
+        so = self.structured_outputs
+        if so is not None:
+            flexible = so.disable_any_whitespace is False
+            pattern = so.whitespace_pattern or pattern
+            given = [(k, v) for k, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                                         ("grammar", so.grammar)) if v is not None]
+            if so.json_object:
+                given.append(("json_object", ""))
+            if len(given) != 1:
+                raise ValueError("structured_outputs takes exactly one of json, regex, choice, grammar, json_object")
+            found.append(_spec(*given[0], flexible, pattern))
+        for kind, value in (("json", self.guided_json), ("regex", self.guided_regex),
+                            ("choice", self.guided_choice), ("grammar", self.guided_grammar)):
+            if value is not None:
+                found.append(_spec(kind, value, False, pattern))
+        if len(found) > 1:
+            raise ValueError("the request asks for more than one output constraint (response_format, "
+                             "structured_outputs, guided_*): send one")
+        return found[0] if found else None
+
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        defaults: dict[str, Any] | None = None) -> SamplingParams:
+                        defaults: dict[str, Any] | None = None,
+                        structured: StructuredOutput | None = None) -> SamplingParams:
         """`defaults` (the model's generation_config) fill what the request leaves out."""
         d = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, **(defaults or {})}
 
@@ -47,26 +202,60 @@ class _SamplingFields(BaseModel):
             value = getattr(self, name)
             return d[name] if value is None else value
 
+        bias = {int(k): float(v) for k, v in self.logit_bias.items()} if self.logit_bias else None
         return SamplingParams(
             temperature=pick("temperature"), top_p=pick("top_p"), top_k=pick("top_k"), min_p=pick("min_p"),
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=pick("repetition_penalty"), seed=self.seed, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
-            max_tokens=max_tokens, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens)
+            max_tokens=max_tokens, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
+            logit_bias=bias, allowed_token_ids=self.allowed_token_ids, structured=structured,
+            prompt_logprobs=self.prompt_logprobs)
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]] | None = None
     prompt_token_ids: list[int] | None = None  # pdserve: the prompt as token ids
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # 0 only with echo: score the prompt, generate nothing
     logprobs: int | None = Field(None, ge=0, le=20)
-    echo: Literal[False] = False
+    echo: bool = False
+
+    @model_validator(mode="after")
+    def _zero_tokens_only_with_echo(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: 0 is allowed only with echo (scoring the prompt)")
+        return self
+
+
+class ToolFunction(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"] = "function"
+    function: ToolFunction
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: dict[str, Any]
+
+    @property
+    def name(self) -> str:
+        return str(self.function.get("name", ""))
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: str
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
     @field_validator("content")
     @classmethod
@@ -82,3 +271,34 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    echo: Literal[False] = False
+
+    @model_validator(mode="after")
+    def _tool_choice_needs_tools(self) -> ChatCompletionRequest:
+        choice = self.tool_choice
+        if choice is not None and choice != "none" and choice != "auto" and not self.tools:
+            raise ValueError("tool_choice requires tools")
+        if isinstance(choice, NamedToolChoice) and choice.name not in {t.function.name for t in self.tools or []}:
+            raise ValueError(f"tool_choice names the function {choice.name!r}, which is not in tools")
+        return self
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages through the template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+    tools: list[Tool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[int]

@@ -1,32 +1,55 @@
 """An answer in OpenAI's shapes: a whole completion, or a stream of server-sent events, from the
-engine's choice deltas (generation.py); the completion and chat choice objects, logprobs included."""
+engine's choice deltas (generation.py); the completion and chat choice objects, logprobs, echoed
+prompts and tool calls included.
+
+A chat stream's first chunk (the assistant role) leaves with the first token, as vLLM's does: every
+benchmark client takes the first chunk for the first token.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from pdserve.api.generation import Generation, generate_choices
+from pdserve.api.generation import ChoiceDelta, Generation, generate_choices
 from pdserve.api.state import APIError, ServerState
 from pdserve.engine.engine_client import EngineError
 from pdserve.engine.messages import TokenLogprobs
 from pdserve.http.errors import error_body
+from pdserve.tools.parsers import ToolCall
+
+
+@dataclass
+class Choice:
+    """One choice, gathered (whole answers) or as one delta (streams)."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    finish_reason: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    call_offset: int = 0  # streams: the index of tool_calls[0] within the answer's calls
 
 
 async def complete(state: ServerState, body: Any, gen: Generation, params: Any, kind: str, make_choice: Any
                     ) -> JSONResponse:
-    texts = [""] * body.n
-    tokens: list[list[int]] = [[] for _ in range(body.n)]
-    logprobs: list[list[TokenLogprobs]] = [[] for _ in range(body.n)]
+    choices = [Choice(i) for i in range(body.n)]
     try:
         async for d in generate_choices(state.engine, state.tokenizer, gen, params, body.n):
-            texts[d.index] += d.text
-            tokens[d.index] += d.token_ids
-            logprobs[d.index] += d.logprobs
+            c = choices[d.index]
+            if d.prompt_logprobs is not None:
+                c.prompt_logprobs = d.prompt_logprobs
+            if gen.shape.generate:
+                c.text += d.text
+                c.token_ids += d.token_ids
+                c.logprobs += d.logprobs
     except asyncio.CancelledError:  # the client went away (_until_disconnect); the engine requests are aborted
         state.metrics.request_finished(gen, "abort")
         raise
@@ -37,10 +60,19 @@ async def complete(state: ServerState, body: Any, gen: Generation, params: Any, 
         state.metrics.request_finished(gen, "error")
         raise APIError(str(e)) from None
     state.metrics.request_finished(gen)
-    choices = [make_choice(state, i, texts[i], tokens[i], logprobs[i], gen.finish_reasons.get(i), params, False)
-               for i in range(body.n)]
+    for c in choices:
+        c.finish_reason = gen.finish_reasons.get(c.index)
+        if gen.shape.tool_parser is not None:
+            content, calls = gen.shape.tool_parser().parse(c.text)
+            if calls:
+                c.text, c.tool_calls = content or "", calls
+                c.finish_reason = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
+    if not gen.shape.generate:
+        gen.completion_tokens = 0
     out = {"id": gen.request_id, "object": kind, "created": int(gen.created), "model": state.model_name,
-           "choices": choices, "usage": gen.usage()}
+           "choices": [make_choice(state, gen, c, params, False) for c in choices], "usage": gen.usage()}
+    if kind == "chat.completion" and gen.shape.prompt_logprobs_field:
+        out["prompt_logprobs"] = _vllm_prompt_logprobs(state, gen, choices[0].prompt_logprobs)
     if body.collect_metrics:
         out["metrics"] = gen.metrics()
     return JSONResponse(out)
@@ -59,14 +91,34 @@ class StreamRelease:
             self.state.metrics.request_finished(self.gen, outcome)
 
 
+class _StreamedChoice:
+    """Per-choice state of a stream: whether its first chunk went out, its tool-call parser."""
+
+    def __init__(self, gen: Generation) -> None:
+        self.started = False
+        self.parser = gen.shape.tool_parser() if gen.shape.tool_parser is not None else None
+        self.num_calls = 0
+
+    def pieces(self, gen: Generation, d: ChoiceDelta) -> tuple[str, list[ToolCall]]:
+        if self.parser is None:
+            return d.text, []
+        text, calls = self.parser.feed(d.text)
+        if d.finish_reason is not None:
+            text += self.parser.finish()
+        if gen.shape.tools_forced or (self.num_calls or calls) and not text.strip():
+            text = ""  # the newlines between forced calls are not content
+        return text, calls
+
+
 async def stream(state: ServerState, body: Any, gen: Generation, params: Any, kind: str, make_choice: Any,
                   release: StreamRelease) -> AsyncIterator[str]:
     chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else kind
     include_usage = body.stream_options is not None and body.stream_options.include_usage
+    chat = kind == "chat.completion"
 
-    def event(choices: list[dict], usage: dict | None = None) -> str:
+    def event(choices: list[dict], usage: dict | None = None, **extra: Any) -> str:
         data: dict = {"id": gen.request_id, "object": chunk_kind, "created": int(gen.created),
-                      "model": state.model_name, "choices": choices}
+                      "model": state.model_name, "choices": choices, **extra}
         if include_usage:
             data["usage"] = usage
         if body.collect_metrics:
@@ -74,15 +126,31 @@ async def stream(state: ServerState, body: Any, gen: Generation, params: Any, ki
         return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
     outcome = None
+    per_choice = [_StreamedChoice(gen) for _ in range(body.n)]
     try:
-        if kind == "chat.completion":
-            yield event([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None} for i in range(body.n)])
         async for d in generate_choices(state.engine, state.tokenizer, gen, params, body.n):
-            if d.text or d.finish_reason is not None or d.logprobs:
-                yield event([make_choice(state, d.index, d.text, d.token_ids, d.logprobs, d.finish_reason,
-                                         params, True)])
+            sc = per_choice[d.index]
+            text, calls = sc.pieces(gen, d)
+            c = Choice(d.index, text, d.token_ids, list(d.logprobs), d.finish_reason, calls or None,
+                       d.prompt_logprobs, call_offset=sc.num_calls)
+            sc.num_calls += len(calls)
+            if c.finish_reason == "stop" and sc.num_calls:
+                c.finish_reason = "tool_calls"
+            if not gen.shape.generate:
+                c.text, c.token_ids, c.logprobs = "", [], []
+            first = not sc.started
+            if first or c.text or c.finish_reason is not None or c.logprobs or c.tool_calls:
+                sc.started = True
+                choice = make_choice(state, gen, c, params, True)
+                if chat and first:
+                    choice["delta"] = {"role": "assistant", **choice["delta"]}
+                extra = {}
+                if chat and c.prompt_logprobs is not None and gen.shape.prompt_logprobs_field:
+                    extra["prompt_logprobs"] = _vllm_prompt_logprobs(state, gen, c.prompt_logprobs)
+                yield event([choice], **extra)
         if include_usage:
+            if not gen.shape.generate:
+                gen.completion_tokens = 0
             yield event([], gen.usage())
         yield "data: [DONE]\n\n"
     except (EngineError, ValueError) as e:
@@ -95,26 +163,62 @@ async def stream(state: ServerState, body: Any, gen: Generation, params: Any, ki
         await release(outcome)
 
 
-def completion_choice(state: ServerState, index: int, text: str, token_ids: list[int], logprobs: list,
-                       finish: str | None, params: Any, stream: bool) -> dict:
-    choice: dict = {"index": index, "text": text, "finish_reason": finish, "logprobs": None}
+def completion_choice(state: ServerState, gen: Generation, c: Choice, params: Any, stream: bool) -> dict:
+    text, token_ids, logprobs = c.text, c.token_ids, c.logprobs
+    if gen.shape.echo and c.prompt_logprobs is not None or gen.shape.echo and not stream:
+        # the prompt goes first: in the whole answer, or in a stream's first chunk (it has the prompt logprobs)
+        prompt = gen.prompt_token_ids
+        text = state.tokenizer.decode(prompt, skip_special_tokens=False) + text
+        token_ids = prompt + token_ids
+        logprobs = [None, *(c.prompt_logprobs or [])] + logprobs
+    choice: dict = {"index": c.index, "text": text, "finish_reason": c.finish_reason, "logprobs": None}
     if params.logprobs is not None:
         tok = state.tokenizer.token_text
+        strings = [tok(t) for t in token_ids]
+        offsets, at = [], 0
+        for s in strings:
+            offsets.append(at)
+            at += len(s)
         choice["logprobs"] = {
-            "tokens": [tok(t) for t in token_ids],
-            "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [{tok(t): v for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)}
+            "tokens": strings,
+            "token_logprobs": [lp.logprob if lp is not None else None for lp in logprobs],
+            "top_logprobs": [None if lp is None else {tok(t): v for t, v in zip(lp.top_token_ids, lp.top_logprobs,
+                                                                                strict=True)}
                              for lp in logprobs],
-            "text_offset": [],
+            "text_offset": offsets,
         }
+    if gen.shape.prompt_logprobs_field and c.prompt_logprobs is not None:
+        choice["prompt_logprobs"] = _vllm_prompt_logprobs(state, gen, c.prompt_logprobs)
     return choice
 
 
-def chat_choice(state: ServerState, index: int, text: str, token_ids: list[int], logprobs: list,
-                 finish: str | None, params: Any, stream: bool) -> dict:
+def _vllm_prompt_logprobs(state: ServerState, gen: Generation, entries: list[TokenLogprobs] | None) -> list:
+    """vLLM's shape: per prompt token (the first is null) {token id: {logprob, rank, decoded_token}}."""
+    if entries is None:
+        return []
+    tok = state.tokenizer.token_text
+    out: list = [None]
+    for token, lp in zip(gen.prompt_token_ids[1:], entries, strict=False):
+        ranked = {t: (v, r + 1) for r, (t, v) in enumerate(zip(lp.top_token_ids, lp.top_logprobs, strict=True))}
+        chosen = {str(token): {"logprob": lp.logprob, "rank": ranked.get(token, (None, None))[1],
+                               "decoded_token": tok(token)}}
+        out.append({**chosen, **{str(t): {"logprob": v, "rank": r, "decoded_token": tok(t)}
+                                 for t, (v, r) in ranked.items() if t != token}})
+    return out
+
+
+def chat_choice(state: ServerState, gen: Generation, c: Choice, params: Any, stream: bool) -> dict:
     key = "delta" if stream else "message"
-    body: dict = {"content": text} if stream else {"role": "assistant", "content": text}
-    choice: dict = {"index": index, key: body, "finish_reason": finish, "logprobs": None}
+    body: dict = {"content": c.text} if stream else {"role": "assistant", "content": c.text}
+    if c.tool_calls:
+        if stream:
+            body["tool_calls"] = [call.as_dict(i) for i, call in enumerate(c.tool_calls, start=c.call_offset)]
+            if not c.text:
+                body.pop("content")
+        else:
+            body["tool_calls"] = [call.as_dict() for call in c.tool_calls]
+            body["content"] = c.text or None
+    choice: dict = {"index": c.index, key: body, "finish_reason": c.finish_reason, "logprobs": None}
     if params.logprobs is not None:
         tok = state.tokenizer.token_text
 
@@ -125,5 +229,6 @@ def chat_choice(state: ServerState, index: int, text: str, token_ids: list[int],
         choice["logprobs"] = {"content": [
             {**entry(t, lp.logprob), "top_logprobs": [entry(a, b) for a, b in zip(lp.top_token_ids, lp.top_logprobs,
                                                                                   strict=True)]}
-            for t, lp in zip(token_ids, logprobs, strict=True)]}
+            for t, lp in zip(c.token_ids, c.logprobs, strict=True)]}
     return choice
+

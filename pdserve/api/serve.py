@@ -22,6 +22,7 @@ from pdserve.fastdeploy_flags import add_fastdeploy_args, fastdeploy_refusals
 from pdserve.http.wire import Registration
 from pdserve.loader import model_name, resolve_model_folder
 from pdserve.tokenizer import Tokenizer
+from pdserve.tools.parsers import PARSERS
 from pdserve.transport.base import HOST_ID_ENV, host_id
 from pdserve.utils.memory import release_freed_memory
 from pdserve.utils.process import die_with_parent, exit_on_sigterm
@@ -53,6 +54,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "generation_config.json, as vLLM), none (OpenAI's defaults), or a folder holding one")
     g.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
                    help="clients must send 'Authorization: Bearer KEY' on /v1 (default: $PDSERVE_API_KEY)")
+    g.add_argument("--tool-call-parser", default="hermes", choices=sorted(PARSERS),
+                   help="how tool calls are read from the model's text (vLLM's names)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM's command lines: tool_choice auto is always served")
     add_fastdeploy_args(p)
 
 
@@ -108,7 +113,8 @@ def serve(args: argparse.Namespace) -> int:
     try:
         metrics = ServerMetrics()
         state = ServerState(AsyncEngine(client), tokenizer, name, client.ready.max_model_len, args.max_concurrency,
-                            metrics, api_key=args.api_key, sampling_defaults=sampling_defaults)
+                            metrics, api_key=args.api_key, sampling_defaults=sampling_defaults,
+                            tool_call_parser=args.tool_call_parser)
         ready = client.ready
         metrics_port = args.metrics_port or free_port(args.host)
         if args.router:

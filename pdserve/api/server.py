@@ -7,8 +7,8 @@ detokenizes incrementally, streams, and reports errors in the OpenAI format.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -20,8 +20,16 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pdserve.api.generation import Generation
-from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.api.generation import AnswerShape, Generation
+from pdserve.api.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    DetokenizeRequest,
+    NamedToolChoice,
+    TokenizeRequest,
+    Tool,
+)
 from pdserve.api.registration import register_forever
 from pdserve.api.responses import StreamRelease, chat_choice, complete, completion_choice, stream
 from pdserve.api.state import APIError, ServerState
@@ -30,13 +38,15 @@ from pdserve.engine.messages import PDParams
 from pdserve.http.auth import bearer_auth
 from pdserve.http.disconnect import until_disconnect
 from pdserve.http.errors import error_body
+from pdserve.structured.spec import StructuredOutput, check
+from pdserve.tools.grammar import tool_call_grammar
+from pdserve.tools.parsers import PARSERS
+from pdserve.tools.prompt import render_messages, template_supports_tools
 
 log = logging.getLogger("pdserve.serve")
 
 
 def build_app(state: ServerState) -> FastAPI:
-    ids = itertools.count()
-
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.engine.start()
@@ -66,7 +76,11 @@ def build_app(state: ServerState) -> FastAPI:
             message = f"the request body is not valid JSON: {reason} (at character {first['loc'][-1]})"
             return JSONResponse(error_body(message, 400), status_code=400)
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
+        if first.get("type") == "refused_field":  # a field this server does not implement (protocol.REFUSED)
+            field = (first.get("ctx") or {}).get("field")
+            return JSONResponse(error_body(first["msg"], 400, param=field), status_code=400)
+        msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+        message = f"{'.'.join(loc) or 'body'}: {msg}"
         return JSONResponse(error_body(message, 400, param=".".join(loc) or None), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
@@ -116,26 +130,57 @@ def build_app(state: ServerState) -> FastAPI:
     async def completions(body: CompletionRequest, raw: Request) -> Any:
         _check_model(state, body.model)
         prompt_ids = _completion_prompt(state, body)
-        params = _sampling_params(state, body, body.max_tokens, body.logprobs)
-        gen = Generation(f"cmpl-{next(ids)}", prompt_ids, pd=_pd_params(body))
+        shape = AnswerShape(echo=body.echo, generate=body.max_tokens != 0,
+                            prompt_logprobs_field=body.prompt_logprobs is not None)
+        prompt_logprobs = body.prompt_logprobs
+        if body.echo and body.logprobs is not None:  # the echoed prompt carries its logprobs
+            prompt_logprobs = max(body.logprobs, prompt_logprobs or 0)
+        params = _sampling_params(state, body, body.max_tokens or 1, body.logprobs, _structured(body),
+                                  prompt_logprobs=prompt_logprobs)
+        gen = Generation(f"cmpl-{uuid.uuid4().hex}", prompt_ids, pd=_pd_params(body), shape=shape)
         return await _respond(state, raw, body, gen, params, "text_completion", completion_choice)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, raw: Request) -> Any:
         _check_model(state, body.model)
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        try:
-            prompt_ids = state.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=body.add_generation_prompt, tokenize=True,
-                **(body.chat_template_kwargs or {}))
-        except Exception as e:  # the template raised on these messages
-            raise APIError(f"cannot apply the chat template: {e}", param="messages") from None
+        prompt_ids = _chat_prompt(state, body)
         _check_length(state, prompt_ids)
         max_tokens = body.max_completion_tokens or body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = _sampling_params(state, body, max_tokens, logprobs)
-        gen = Generation(f"chatcmpl-{next(ids)}", prompt_ids, pd=_pd_params(body))
+        structured, shape = _structured(body), AnswerShape(prompt_logprobs_field=body.prompt_logprobs is not None)
+        if body.tools and body.tool_choice != "none":
+            shape.tool_parser = PARSERS[state.tool_call_parser]
+            forced = _forced_tool_grammar(body)
+            if forced is not None:
+                if structured is not None:
+                    raise APIError("tool_choice required or a named function cannot be combined with "
+                                   "response_format or structured_outputs", param="tool_choice")
+                structured, shape.tools_forced = forced, True
+        params = _sampling_params(state, body, max_tokens, logprobs, structured)
+        gen = Generation(f"chatcmpl-{uuid.uuid4().hex}", prompt_ids, pd=_pd_params(body), shape=shape)
         return await _respond(state, raw, body, gen, params, "chat.completion", chat_choice)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        _check_model(state, body.model)
+        if body.messages is not None:
+            ids = _template_ids(state, body.messages, body.add_generation_prompt, body.tools,
+                                body.chat_template_kwargs)
+        elif body.prompt is not None:
+            ids = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        else:
+            raise APIError("either prompt or messages is required", param="prompt")
+        out: dict = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids, "token_strs": None}
+        if body.return_token_strs:
+            out["token_strs"] = [state.tokenizer.token_text(t) for t in ids]
+        return out
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        _check_model(state, body.model)
+        if any(not 0 <= t < state.tokenizer.vocab_size for t in body.tokens):
+            raise APIError(f"token ids must be in [0, {state.tokenizer.vocab_size})", param="tokens")
+        return {"prompt": state.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
     return app
 
@@ -223,14 +268,61 @@ async def _respond(state: ServerState, raw: Request, body: Any, gen: Generation,
         state.in_flight -= 1
 
 
+def _structured(body: Any) -> StructuredOutput | None:
+    """The request's output constraint, checked: a spec that does not compile is the client's 400."""
+    try:
+        spec = body.structured_spec()
+        if spec is not None:
+            check(spec)
+    except ValueError as e:
+        raise APIError(f"the output constraint cannot be used: {e}", param="response_format") from None
+    return spec
+
+
+def _forced_tool_grammar(body: ChatCompletionRequest) -> StructuredOutput | None:
+    choice, tools = body.tool_choice, [t.model_dump(exclude_none=True) for t in body.tools or []]
+    if choice == "required":
+        spec = tool_call_grammar(tools, None, body.parallel_tool_calls)
+    elif isinstance(choice, NamedToolChoice):
+        spec = tool_call_grammar(tools, choice.name, False)
+    else:
+        return None
+    try:
+        check(spec)
+    except ValueError as e:
+        raise APIError(f"the tools' parameter schemas cannot be used: {e}", param="tools") from None
+    return spec
+
+
+def _chat_prompt(state: ServerState, body: ChatCompletionRequest) -> list[int]:
+    tools = body.tools if body.tool_choice != "none" else None
+    return _template_ids(state, body.messages, body.add_generation_prompt, tools, body.chat_template_kwargs)
+
+
+def _template_ids(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,
+                  tools: list[Tool] | None, kwargs: dict | None) -> list[int]:
+    dumped = [m.model_dump(exclude_none=True) for m in messages]
+    tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
+    rendered, extra = render_messages(dumped, tool_dicts, template_supports_tools(state.tokenizer.chat_template))
+    try:
+        return state.tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt,
+                                                   tokenize=True, **extra, **(kwargs or {}))
+    except Exception as e:  # the template raised on these messages
+        raise APIError(f"cannot apply the chat template: {e}", param="messages") from None
+
+
 def _pd_params(body: Any) -> PDParams | None:
     pd = body.pd
     return None if pd is None else PDParams(pd.transfer_id, pd.role, pd.prefill_addr, pd.transport)
 
 
-def _sampling_params(state: ServerState, body: Any, max_tokens: int | None, logprobs: int | None) -> Any:
+def _sampling_params(state: ServerState, body: Any, max_tokens: int | None, logprobs: int | None,
+                     structured: StructuredOutput | None, **overrides: Any) -> Any:
     try:
-        return body.sampling_params(max_tokens, logprobs, state.sampling_defaults)
+        params = body.sampling_params(max_tokens, logprobs, state.sampling_defaults, structured)
+        params = msgspec.structs.replace(params, **overrides) if overrides else params
+        params.check_vocab(state.tokenizer.vocab_size)
+        return params
     except ValueError as e:  # a combination the field checks cannot see (min_tokens > max_tokens, ...)
         raise APIError(str(e)) from None
 

@@ -33,3 +33,4 @@ class ServerState:
     sampling_defaults: dict | None = None  # the model's generation_config values for omitted fields
     request_shutdown: Callable[[], None] | None = None  # stops the HTTP server (set by `pdserve serve`)
     exit_code: int = 0  # 1 once the engine died
+    tool_call_parser: str = "hermes"  # --tool-call-parser

@@ -147,6 +147,9 @@ class EngineCore:
             if msg.pd is None:
                 self.scheduler.add_request(request)
                 return []
+            if msg.params.prompt_logprobs is not None:
+                raise ValueError("prompt logprobs (echo with logprobs, prompt_logprobs) are not served by a PD pair: "
+                                 "send the request without `pd`, to one instance (pdserve's router does)")
             if msg.pd.role != self.config.splitwise_role:
                 raise ValueError(f"PD error: this is a {self.config.splitwise_role} instance; it cannot take the "
                                  f"{msg.pd.role} side of a PD request")
@@ -190,6 +193,9 @@ class EngineCore:
             return [o for c in out.chunks if (o := self._fail(c.request, f"the model step failed: {e}"))]
         self.num_steps += 1
         self.num_computed_tokens += out.num_batched_tokens
+        for pl in result.prompt_logprobs:
+            if (request := self.scheduler.requests.get(pl.request_id)) is not None:
+                request.add_prompt_logprobs(pl.first_position, pl.entries)
         sampled = {s.request_id: s for s in result.sampled}
         changed = self.scheduler.update(out, {rid: s.token_id for rid, s in sampled.items()})
         outputs = []
@@ -198,6 +204,8 @@ class EngineCore:
             output = final_output(r) if r.is_finished else RequestOutput(r.request_id, [])
             output.new_token_ids = [s.token_id]
             output.new_logprobs = [s.logprobs] if s.logprobs is not None else None
+            if r.params.prompt_logprobs is not None and not r.prompt_logprobs_sent:
+                output.prompt_logprobs, r.prompt_logprobs_sent = r.prompt_logprobs, True
             if r.is_finished:
                 self.forget(r.request_id)
                 if r.kv_producer:

@@ -59,8 +59,8 @@ class KVCacheManager:
 
         At least one token is always left to compute: its logits give the next token.
         """
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
+            return []  # prompt logprobs need the whole prompt computed (the cached part has no logits)
         self._hash_full_blocks(request, request.num_tokens - 1)
         hashes = request.block_hashes[:(request.num_tokens - 1) // self.block_size]
         hits: list[Block] = []

@@ -93,6 +93,8 @@ class RequestOutput(msgspec.Struct):
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     times: RequestTimes | None = None  # sent with the final output
+    # params.prompt_logprobs: one entry per prompt token after the first, with the first output token
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class EngineOutputs(msgspec.Struct, tag=True):
@@ -179,8 +181,17 @@ class Sampled(msgspec.Struct, array_like=True):
     logprobs: TokenLogprobs | None = None
 
 
+class PromptLogprobs(msgspec.Struct, array_like=True):
+    """Log probabilities of prompt tokens first_position .. first_position + len(entries) - 1."""
+
+    request_id: str
+    first_position: int
+    entries: list[TokenLogprobs]
+
+
 class StepResult(msgspec.Struct, tag=True):
     sampled: list[Sampled]
+    prompt_logprobs: list[PromptLogprobs] = []
 
 
 class WorkerLoaded(msgspec.Struct, tag=True):

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from pdserve.engine.block_pool import Block, BlockHash
-from pdserve.engine.messages import RequestTimes
+from pdserve.engine.messages import RequestTimes, TokenLogprobs
 from pdserve.sampling import SamplingParams
 
 
@@ -37,6 +37,15 @@ class Request:
     times: RequestTimes = field(default_factory=RequestTimes)
     # Prefill side of a PD pair: finish after the first token and keep the blocks until the KV is sent.
     kv_producer: bool = False
+    # params.prompt_logprobs: gathered chunk by chunk, sent once with the first output token
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
+
+    def add_prompt_logprobs(self, first_position: int, entries: list[TokenLogprobs]) -> None:
+        """Entries for prompt tokens first_position ..; a recompute after preemption repeats known ones."""
+        have = len(self.prompt_logprobs) + 1  # the first prompt token has no logprob
+        if first_position <= have < first_position + len(entries):
+            self.prompt_logprobs.extend(entries[have - first_position:])
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)  # prompt + output, appended in place

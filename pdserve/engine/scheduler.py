@@ -269,6 +269,8 @@ class Scheduler:
         vocab = self.config.vocab_size
         if vocab is not None and any(not 0 <= t < vocab for t in request.prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if vocab is not None:
+            request.params.check_vocab(vocab)
         if request.num_prompt_tokens >= limit:
             raise ValueError(f"the prompt has {request.num_prompt_tokens} tokens, but this model's maximum "
                              f"context length (--max-model-len) is {limit}, which leaves no room to generate")

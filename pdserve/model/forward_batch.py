@@ -15,6 +15,7 @@ masks and gather indices of the gather + SDPA path.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,7 +71,7 @@ class ForwardBatch:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     slots: torch.Tensor  # [T] int64
-    logits_indices: torch.Tensor  # [num_seqs] last token of each chunk
+    logits_indices: torch.Tensor  # [num_seqs] last token of each chunk (every token of a full_logits chunk)
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with 0
     seq_lens: torch.Tensor  # [num_seqs] int32
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32
@@ -91,7 +92,9 @@ class ForwardBatch:
         device: torch.device | str = "cpu",
         is_dummy_or_profile_run: bool = False,
         with_fallback: bool = True,
+        full_logits: Sequence[int] = (),
     ) -> ForwardBatch:
+        """`full_logits`: chunks whose every token gets logits (prompt logprobs), not just the last."""
         if not chunks:
             raise ValueError("a forward batch needs at least one sequence")
         q_lens = np.fromiter((len(c.token_ids) for c in chunks), dtype=np.int64, count=len(chunks))
@@ -121,7 +124,7 @@ class ForwardBatch:
             input_ids=tensor(input_ids),
             positions=tensor(positions),
             slots=tensor(slots),
-            logits_indices=tensor(starts[1:] - 1),
+            logits_indices=tensor(_logits_indices(starts, set(full_logits))),
             block_tables=tensor(tables),
             seq_lens=tensor(seq_lens.astype(np.int32)),
             query_start_loc=tensor(starts.astype(np.int32)),
@@ -131,6 +134,13 @@ class ForwardBatch:
         if with_fallback:
             batch.fallback = _fallback(chunks, starts, slots, block_size, device)
         return batch
+
+
+def _logits_indices(starts: np.ndarray, full: set[int]) -> np.ndarray:
+    if not full:
+        return starts[1:] - 1
+    return np.concatenate([np.arange(starts[i], starts[i + 1]) if i in full else starts[i + 1:i + 2] - 1
+                           for i in range(len(starts) - 1)])
 
 
 def _fallback(chunks: list[SequenceChunk], starts: np.ndarray, slots: np.ndarray, block_size: int,

@@ -1,6 +1,8 @@
-"""Batched next-token sampling: min_tokens, penalties, greedy / temperature / top-k / top-p / min-p."""
+"""Batched next-token sampling: logit bias, allowed tokens, grammar masks, min_tokens, penalties,
+greedy / temperature / top-k / top-p / min-p."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -17,6 +19,21 @@ class SamplingRow:
     eos_token_ids: tuple[int, ...] = ()
     # Created once per request (see make_generator) and reused every step.
     generator: torch.Generator | None = None
+    grammar: Any = None  # structured.matcher.SequenceGrammar of a constrained request
+    bias: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)  # logit_bias ids, values
+    allowed: torch.Tensor | None = field(default=None, repr=False)  # allowed_token_ids
+
+    def __post_init__(self) -> None:
+        p = self.params
+        if p.logit_bias and self.bias is None:
+            ids = torch.tensor([int(t) for t in p.logit_bias], dtype=torch.long)
+            self.bias = ids, torch.tensor(list(p.logit_bias.values()), dtype=torch.float32)
+        if p.allowed_token_ids and self.allowed is None:
+            self.allowed = torch.tensor(sorted(set(p.allowed_token_ids)), dtype=torch.long)
+
+    @property
+    def constrained(self) -> bool:
+        return self.bias is not None or self.allowed is not None
 
 
 @dataclass
@@ -39,7 +56,9 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
+                 grammar_mask: torch.Tensor | None = None) -> SamplerOutput:
+        """`grammar_mask` [N, V] bool (True: allowed), for the rows of constrained requests."""
         n, vocab = logits.shape
         if len(rows) != n:
             raise ValueError(f"got {n} logits rows but {len(rows)} sampling rows")
@@ -47,12 +66,16 @@ class Sampler:
         want_logprobs = any(p.logprobs is not None for p in params)
         blocked = _min_tokens_blocked(rows, vocab)
         penalised = any(_has_penalty(p) for p in params)
-        if not want_logprobs and not blocked and not penalised and all(p.greedy for p in params):
+        constrained = grammar_mask is not None or any(r.constrained for r in rows)
+        if (not want_logprobs and not blocked and not penalised and not constrained
+                and all(p.greedy for p in params)):
             return SamplerOutput(token_ids=logits.argmax(dim=-1))
 
         device = logits.device
         raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if want_logprobs else None
         x = logits.to(torch.float32, copy=True)
+        if constrained:
+            _apply_constraints(x, rows, grammar_mask)
         if blocked:
             row_idx, tok_idx = zip(*blocked, strict=True)
             x[torch.tensor(row_idx, device=device), torch.tensor(tok_idx, device=device)] = -torch.inf
@@ -72,6 +95,20 @@ class Sampler:
             if k > 0:
                 out.top_logprobs, out.top_token_ids = raw_logprobs.topk(k, dim=-1)
         return out
+
+
+def _apply_constraints(x: torch.Tensor, rows: list[SamplingRow], grammar_mask: torch.Tensor | None) -> None:
+    """In place: logit_bias added, tokens outside allowed_token_ids or the grammar set to -inf."""
+    device = x.device
+    for i, r in enumerate(rows):
+        if r.bias is not None:
+            ids, values = r.bias
+            x[i].index_add_(0, ids.to(device), values.to(device))
+        if r.allowed is not None:
+            keep = x[i].index_select(0, r.allowed.to(device))
+            x[i].fill_(-torch.inf).index_copy_(0, r.allowed.to(device), keep)
+    if grammar_mask is not None:
+        x.masked_fill_(~grammar_mask.to(device), -torch.inf)
 
 
 def _has_penalty(p: SamplingParams) -> bool:

@@ -2,6 +2,8 @@
 
 import msgspec
 
+from pdserve.structured.spec import StructuredOutput
+
 MAX_LOGPROBS = 20
 
 
@@ -14,8 +16,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """How to pick tokens for one request and when to stop it.
 
     top_k 0 or -1 disables top-k. logprobs None returns no logprobs, 0 only the chosen
-    token's, k the chosen token's plus the top k. Stop strings are matched by the
-    detokenizer; stop_token_ids and EOS by `check_stop`.
+    token's, k the chosen token's plus the top k; prompt_logprobs the same for every prompt
+    token after the first (the request then computes its whole prompt: no prefix-cache hit).
+    Stop strings are matched by the detokenizer; stop_token_ids and EOS by `check_stop`.
+    logit_bias adds to the raw logits (OpenAI's -100..100); allowed_token_ids keeps only those
+    tokens; structured constrains the output to a grammar (pdserve/structured).
     """
 
     n: int = 1
@@ -34,6 +39,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    structured: StructuredOutput | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -62,6 +71,26 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             f"None or in [0, {MAX_LOGPROBS}]",
             self.logprobs,
         )
+        _require(
+            self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+            "prompt_logprobs",
+            f"None or in [0, {MAX_LOGPROBS}]",
+            self.prompt_logprobs,
+        )
+        _require(
+            self.logit_bias is None or all(-100 <= v <= 100 for v in self.logit_bias.values()),
+            "logit_bias", "a map of token id to a bias in [-100, 100]", self.logit_bias,
+        )
+        _require(self.allowed_token_ids is None or len(self.allowed_token_ids) > 0, "allowed_token_ids",
+                 "None or a non-empty list", self.allowed_token_ids)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """ValueError when a token id named by these params is outside the vocabulary."""
+        for name, ids in (("logit_bias", self.logit_bias or ()), ("allowed_token_ids", self.allowed_token_ids or ()),
+                          ("stop_token_ids", self.stop_token_ids or ())):
+            bad = [t for t in ids if not 0 <= int(t) < vocab_size]
+            if bad:
+                raise ValueError(f"{name} names token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
 
     @property
     def greedy(self) -> bool:

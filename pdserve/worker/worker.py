@@ -14,7 +14,10 @@ import zmq
 from pdserve.config import EngineConfig
 from pdserve.engine.messages import (
     CacheCommand,
+    Chunk,
     ExecuteStep,
+    NewRequest,
+    PromptLogprobs,
     Sampled,
     StepResult,
     TokenLogprobs,
@@ -28,6 +31,7 @@ from pdserve.kv_layout import KVLayout
 from pdserve.model import SequenceChunk
 from pdserve.model_runner import ModelRunner
 from pdserve.sampling import SamplingRow, make_generator
+from pdserve.structured.matcher import GrammarCompiler, allowed_tokens
 from pdserve.transfer_plan import LayerDone, StepTransfers
 from pdserve.worker.profile_run import profile_num_blocks
 
@@ -62,6 +66,7 @@ class Worker:
         self.layout = KVLayout.for_model(self.runner.config, num_blocks, config.block_size,
                                          self.runner.kv_cache_dtype)
         self.rows: dict[str, SamplingRow] = {}
+        self.grammars = GrammarCompiler(self.runner.folder / "tokenizer.json", self.runner.config.vocab_size)
         self._cache_command: CacheCommand | None = None
         self._messager: zmq.Socket | None = None
         self._encoder = msgspec.msgpack.Encoder()
@@ -116,23 +121,27 @@ class Worker:
 
     def execute(self, step: ExecuteStep) -> StepResult:
         for new in step.new_requests:
-            self.rows[new.request_id] = SamplingRow(new.params, new.prompt_token_ids, list(new.output_token_ids),
-                                                    tuple(new.eos_token_ids),
-                                                    make_generator(new.params.seed, self.runner.device))
+            self.rows[new.request_id] = self._row(new)
         for request_id in step.finished_ids:
             self.rows.pop(request_id, None)
         if not step.chunks:
             return StepResult(sampled=[])
         chunks = [SequenceChunk(c.token_ids, c.num_computed, c.block_table) for c in step.chunks]
-        logits = self.runner.logits(chunks, on_layer_done=self._stream_layers(step))
         to_sample = [i for i, c in enumerate(step.chunks) if c.sample]
-        if not to_sample:
-            return StepResult(sampled=[])
         ids = [step.chunks[i].request_id for i in to_sample]
         rows = [self.rows[rid] for rid in ids]
+        grammars = [r.grammar for r in rows]
+        masks = self.grammars.fill_async(grammars) if any(g is not None for g in grammars) else None
+        scored = [i for i, c in enumerate(step.chunks) if self._wants_prompt_logprobs(c)]
+        logits, prompt_logits = self.runner.logits_with_prompt(chunks, scored, self._stream_layers(step))
+        prompt_logprobs = [self._prompt_logprobs(step.chunks[i], prompt_logits[i]) for i in scored]
+        if not to_sample:
+            return StepResult(sampled=[], prompt_logprobs=prompt_logprobs)
         if len(to_sample) < len(chunks):
             logits = logits[torch.tensor(to_sample, device=logits.device)]
-        out = self.runner.sampler(logits, rows)
+        bits = masks.result() if masks is not None else None
+        grammar_mask = allowed_tokens(bits, logits.shape[1]) if bits is not None else None
+        out = self.runner.sampler(logits, rows, grammar_mask)
         tokens = out.token_ids.tolist()
         logprobs = out.logprobs.tolist() if out.logprobs is not None else None
         top_ids = out.top_token_ids.tolist() if out.top_token_ids is not None else None
@@ -140,12 +149,40 @@ class Worker:
         sampled = []
         for j, (rid, row, token) in enumerate(zip(ids, rows, tokens, strict=True)):
             row.output_token_ids.append(token)
+            if row.grammar is not None:
+                row.grammar.advance(token)
             lp = None
             if row.params.logprobs is not None and logprobs is not None:
                 k = row.params.logprobs
                 lp = TokenLogprobs(logprobs[j], top_ids[j][:k] if top_ids else [], top_lps[j][:k] if top_lps else [])
             sampled.append(Sampled(rid, token, lp))
-        return StepResult(sampled=sampled)
+        return StepResult(sampled=sampled, prompt_logprobs=prompt_logprobs)
+
+    def _row(self, new: NewRequest) -> SamplingRow:
+        row = SamplingRow(new.params, new.prompt_token_ids, list(new.output_token_ids), tuple(new.eos_token_ids),
+                          make_generator(new.params.seed, self.runner.device))
+        if new.params.structured is not None:
+            row.grammar = self.grammars.sequence(new.params.structured, new.eos_token_ids, new.output_token_ids)
+        return row
+
+    def _wants_prompt_logprobs(self, chunk: Chunk) -> bool:
+        """A chunk of a prompt_logprobs request that still covers prompt tokens."""
+        row = self.rows[chunk.request_id]
+        return row.params.prompt_logprobs is not None and chunk.num_computed < len(row.prompt_token_ids) - 1
+
+    def _prompt_logprobs(self, chunk: Chunk, logits: torch.Tensor) -> PromptLogprobs:
+        """Logits at position p score prompt token p + 1: this chunk scores tokens start + 1 .. ."""
+        row = self.rows[chunk.request_id]
+        prompt, start = row.prompt_token_ids, chunk.num_computed
+        n = min(len(chunk.token_ids), len(prompt) - 1 - start)
+        logprobs = torch.log_softmax(logits[:n].float(), dim=-1)
+        targets = torch.tensor(prompt[start + 1:start + 1 + n], device=logprobs.device)
+        chosen = logprobs.gather(1, targets[:, None]).squeeze(1).tolist()
+        k = row.params.prompt_logprobs
+        top_lps, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+        entries = [TokenLogprobs(chosen[j], top_ids[j].tolist() if k else [], top_lps[j].tolist() if k else [])
+                   for j in range(n)]
+        return PromptLogprobs(chunk.request_id, start + 1, entries)
 
     def _stream_layers(self, step: ExecuteStep):  # noqa: ANN202 - Callable[[int], None] | None
         """Prefill role: tell the cache messager what this step sends, then each layer as it is done."""
@@ -157,6 +194,7 @@ class Worker:
         return lambda layer: sock.send(encode(LayerDone(step_id, layer)))
 
     def close(self) -> None:
+        self.grammars.close()
         if self._messager is not None:
             self._messager.close()
         self.runner.release()

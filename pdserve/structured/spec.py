@@ -1,0 +1,70 @@
+"""What a request's output must match, as it travels in SamplingParams; its llguidance grammar.
+
+torch-free: the API server checks a spec (an uncompilable one is the client's 400) and the worker
+compiles it. The grammar library is llguidance (vLLM's `guidance` backend, also in SGLang): it has no
+dependencies, where xgrammar pulls triton and an unpinned torch.
+
+JSON is compact by default (no free whitespace between tokens: `{"a":1,"b":[2]}`). With free
+whitespace a small model, once it has written the last value, may write newlines until max_tokens;
+`whitespace_flexible` (vLLM's `disable_any_whitespace: false`) or a `whitespace_pattern` allows them.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+
+import msgspec
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar", "lark")
+
+
+class StructuredOutput(msgspec.Struct, kw_only=True, omit_defaults=True, frozen=True):
+    kind: str  # one of KINDS
+    value: str = ""  # JSON schema text, regex, JSON list of choices, or grammar text (Lark or GBNF)
+    whitespace_flexible: bool = False
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"structured output kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+
+
+def json_schema(schema: dict | bool, whitespace_flexible: bool = False,
+                whitespace_pattern: str | None = None) -> StructuredOutput:
+    return StructuredOutput(kind="json", value=json.dumps(schema), whitespace_flexible=whitespace_flexible,
+                            whitespace_pattern=whitespace_pattern)
+
+
+@lru_cache(maxsize=256)
+def grammar_of(spec: StructuredOutput) -> str:
+    """The llguidance grammar (JSON text) for `spec`; ValueError when it cannot be built."""
+    from llguidance import LLMatcher, grammar_from
+
+    if spec.kind in ("json", "json_object"):
+        schema = spec.value if spec.kind == "json" else '{"type": "object"}'
+        options: dict = {"whitespace_flexible": spec.whitespace_flexible or spec.whitespace_pattern is not None}
+        if spec.whitespace_pattern is not None:
+            options["whitespace_pattern"] = spec.whitespace_pattern
+        grammar = LLMatcher.grammar_from_json_schema(schema, overrides=options)
+    elif spec.kind == "choice":
+        choices = json.loads(spec.value)
+        if not choices or not all(isinstance(c, str) for c in choices):
+            raise ValueError("choice needs a non-empty list of strings")
+        grammar = LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+    else:
+        grammar = grammar_from(spec.kind, spec.value)
+    error = LLMatcher.validate_grammar(grammar)
+    if error:
+        raise ValueError(error.strip())
+    return grammar
+
+
+def check(spec: StructuredOutput) -> None:
+    """Raise ValueError (the reason, for a 400) if `spec` does not compile."""
+    try:
+        grammar_of(spec)
+    except ValueError:
+        raise
+    except Exception as e:  # llguidance raises plain exceptions for some malformed inputs
+        raise ValueError(str(e)) from None
