@@ -157,6 +157,30 @@ def build_router_app(settings: RouterSettings, reader: PromptReader) -> FastAPI:
         except (TimeoutError, aiohttp.ClientError) as e:
             return error_response(f"instance {live[0].url} did not answer: {e}", 502)
 
+    @app.post("/tokenize")
+    async def tokenize(raw: Request) -> Response:
+        return await _to_any_instance(raw, "/tokenize")
+
+    @app.post("/detokenize")
+    async def detokenize(raw: Request) -> Response:
+        return await _to_any_instance(raw, "/detokenize")
+
+    async def _to_any_instance(raw: Request, path: str) -> Response:
+        """A request any instance answers alike (they serve one model): the first healthy one."""
+        live = registry.healthy()
+        if not live:
+            return error_response("no instance is registered and healthy", 503)
+        body = await _read_limited(raw, settings.max_request_bytes)
+        if body is None:
+            return error_response("the request body is too large", 413, "invalid_request_error")
+        forwarder: Forwarder = state["forwarder"]
+        headers = {**_passed_headers(raw.headers), "content-type": "application/json"}
+        try:
+            async with forwarder.client.post(f"{live[0].url}{path}", data=body, headers=headers) as r:
+                return Response(await r.read(), status_code=r.status, media_type="application/json")
+        except (TimeoutError, aiohttp.ClientError) as e:
+            return error_response(f"instance {live[0].url} did not answer: {e}", 502)
+
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Response:
         return await _forward(raw, "/v1/completions")

@@ -24,6 +24,8 @@ class RoutedRequest:
 
     token_ids: list[int] | None
     num_tokens: int  # exact with a tokenizer, else estimated from the text
+    # scores its prompt (echo + logprobs, prompt_logprobs): one instance computes it all, no PD pair
+    single: bool = False
     _hashes: dict[int, list[bytes]] = field(default_factory=dict)
 
     def block_hashes(self, block_size: int) -> list[bytes]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pdserve.http.chat_content import template_messages
 from pdserve.router.policies import RoutedRequest
 from pdserve.tokenizer import Tokenizer
+from pdserve.tools.prompt import render_messages, template_supports_tools
 
 CHARS_PER_TOKEN = 4  # the estimate without a tokenizer
 
@@ -21,11 +22,11 @@ class PromptReader:
 
     def read(self, path: str, body: dict) -> RoutedRequest:
         try:
-            if path.endswith("/chat/completions"):
-                return self._chat(body)
-            return self._completion(body)
+            request = self._chat(body) if path.endswith("/chat/completions") else self._completion(body)
         except Exception:  # malformed: the instance answers it with a clear 400
-            return RoutedRequest(None, 0)
+            request = RoutedRequest(None, 0)
+        request.single = scores_prompt(body)
+        return request
 
     def _completion(self, body: dict) -> RoutedRequest:
         prompt = body.get("prompt_token_ids") or body.get("prompt")
@@ -45,10 +46,18 @@ class PromptReader:
         if not isinstance(messages, list):
             return RoutedRequest(None, 0)
         messages = template_messages(messages)
+        tools = body.get("tools") if body.get("tool_choice") != "none" else None
         if self.tokenizer is None:
             chars = sum(len(m.get("content") or "") if isinstance(m.get("content"), str) else 0 for m in messages)
             return RoutedRequest(None, chars // CHARS_PER_TOKEN + 1)
+        # the instance's rendering (tools, tool-call histories), so the ids are the ones it hashes
+        messages, extra = render_messages(messages, tools, template_supports_tools(self.tokenizer.chat_template))
         ids = self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=body.get("add_generation_prompt", True), tokenize=True,
-            **(body.get("chat_template_kwargs") or {}))
+            **extra, **(body.get("chat_template_kwargs") or {}))
         return RoutedRequest(ids, len(ids))
+
+
+def scores_prompt(body: dict) -> bool:
+    """Echo with logprobs, or prompt_logprobs: the prompt's own logprobs are asked for."""
+    return bool(body.get("echo")) and body.get("logprobs") is not None or body.get("prompt_logprobs") is not None

@@ -35,6 +35,8 @@ class Selector:
         self.mixed_fallback = mixed_fallback
 
     def pick(self, request: RoutedRequest, exclude: frozenset[str] | set[str] = frozenset()) -> Route | None:
+        if request.single:
+            return self._pick_single(request, exclude)
         prefill = [i for i in self.registry.healthy("prefill") if i.url not in exclude]
         decode = [i for i in self.registry.healthy("decode") if i.url not in exclude]
         pairable = [p for p in prefill if any(compatible(p, d) for d in decode)]
@@ -45,6 +47,13 @@ class Selector:
         mixed = [i for i in self.registry.healthy("mixed") if i.url not in exclude]
         if mixed and (self.mixed_fallback or not self.registry.has_pd()):
             return Route(self.decode_policy.choose(mixed, request))
+        return None
+
+    def _pick_single(self, request: RoutedRequest, exclude: frozenset[str] | set[str]) -> Route | None:
+        """A prompt-scoring request: a mixed instance, else a prefill instance (it computes prompts) alone."""
+        for role, policy in (("mixed", self.decode_policy), ("prefill", self.prefill_policy)):
+            if candidates := [i for i in self.registry.healthy(role) if i.url not in exclude]:
+                return Route(policy.choose(candidates, request))
         return None
 
     def can_serve(self) -> bool:
