@@ -100,8 +100,8 @@ def test_json_object_and_vllm_parameters(client):
         out = client.chat.completions.create(model=MODEL, messages=ASK_PERSON, max_tokens=80, temperature=0, **extra)
         return out.choices[0].message.content
 
-    cat = client.chat.completions.create(model=MODEL, max_tokens=120, temperature=0,
-                                         messages=[{"role": "user", "content": "Write a JSON object describing a cat."}],
+    describe = [{"role": "user", "content": "Write a JSON object describing a cat."}]
+    cat = client.chat.completions.create(model=MODEL, max_tokens=120, temperature=0, messages=describe,
                                          response_format={"type": "json_object"}).choices[0].message.content
     assert isinstance(json.loads(cat), dict)
     assert ask(extra_body={"structured_outputs": {"choice": ["yes", "no", "maybe"]}}) in ("yes", "no", "maybe")

@@ -127,6 +127,32 @@ def test_preemption_under_block_pressure_keeps_outputs(llm):
         assert_same_greedy(ref.outputs[0], got.outputs[0])
 
 
+WORDS = {"type": "object", "properties": {"words": {"type": "array", "items": {"type": "string", "maxLength": 12},
+                                                  "minItems": 6, "maxItems": 6}},
+         "required": ["words"], "additionalProperties": False}
+
+
+def test_structured_output_survives_preemption(llm):
+    """Grammar-constrained answers recomputed after preemption: the worker's matcher keeps its place."""
+    import json
+
+    import jsonschema
+
+    from pdserve.structured.spec import json_schema
+
+    params = SamplingParams(temperature=0, max_tokens=100, logprobs=2, structured=json_schema(WORDS))
+    prompts = [f"{p} Six words about it, as JSON:" for p in PROMPTS[:8]]
+    reference = llm.generate(prompts, params, use_tqdm=False)
+    with LLM(num_gpu_blocks_override=12, block_size=16, max_model_len=192) as small:
+        pressured = small.generate(prompts, params, use_tqdm=False)
+        stats = small.check_idle()
+    assert stats["num_preemptions"] > 0
+    for ref, got in zip(reference, pressured, strict=True):
+        assert got.outputs[0].finish_reason == "stop", got.outputs[0].text
+        jsonschema.validate(json.loads(got.outputs[0].text), WORDS)
+        assert_same_greedy(ref.outputs[0], got.outputs[0])
+
+
 def test_chunked_prefill_equals_unchunked(llm):
     tok = llm.get_tokenizer()
     text = " ".join(f"Item {i}: a note about topic number {i}." for i in range(120))

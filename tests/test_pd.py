@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from pdserve.transport import rdma_available
-from tests.greedy import assert_same_greedy_completion
+from tests.greedy import DEFAULT_IS_BF16, HTTP_NEAR_TIE, assert_same_greedy_completion
 from tests.servers import (
     BLOCK,
     BrokenInstance,
@@ -384,3 +384,84 @@ def test_killed_decode_frees_prefill_blocks(tmp_path: Path, tokenizer, protocol:
         if d.proc.poll() is None:
             d.stop()
     assert segments() <= before
+
+
+# ---- what apps send, through a PD pair ------------------------------------------------------------
+
+APP_SCHEMA = {"type": "object", "properties": {
+    "title": {"type": "string", "maxLength": 30}, "year": {"type": "integer", "minimum": 1900, "maximum": 2030},
+    "genres": {"type": "array", "items": {"type": "string", "enum": ["drama", "comedy", "action"]},
+               "minItems": 1, "maxItems": 2}},
+    "required": ["title", "year", "genres"], "additionalProperties": False}
+APP_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 30}}, "required": ["city"],
+    "additionalProperties": False}}}
+
+
+def test_structured_output_and_tool_calls_through_pd_equal_mixed(pd: dict) -> None:
+    """P samples the first token under the grammar and D's matcher continues from it: the answer is a
+    mixed instance's (up to a near tie, tests/greedy.py), streamed or not, and it validates."""
+    import json
+
+    import jsonschema
+
+    ask = [{"role": "user", "content": "Describe a film you like as JSON."}]
+    requests = [
+        dict(messages=ask, response_format={"type": "json_schema",
+                                            "json_schema": {"name": "film", "schema": APP_SCHEMA}}),
+        dict(messages=[{"role": "user", "content": "Weather in Madrid?"}], tools=[APP_TOOL], tool_choice="required",
+             parallel_tool_calls=False),
+        dict(messages=ask, extra_body={"guided_choice": ["yes", "no"]}),
+    ]
+    router, mixed = _client(pd["router"].url), _client(pd["mixed"].url)
+    for kw in requests:
+        got, want = (c.chat.completions.create(model=MODEL, max_tokens=80, temperature=0, logprobs=True, top_logprobs=2,
+                                               **kw).choices[0] for c in (router, mixed))
+        _assert_same_greedy_chat(got, want)
+        streamed = [c for c in router.chat.completions.create(model=MODEL, max_tokens=80, temperature=0, stream=True,
+                                                              **kw) if c.choices]
+        text = "".join(c.choices[0].delta.content or "" for c in streamed)
+        calls = [t.function.arguments for c in streamed for t in c.choices[0].delta.tool_calls or []]
+        if not DEFAULT_IS_BF16:  # in bf16 two decode instances' batches may round a near tie either way
+            assert (text, calls) == (got.message.content or "", [t.function.arguments
+                                                                 for t in got.message.tool_calls or []])
+    film = router.chat.completions.create(model=MODEL, max_tokens=80, temperature=0, **requests[0])
+    jsonschema.validate(json.loads(film.choices[0].message.content), APP_SCHEMA)
+    call = router.chat.completions.create(model=MODEL, max_tokens=80, temperature=0, **requests[1])
+    assert call.choices[0].finish_reason == "tool_calls"
+    assert [c.function.name for c in call.choices[0].message.tool_calls] == ["get_weather"]
+    _assert_all_blocks_free(pd)
+
+
+def _assert_same_greedy_chat(got, want) -> None:  # noqa: ANN001 - openai chat choices asked with top_logprobs=2
+    a, b = [t.token for t in got.logprobs.content], [t.token for t in want.logprobs.content]
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            top = sorted((t.logprob for t in want.logprobs.content[i].top_logprobs), reverse=True)
+            assert top[0] - top[1] < HTTP_NEAR_TIE, f"PD and mixed differ at token {i}: {x!r} vs {y!r}"
+            return
+    assert a == b
+
+
+def test_scoring_tokenize_and_ids_through_the_router(pd: dict) -> None:
+    """Echo + logprobs go to one instance (the prefill instance here: it computes prompts) and equal the
+    mixed instance's; /tokenize is answered; ids are unique across instances."""
+    router, mixed = _client(pd["router"].url), _client(pd["mixed"].url)
+    prompt = "The river runs past the old mill, where the miller keeps"
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=2, echo=True, logprobs=1, temperature=0)
+    via_router, direct = router.completions.create(**kw), mixed.completions.create(**kw)
+    assert via_router.choices[0].logprobs.tokens == direct.choices[0].logprobs.tokens
+    assert via_router.choices[0].logprobs.token_logprobs[0] is None
+    assert via_router.choices[0].logprobs.token_logprobs[1:] == pytest.approx(
+        direct.choices[0].logprobs.token_logprobs[1:], abs=0.05)
+    tok = httpx.post(f"{pd['router'].url}/tokenize", json={"prompt": prompt}).json()
+    assert httpx.post(f"{pd['router'].url}/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"] == prompt
+
+    def ids(client: openai.OpenAI, n: int) -> list[str]:
+        with ThreadPoolExecutor(16) as pool:
+            return list(pool.map(lambda _: client.completions.create(model=MODEL, prompt="Hi", max_tokens=1).id,
+                                 range(n)))
+
+    all_ids = ids(router, 300) + ids(mixed, 700)
+    assert len(set(all_ids)) == 1000
+    _assert_all_blocks_free(pd)

@@ -1,0 +1,158 @@
+"""Structured outputs and tool calls below the HTTP layer: grammar specs, the worker's matchers and
+masks, the sampler's constraints, the tool prompt, the Hermes parser, and request fields."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.engine.messages import TokenLogprobs
+from pdserve.engine.request import Request
+from pdserve.sampling import SamplingParams
+from pdserve.sampling.sampler import Sampler, SamplingRow
+from pdserve.structured.matcher import GrammarCompiler, allowed_tokens
+from pdserve.structured.spec import StructuredOutput, check, json_schema
+from pdserve.tools.grammar import tool_call_grammar
+from pdserve.tools.parsers import HermesParser
+from pdserve.tools.prompt import render_messages, template_supports_tools
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "array", "items": {"enum": ["x"]}}},
+          "required": ["a", "b"], "additionalProperties": False}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"], "additionalProperties": False}}}
+
+
+@pytest.fixture(scope="module")
+def compiler(embedded_folder) -> GrammarCompiler:
+    return GrammarCompiler(embedded_folder / "tokenizer.json", 49152)
+
+
+def _accepts(compiler: GrammarCompiler, tokenizer, spec: StructuredOutput, text: str) -> bool:
+    matcher = compiler.sequence(spec, tokenizer.eos_token_ids).matcher
+    return all(not matcher.is_stopped() and matcher.consume_token(t)
+               for t in tokenizer.encode(text, add_special_tokens=False)) and matcher.is_accepting()
+
+
+def test_compact_json_by_default(compiler, embedded_tokenizer):
+    spec = json_schema(SCHEMA)
+    assert _accepts(compiler, embedded_tokenizer, spec, '{"a":1,"b":["x"]}')
+    assert not _accepts(compiler, embedded_tokenizer, spec, '{"a": 1, "b": ["x"]}')
+    assert not _accepts(compiler, embedded_tokenizer, spec, '{"a":1,"b":["y"]}')
+    assert not _accepts(compiler, embedded_tokenizer, spec, '{"a":1,"b":[],"c":2}')
+    assert _accepts(compiler, embedded_tokenizer, json_schema(SCHEMA, whitespace_flexible=True), '{"a": 1, "b": ["x"]}')
+
+
+def test_a_complete_grammar_allows_only_eos(compiler, embedded_tokenizer):
+    seq = compiler.sequence(json_schema(SCHEMA), embedded_tokenizer.eos_token_ids,
+                            embedded_tokenizer.encode('{"a":7,"b":[]}', add_special_tokens=False))
+    allowed = allowed_tokens(compiler.fill_async([seq, None]).result(), 49152)
+    assert allowed[0].nonzero().flatten().tolist() == list(embedded_tokenizer.eos_token_ids)
+    assert allowed[1].all()  # a row without a grammar is not constrained
+
+
+@pytest.mark.parametrize(("spec", "reason"), [
+    (StructuredOutput(kind="regex", value="[a-z"), "regex"),
+    (json_schema({"type": "object", "properties": {"a": {"$ref": "#/$defs/none"}}}), "none"),
+    (StructuredOutput(kind="grammar", value="root ::= ("), "."),
+    (StructuredOutput(kind="choice", value="[]"), "non-empty"),
+])
+def test_uncompilable_specs_say_why(spec, reason):
+    with pytest.raises(ValueError, match=reason):
+        check(spec)
+
+
+def test_sampler_applies_bias_allowed_ids_and_masks():
+    logits = torch.zeros(3, 10)
+    logits[:, 0] = 5.0
+    rows = [SamplingRow(SamplingParams(temperature=0, logit_bias={7: 100}), [1], []),
+            SamplingRow(SamplingParams(temperature=0, allowed_token_ids=[3, 4]), [1], []),
+            SamplingRow(SamplingParams(temperature=1.0, seed=1), [1], [])]
+    mask = torch.zeros(3, 10, dtype=torch.bool)
+    mask[:2] = True
+    mask[2, 9] = True
+    out = Sampler()(logits.clone(), rows, mask)
+    assert out.token_ids.tolist()[0] == 7 and out.token_ids.tolist()[1] in (3, 4) and out.token_ids.tolist()[2] == 9
+
+
+def test_tool_call_grammar_holds_name_and_arguments(compiler, embedded_tokenizer):
+    other = {"type": "function", "function": {"name": "g", "parameters": {"type": "object"}}}
+    required = tool_call_grammar([TOOL, other], None, parallel=True)
+    named = tool_call_grammar([TOOL, other], "f", parallel=True)
+    call = '<tool_call>\n{"name":"f","arguments":{"q":"hi"}}\n</tool_call>'
+    assert _accepts(compiler, embedded_tokenizer, required, call)
+    assert _accepts(compiler, embedded_tokenizer, required, call + "\n" + call)
+    assert _accepts(compiler, embedded_tokenizer, named, call)
+    assert not _accepts(compiler, embedded_tokenizer, named, call + "\n" + call)
+    assert not _accepts(compiler, embedded_tokenizer, named, '<tool_call>\n{"name":"g","arguments":{}}\n</tool_call>')
+    assert not _accepts(compiler, embedded_tokenizer, required, '<tool_call>\n{"name":"f","arguments":{}}\n</tool_call>')
+    assert not _accepts(compiler, embedded_tokenizer, required, "Sure! " + call)
+
+
+def test_hermes_parser_whole_and_streamed():
+    text = 'Let me check.\n<tool_call>\n{"name": "f", "arguments": {"q": "a<b"}}\n</tool_call>\n' \
+           '<tool_call>{"name": "g", "arguments": {}}</tool_call>'
+    content, calls = HermesParser().parse(text)
+    assert content == "Let me check." and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("f", {"q": "a<b"}), ("g", {})]
+    for size in (1, 3, 7, len(text)):
+        parser, shown, streamed = HermesParser(), "", []
+        for i in range(0, len(text), size):
+            piece, got = parser.feed(text[i:i + size])
+            shown += piece
+            streamed += got
+        shown += parser.finish()
+        assert [(c.name, c.arguments) for c in streamed] == [(c.name, c.arguments) for c in calls], size
+        assert shown.strip() == "Let me check."
+    assert HermesParser().parse("no calls <tool_call>not json</tool_call>") == (
+        "no calls <tool_call>not json</tool_call>", [])
+    parser = HermesParser()
+    assert parser.feed("cut <tool_call>{\"name\"") == ("cut ", []) and parser.finish() == '<tool_call>{"name"'
+
+
+def test_tool_histories_render_for_templates_with_and_without_tools():
+    history = [{"role": "user", "content": "hi"},
+               {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                                                     "function": {"name": "f", "arguments": '{"q": "x"}'}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "42"}]
+    msgs, extra = render_messages(history, [TOOL], native=False)
+    assert extra == {} and msgs[0]["role"] == "system" and '"name": "f"' in msgs[0]["content"]
+    assert msgs[2]["content"] == '<tool_call>\n{"name": "f", "arguments": {"q": "x"}}\n</tool_call>'
+    assert msgs[3] == {"role": "user", "content": "<tool_response>\n42\n</tool_response>"}
+    msgs, extra = render_messages(history, [TOOL], native=True)
+    assert extra == {"tools": [TOOL]} and msgs[1]["content"] == ""
+    assert msgs[1]["tool_calls"][0]["function"]["arguments"] == {"q": "x"}
+    assert template_supports_tools("{% if tools %}...{% endif %}") and not template_supports_tools("{{ messages }}")
+
+
+def test_request_fields():
+    base = {"messages": [{"role": "user", "content": "x"}]}
+    spec = ChatCompletionRequest(**base, response_format={"type": "json_schema", "json_schema": {
+        "name": "s", "schema": SCHEMA, "strict": True}}).structured_spec()
+    assert spec.kind == "json" and json.loads(spec.value) == SCHEMA and not spec.whitespace_flexible
+    flexible = ChatCompletionRequest(**base, structured_outputs={"json": SCHEMA, "disable_any_whitespace": False})
+    assert flexible.structured_spec().whitespace_flexible
+    with pytest.raises(ValueError, match="more than one"):
+        ChatCompletionRequest(**base, guided_regex="a", guided_choice=["a"]).structured_spec()
+    with pytest.raises(ValueError, match="best_of"):
+        CompletionRequest(prompt="x", best_of=3)
+    CompletionRequest(prompt="x", best_of=1, user="u", metadata={"k": "v"})  # neutral or harmless: accepted
+    with pytest.raises(ValueError, match="only with echo"):
+        CompletionRequest(prompt="x", max_tokens=0)
+    with pytest.raises(ValueError, match="token ids"):
+        CompletionRequest(prompt="x", logit_bias={"abc": 1})
+    with pytest.raises(ValueError, match="not in tools"):
+        ChatCompletionRequest(**base, tools=[TOOL], tool_choice={"type": "function", "function": {"name": "g"}})
+    with pytest.raises(ValueError, match="vocabulary"):
+        SamplingParams(logit_bias={70000: 1.0}).check_vocab(49152)
+
+
+def test_prompt_logprobs_gathered_once_across_a_recompute():
+    r = Request("r", [1, 2, 3, 4, 5], SamplingParams(prompt_logprobs=0))
+    lp = [TokenLogprobs(-float(i), [], []) for i in range(1, 5)]
+    r.add_prompt_logprobs(1, lp[:2])
+    r.add_prompt_logprobs(1, lp[:3])  # after a preemption the first chunk comes again, a token longer
+    r.add_prompt_logprobs(4, lp[3:])
+    assert [e.logprob for e in r.prompt_logprobs] == [-1.0, -2.0, -3.0, -4.0]
