@@ -87,7 +87,8 @@ def test_tool_call_grammar_holds_name_and_arguments(compiler, embedded_tokenizer
     assert _accepts(compiler, embedded_tokenizer, named, call)
     assert not _accepts(compiler, embedded_tokenizer, named, call + "\n" + call)
     assert not _accepts(compiler, embedded_tokenizer, named, '<tool_call>\n{"name":"g","arguments":{}}\n</tool_call>')
-    assert not _accepts(compiler, embedded_tokenizer, required, '<tool_call>\n{"name":"f","arguments":{}}\n</tool_call>')
+    no_args = '<tool_call>\n{"name":"f","arguments":{}}\n</tool_call>'
+    assert not _accepts(compiler, embedded_tokenizer, required, no_args)
     assert not _accepts(compiler, embedded_tokenizer, required, "Sure! " + call)
 
 
