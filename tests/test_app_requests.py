@@ -52,7 +52,7 @@ ASK_WEATHER = [{"role": "user", "content": "What is the weather like in Paris to
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[Server]:
-    s = Server(tmp_path_factory.mktemp("apps"), "--kv-cache-memory", "1G", "--max-model-len", "2048",
+    s = Server(tmp_path_factory.mktemp("apps"), "--num-gpu-blocks-override", "400", "--max-model-len", "2048",
                "--dtype", "float32")
     try:
         yield s
@@ -280,6 +280,19 @@ def test_echo_logprobs_equal_transformers(client, hf_gguf_model, hf_gguf_tokeniz
     assert [e[str(t)]["logprob"] for e, t in zip(entries[1:], ids[1:], strict=True)] == pytest.approx(want, abs=2e-3)
 
 
+@pytest.mark.parametrize("logprobs", [None, 1])
+def test_streamed_echo_equals_whole(client, logprobs):
+    kw = dict(model=MODEL, prompt="The capital of France is", max_tokens=4, echo=True, logprobs=logprobs,
+              temperature=0)
+    whole = client.completions.create(**kw).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **kw) if c.choices]
+    assert "".join(c.text for c in chunks) == whole.text
+    assert whole.text.startswith("The capital of France is")
+    if logprobs:
+        streamed = [lp for c in chunks if c.logprobs for lp in c.logprobs.token_logprobs]
+        assert streamed == whole.logprobs.token_logprobs
+
+
 # ---- ids, streams, tokenize --------------------------------------------------------------------
 
 def test_first_chat_chunk_leaves_with_the_first_token(client, server):
@@ -332,3 +345,23 @@ def test_unimplemented_fields_are_400_naming_them(server, field, value):
     ok = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 1, "user": "u1",
                                                           "metadata": {"a": "b"}, "store": False})
     assert ok.status_code == 200, ok.text
+
+
+# ---- the Responses API -------------------------------------------------------------------------
+
+def test_responses_api_whole_streamed_and_json(client):
+    kw = dict(model=MODEL, input="Name three colors.", instructions="Answer briefly.", max_output_tokens=20,
+              temperature=0)
+    whole = client.responses.create(**kw)
+    assert whole.status in ("completed", "incomplete") and whole.output_text
+    assert whole.id.startswith("resp_") and whole.usage.output_tokens > 0
+    events = list(client.responses.create(stream=True, **kw))
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] in ("response.completed", "response.incomplete")
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
+    as_json = client.responses.create(model=MODEL, input=[{"role": "user", "content": [
+        {"type": "input_text", "text": "Describe a user of our website as JSON."}]}], max_output_tokens=150,
+        temperature=0, text={"format": {"type": "json_schema", "name": "person", "schema": PERSON}})
+    jsonschema.validate(json.loads(as_json.output_text), PERSON)
+    with pytest.raises(openai.BadRequestError, match="previous_response_id"):
+        client.responses.create(model=MODEL, input="Hi", previous_response_id="resp_1")

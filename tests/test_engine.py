@@ -128,7 +128,7 @@ def test_preemption_under_block_pressure_keeps_outputs(llm):
 
 
 WORDS = {"type": "object", "properties": {"words": {"type": "array", "items": {"type": "string", "maxLength": 12},
-                                                  "minItems": 6, "maxItems": 6}},
+                                                  "minItems": 5, "maxItems": 5}},
          "required": ["words"], "additionalProperties": False}
 
 
@@ -140,10 +140,11 @@ def test_structured_output_survives_preemption(llm):
 
     from pdserve.structured.spec import json_schema
 
-    params = SamplingParams(temperature=0, max_tokens=100, logprobs=2, structured=json_schema(WORDS))
-    prompts = [f"{p} Six words about it, as JSON:" for p in PROMPTS[:8]]
+    params = SamplingParams(temperature=0, max_tokens=80, logprobs=2, structured=json_schema(WORDS))
+    prompts = [f"{p} Five words about it, as JSON:" for p in PROMPTS[:6]]
     reference = llm.generate(prompts, params, use_tqdm=False)
-    with LLM(num_gpu_blocks_override=12, block_size=16, max_model_len=192) as small:
+    # 6 answers of ~4 blocks each in 8 blocks: the newest are preempted and recomputed
+    with LLM(num_gpu_blocks_override=8, block_size=16, max_model_len=128) as small:
         pressured = small.generate(prompts, params, use_tqdm=False)
         stats = small.check_idle()
     assert stats["num_preemptions"] > 0

@@ -414,22 +414,21 @@ def test_structured_output_and_tool_calls_through_pd_equal_mixed(pd: dict) -> No
         dict(messages=ask, extra_body={"guided_choice": ["yes", "no"]}),
     ]
     router, mixed = _client(pd["router"].url), _client(pd["mixed"].url)
+    answers = []
     for kw in requests:
-        got, want = (c.chat.completions.create(model=MODEL, max_tokens=80, temperature=0, logprobs=True, top_logprobs=2,
+        got, want = (c.chat.completions.create(model=MODEL, max_tokens=60, temperature=0, logprobs=True, top_logprobs=2,
                                                **kw).choices[0] for c in (router, mixed))
         _assert_same_greedy_chat(got, want)
-        streamed = [c for c in router.chat.completions.create(model=MODEL, max_tokens=80, temperature=0, stream=True,
+        answers.append(got)
+        if "tools" in kw or DEFAULT_IS_BF16:  # in bf16 two decode instances may round a near tie either way
+            continue
+        streamed = [c for c in router.chat.completions.create(model=MODEL, max_tokens=60, temperature=0, stream=True,
                                                               **kw) if c.choices]
-        text = "".join(c.choices[0].delta.content or "" for c in streamed)
-        calls = [t.function.arguments for c in streamed for t in c.choices[0].delta.tool_calls or []]
-        if not DEFAULT_IS_BF16:  # in bf16 two decode instances' batches may round a near tie either way
-            assert (text, calls) == (got.message.content or "", [t.function.arguments
-                                                                 for t in got.message.tool_calls or []])
-    film = router.chat.completions.create(model=MODEL, max_tokens=80, temperature=0, **requests[0])
-    jsonschema.validate(json.loads(film.choices[0].message.content), APP_SCHEMA)
-    call = router.chat.completions.create(model=MODEL, max_tokens=80, temperature=0, **requests[1])
-    assert call.choices[0].finish_reason == "tool_calls"
-    assert [c.function.name for c in call.choices[0].message.tool_calls] == ["get_weather"]
+        assert "".join(c.choices[0].delta.content or "" for c in streamed) == got.message.content
+    jsonschema.validate(json.loads(answers[0].message.content), APP_SCHEMA)
+    assert answers[1].finish_reason == "tool_calls"
+    assert [c.function.name for c in answers[1].message.tool_calls] == ["get_weather"]
+    assert answers[2].message.content in ("yes", "no")
     _assert_all_blocks_free(pd)
 
 

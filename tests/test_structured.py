@@ -140,7 +140,7 @@ def test_request_fields():
     with pytest.raises(ValueError, match="best_of"):
         CompletionRequest(prompt="x", best_of=3)
     CompletionRequest(prompt="x", best_of=1, user="u", metadata={"k": "v"})  # neutral or harmless: accepted
-    with pytest.raises(ValueError, match="only with echo"):
+    with pytest.raises(ValueError, match="allowed only with echo"):
         CompletionRequest(prompt="x", max_tokens=0)
     with pytest.raises(ValueError, match="token ids"):
         CompletionRequest(prompt="x", logit_bias={"abc": 1})

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from pdserve.http.chat_content import text_content
@@ -216,15 +216,16 @@ class _SamplingFields(BaseModel):
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]] | None = None
     prompt_token_ids: list[int] | None = None  # pdserve: the prompt as token ids
+    echo: bool = False  # before max_tokens: its check reads it
     max_tokens: int | None = Field(16, ge=0)  # 0 only with echo: score the prompt, generate nothing
     logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False
 
-    @model_validator(mode="after")
-    def _zero_tokens_only_with_echo(self) -> CompletionRequest:
-        if self.max_tokens == 0 and not self.echo:
-            raise ValueError("max_tokens: 0 is allowed only with echo (scoring the prompt)")
-        return self
+    @field_validator("max_tokens")
+    @classmethod
+    def _zero_tokens_only_with_echo(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v == 0 and not info.data.get("echo"):
+            raise ValueError("0 is allowed only with echo (scoring the prompt); at least 1 otherwise")
+        return v
 
 
 class ToolFunction(BaseModel):

@@ -36,6 +36,7 @@ class Choice:
     tool_calls: list[ToolCall] | None = None
     prompt_logprobs: list[TokenLogprobs] | None = None
     call_offset: int = 0  # streams: the index of tool_calls[0] within the answer's calls
+    first: bool = True  # the choice's first chunk (a whole answer is one)
 
 
 async def complete(state: ServerState, body: Any, gen: Generation, params: Any, kind: str, make_choice: Any
@@ -138,7 +139,7 @@ async def stream(state: ServerState, body: Any, gen: Generation, params: Any, ki
                 c.finish_reason = "tool_calls"
             if not gen.shape.generate:
                 c.text, c.token_ids, c.logprobs = "", [], []
-            first = not sc.started
+            first = c.first = not sc.started
             if first or c.text or c.finish_reason is not None or c.logprobs or c.tool_calls:
                 sc.started = True
                 choice = make_choice(state, gen, c, params, True)
@@ -165,8 +166,7 @@ async def stream(state: ServerState, body: Any, gen: Generation, params: Any, ki
 
 def completion_choice(state: ServerState, gen: Generation, c: Choice, params: Any, stream: bool) -> dict:
     text, token_ids, logprobs = c.text, c.token_ids, c.logprobs
-    if gen.shape.echo and c.prompt_logprobs is not None or gen.shape.echo and not stream:
-        # the prompt goes first: in the whole answer, or in a stream's first chunk (it has the prompt logprobs)
+    if gen.shape.echo and c.first:  # the prompt goes first: in the whole answer, or in a stream's first chunk
         prompt = gen.prompt_token_ids
         text = state.tokenizer.decode(prompt, skip_special_tokens=False) + text
         token_ids = prompt + token_ids

@@ -21,6 +21,8 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.api.generation import AnswerShape, Generation
+from pdserve.api.openai_responses import ResponsesRequest, respond_stream, respond_whole
+from pdserve.api.openai_responses import new_id as new_response_id
 from pdserve.api.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -160,6 +162,16 @@ def build_app(state: ServerState) -> FastAPI:
         gen = Generation(f"chatcmpl-{uuid.uuid4().hex}", prompt_ids, pd=_pd_params(body), shape=shape)
         return await _respond(state, raw, body, gen, params, "chat.completion", chat_choice)
 
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, raw: Request) -> Any:
+        _check_model(state, body.model)
+        messages = [ChatMessage(**m) for m in body.messages()]
+        prompt_ids = _template_ids(state, messages, True, None, None)
+        _check_length(state, prompt_ids)
+        params = _sampling_params(state, body, body.max_output_tokens, None, _structured(body))
+        gen = Generation(new_response_id(), prompt_ids, pd=_pd_params(body))
+        return await _respond(state, raw, body, gen, params, "response", None, responses_api=True)
+
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
         _check_model(state, body.model)
@@ -237,7 +249,7 @@ def _completion_prompt(state: ServerState, body: CompletionRequest) -> list[int]
 
 
 async def _respond(state: ServerState, raw: Request, body: Any, gen: Generation, params: Any, kind: str,
-                   make_choice: Any) -> Any:
+                   make_choice: Any, responses_api: bool = False) -> Any:
     if params.max_tokens is None:
         try:
             params = msgspec.structs.replace(params, max_tokens=max(state.max_model_len - len(gen.prompt_token_ids), 1))
@@ -260,10 +272,13 @@ async def _respond(state: ServerState, raw: Request, body: Any, gen: Generation,
         release = StreamRelease(state, gen)
         # The generator's `finally` releases the slot; the background task covers a client that left
         # before the first chunk, when the generator never started and so never reaches `finally`.
-        return StreamingResponse(stream(state, body, gen, params, kind, make_choice, release),
-                                 media_type="text/event-stream", background=BackgroundTask(release))
+        events = (respond_stream(state, body, gen, params, release) if responses_api
+                  else stream(state, body, gen, params, kind, make_choice, release))
+        return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(release))
     try:
-        return await until_disconnect(raw, complete(state, body, gen, params, kind, make_choice))
+        work = (respond_whole(state, body, gen, params) if responses_api
+                else complete(state, body, gen, params, kind, make_choice))
+        return await until_disconnect(raw, work)
     finally:
         state.in_flight -= 1
 

@@ -189,6 +189,10 @@ def build_router_app(settings: RouterSettings, reader: PromptReader) -> FastAPI:
     async def chat(raw: Request) -> Response:
         return await _forward(raw, "/v1/chat/completions")
 
+    @app.post("/v1/responses")
+    async def responses(raw: Request) -> Response:
+        return await _forward(raw, "/v1/responses")
+
     async def _forward(raw: Request, path: str) -> Response:
         response = await _forward_checked(raw, path)
         metrics.requests.labels(str(response.status_code)).inc()
