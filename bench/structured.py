@@ -5,9 +5,10 @@ unconstrained, at batch 1, 16 and 64, and the compile time of a schema.
 
 One `pdserve serve` (mixed); each batch is that many concurrent streaming chat requests of the same
 prompts, `max_tokens` tokens each (ignore_eos, so both runs generate the same number of tokens; the
-schema is long enough that no answer completes it), first unconstrained, then with the schema, then
-unconstrained again (the box drifts; the two plain runs bound the noise). TPOT of a request is
-(last token - first token) / (tokens - 1), timed by the client.
+schema is long enough that no answer completes it), unconstrained and with the schema taking turns
+`--rounds` times (this box's speed drifts by 1.5x within minutes): the medians and the median of the
+rounds' ratios are printed. TPOT of a request is (last token - first token) / (tokens - 1), timed by
+the client.
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batches", default="1,16,64")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
     for what, seconds in compile_times().items():
         print(f"compile: {what}: {seconds * 1000:.2f} ms")
@@ -98,14 +100,21 @@ def main() -> int:
                 time.sleep(0.5)
         asyncio.run(batch(url, 2, 8, True))  # warm-up: the worker's grammar tokenizer is built here
         print(f"\n{'batch':>5} | {'TPOT plain ms':>13} | {'TPOT schema ms':>14} | {'ratio':>5} | "
-              f"{'tok/s plain':>11} | {'tok/s schema':>12} | ratio")
+              f"{'tok/s plain':>11} | {'tok/s schema':>12} | ratio | TPOT ratio per round")
         for size in (int(b) for b in args.batches.split(",")):
-            before = asyncio.run(batch(url, size, args.max_tokens, False))
-            schema = asyncio.run(batch(url, size, args.max_tokens, True))
-            after = asyncio.run(batch(url, size, args.max_tokens, False))
-            tpot, tps = (before[0] + after[0]) / 2, (before[1] + after[1]) / 2
-            print(f"{size:>5} | {tpot:>13.1f} | {schema[0]:>14.1f} | {schema[0] / tpot:>5.2f} | {tps:>11.1f} | "
-                  f"{schema[1]:>12.1f} | {schema[1] / tps:.2f}   (plain runs: {before[0]:.1f} / {after[0]:.1f} ms)")
+            plain, schema = [], []
+            for _ in range(args.rounds):
+                plain.append(asyncio.run(batch(url, size, args.max_tokens, False)))
+                schema.append(asyncio.run(batch(url, size, args.max_tokens, True)))
+            ratios = [s[0] / p[0] for p, s in zip(plain, schema, strict=True)]
+            tps_ratios = [s[1] / p[1] for p, s in zip(plain, schema, strict=True)]
+
+            def med(runs: list, i: int) -> float:
+                return statistics.median(r[i] for r in runs)
+
+            print(f"{size:>5} | {med(plain, 0):>13.1f} | {med(schema, 0):>14.1f} | {statistics.median(ratios):>5.2f} | "
+                  f"{med(plain, 1):>11.1f} | {med(schema, 1):>12.1f} | {statistics.median(tps_ratios):.2f}  | "
+                  + " ".join(f"{r:.2f}" for r in ratios))
     finally:
         proc.terminate()
         proc.wait(30)

@@ -4,8 +4,8 @@ the sampler applies.
 A spec is compiled once into a template matcher (kept, least recently used first out); a sequence
 gets a copy. A sequence that starts with output tokens (a decode instance continues from the prefill
 instance's first token; a resumed request from what it had sent) has its matcher advanced over them.
-Masks are filled on a side thread while the forward pass runs (llguidance drops the GIL), so they
-cost the step almost nothing.
+Masks are filled on a side thread while the forward pass runs (llguidance drops the GIL), after the
+matcher consumed the tokens sampled since its last mask, so neither costs the step's critical path.
 """
 
 from __future__ import annotations
@@ -25,19 +25,26 @@ log = logging.getLogger("pdserve.structured")
 
 
 class SequenceGrammar:
-    """One sequence's matcher; `mask_row` is the bit mask (int32 words) it filled for this step."""
+    """One sequence's matcher. Sampled tokens are queued by `advance` and consumed on the mask thread
+    just before the next mask is computed (`catch_up`), so neither costs the step's critical path."""
 
     def __init__(self, matcher: object) -> None:
         self.matcher = matcher
+        self.pending: list[int] = []
         self.failed = False
 
     def advance(self, token_id: int) -> None:
-        if self.failed or self.matcher.is_stopped():  # stopped: the grammar is complete (EOS follows)
-            return
-        if not self.matcher.consume_token(token_id):
-            self.failed = True
-            log.warning("token %d does not fit the grammar (%s); the rest of this answer is unconstrained",
-                        token_id, self.matcher.get_error())
+        self.pending.append(token_id)
+
+    def catch_up(self) -> None:
+        tokens, self.pending = self.pending, []
+        for token_id in tokens:
+            if self.failed or self.matcher.is_stopped():  # stopped: the grammar is complete (EOS follows)
+                return
+            if not self.matcher.consume_token(token_id):
+                self.failed = True
+                log.warning("token %d does not fit the grammar (%s); the rest of this answer is unconstrained",
+                            token_id, self.matcher.get_error())
 
     @property
     def active(self) -> bool:
@@ -93,14 +100,17 @@ class GrammarCompiler:
         return self._pool.submit(self._fill, grammars)
 
     def _fill(self, grammars: list[SequenceGrammar | None]) -> torch.Tensor | None:
-        from llguidance.torch import fill_next_token_bitmask
-
+        # Straight into the tensor's memory: llguidance.torch's helper would import torch.compile (~3.5 s).
+        for g in grammars:
+            if g is not None:
+                g.catch_up()
         rows = [(i, g) for i, g in enumerate(grammars) if g is not None and g.active]
         if not rows:
             return None
         bits = torch.full((len(grammars), self.words), -1, dtype=torch.int32)
+        row_bytes = self.words * 4
         for i, g in rows:
-            fill_next_token_bitmask(g.matcher, bits, i)
+            g.matcher.unsafe_compute_mask_ptr(bits.data_ptr() + i * row_bytes, row_bytes)
         return bits
 
     def close(self) -> None:
