@@ -44,6 +44,7 @@ bench: venv
 	$(BIN)/python bench/pd_vs_mixed.py
 	$(BIN)/python bench/pd_sweep.py
 	$(BIN)/python bench/router_overhead.py
+	$(BIN)/python bench/structured.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

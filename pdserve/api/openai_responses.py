@@ -6,7 +6,6 @@ reasoning and background mode (see REFUSED_HERE); the chat endpoint serves tools
 
 from __future__ import annotations
 
-import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -17,6 +16,7 @@ from pydantic_core import PydanticCustomError
 
 from pdserve.api.generation import Generation, generate_choices
 from pdserve.api.protocol import JsonSchemaFormat, ResponseFormat, _SamplingFields
+from pdserve.api.responses import whole_answer_deltas
 from pdserve.api.state import APIError, ServerState
 from pdserve.engine.engine_client import EngineError
 from pdserve.http.errors import error_body
@@ -130,20 +130,9 @@ def _status(finish: str | None) -> str:
 
 async def respond_whole(state: ServerState, body: ResponsesRequest, gen: Generation, params: Any) -> dict:
     text, finish = "", None
-    try:
-        async for d in generate_choices(state.engine, state.tokenizer, gen, params, 1):
-            text += d.text
-            finish = d.finish_reason or finish
-    except EngineError as e:
-        state.metrics.request_finished(gen, "error")
-        raise APIError(str(e), 500, e.err_type) from None
-    except ValueError as e:
-        state.metrics.request_finished(gen, "error")
-        raise APIError(str(e)) from None
-    except asyncio.CancelledError:
-        state.metrics.request_finished(gen, "abort")
-        raise
-    state.metrics.request_finished(gen)
+    async for d in whole_answer_deltas(state, gen, params, 1):
+        text += d.text
+        finish = d.finish_reason or finish
     return _response(state, body, gen, text, _status(finish), finish)
 
 

@@ -39,18 +39,12 @@ class Choice:
     first: bool = True  # the choice's first chunk (a whole answer is one)
 
 
-async def complete(state: ServerState, body: Any, gen: Generation, params: Any, kind: str, make_choice: Any
-                    ) -> JSONResponse:
-    choices = [Choice(i) for i in range(body.n)]
+async def whole_answer_deltas(state: ServerState, gen: Generation, params: Any, n: int
+                              ) -> AsyncIterator[ChoiceDelta]:
+    """The deltas of an answer returned whole: its outcome recorded, failures raised as APIError."""
     try:
-        async for d in generate_choices(state.engine, state.tokenizer, gen, params, body.n):
-            c = choices[d.index]
-            if d.prompt_logprobs is not None:
-                c.prompt_logprobs = d.prompt_logprobs
-            if gen.shape.generate:
-                c.text += d.text
-                c.token_ids += d.token_ids
-                c.logprobs += d.logprobs
+        async for d in generate_choices(state.engine, state.tokenizer, gen, params, n):
+            yield d
     except asyncio.CancelledError:  # the client went away (_until_disconnect); the engine requests are aborted
         state.metrics.request_finished(gen, "abort")
         raise
@@ -61,6 +55,19 @@ async def complete(state: ServerState, body: Any, gen: Generation, params: Any, 
         state.metrics.request_finished(gen, "error")
         raise APIError(str(e)) from None
     state.metrics.request_finished(gen)
+
+
+async def complete(state: ServerState, body: Any, gen: Generation, params: Any, kind: str, make_choice: Any
+                    ) -> JSONResponse:
+    choices = [Choice(i) for i in range(body.n)]
+    async for d in whole_answer_deltas(state, gen, params, body.n):
+        c = choices[d.index]
+        if d.prompt_logprobs is not None:
+            c.prompt_logprobs = d.prompt_logprobs
+        if gen.shape.generate:
+            c.text += d.text
+            c.token_ids += d.token_ids
+            c.logprobs += d.logprobs
     for c in choices:
         c.finish_reason = gen.finish_reasons.get(c.index)
         if gen.shape.tool_parser is not None:

@@ -147,15 +147,7 @@ def build_router_app(settings: RouterSettings, reader: PromptReader) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(raw: Request) -> Response:
-        live = registry.healthy()
-        if not live:
-            return error_response("no instance is registered and healthy", 503)
-        forwarder: Forwarder = state["forwarder"]
-        try:
-            async with forwarder.client.get(f"{live[0].url}/v1/models", headers=_passed_headers(raw.headers)) as r:
-                return Response(await r.read(), status_code=r.status, media_type="application/json")
-        except (TimeoutError, aiohttp.ClientError) as e:
-            return error_response(f"instance {live[0].url} did not answer: {e}", 502)
+        return await _to_any_instance(raw, "/v1/models")
 
     @app.post("/tokenize")
     async def tokenize(raw: Request) -> Response:
@@ -170,13 +162,13 @@ def build_router_app(settings: RouterSettings, reader: PromptReader) -> FastAPI:
         live = registry.healthy()
         if not live:
             return error_response("no instance is registered and healthy", 503)
-        body = await _read_limited(raw, settings.max_request_bytes)
-        if body is None:
+        body = await _read_limited(raw, settings.max_request_bytes) if raw.method == "POST" else None
+        if raw.method == "POST" and body is None:
             return error_response("the request body is too large", 413, "invalid_request_error")
         forwarder: Forwarder = state["forwarder"]
         headers = {**_passed_headers(raw.headers), "content-type": "application/json"}
         try:
-            async with forwarder.client.post(f"{live[0].url}{path}", data=body, headers=headers) as r:
+            async with forwarder.client.request(raw.method, f"{live[0].url}{path}", data=body, headers=headers) as r:
                 return Response(await r.read(), status_code=r.status, media_type="application/json")
         except (TimeoutError, aiohttp.ClientError) as e:
             return error_response(f"instance {live[0].url} did not answer: {e}", 502)
