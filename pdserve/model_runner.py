@@ -78,26 +78,34 @@ class ModelRunner:
     def logits_with_prompt(self, chunks: list[SequenceChunk], full_logits: Sequence[int],
                            on_layer_done: Callable[[int], None] | None = None
                            ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """As `logits`, plus {chunk index: [chunk tokens, vocab]} for the chunks in `full_logits`."""
-        out = self._forward(chunks, False, on_layer_done, full_logits)
+        """As `logits`, plus {chunk index: [chunk tokens, hidden]} for the chunks in `full_logits`: the
+        final hidden states of every token, for `project` to turn into logits a slice at a time."""
         if not full_logits:
-            return out, {}
+            return self._forward(chunks, False, on_layer_done, ()), {}
+        hidden = self._forward(chunks, False, on_layer_done, full_logits, return_hidden=True)
         full, last, offset = set(full_logits), [], 0
         per_chunk: dict[int, torch.Tensor] = {}
         for i, chunk in enumerate(chunks):
             n = len(chunk.token_ids) if i in full else 1
             if i in full:
-                per_chunk[i] = out[offset:offset + n]
+                per_chunk[i] = hidden[offset:offset + n]
             last.append(offset + n - 1)
             offset += n
-        return out[torch.tensor(last, device=out.device)], per_chunk
+        return self.project(hidden[torch.tensor(last, device=hidden.device)]), per_chunk
+
+    @torch.inference_mode()
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final hidden states -> fp32 logits."""
+        return self.model.lm_head_proj(hidden).float()
 
     def _forward(self, chunks: list[SequenceChunk], is_dummy_or_profile_run: bool,
-                 on_layer_done: Callable[[int], None] | None, full_logits: Sequence[int]) -> torch.Tensor:
+                 on_layer_done: Callable[[int], None] | None, full_logits: Sequence[int],
+                 return_hidden: bool = False) -> torch.Tensor:
         # A profile run has no cache to read in place, so it takes the gather + SDPA path.
         with_fallback = is_dummy_or_profile_run or not self.model.uses_paged_kernel
         batch = ForwardBatch.build(chunks, self.block_size, self.device, is_dummy_or_profile_run, with_fallback,
                                    full_logits)
+        batch.return_hidden = return_hidden
         if is_dummy_or_profile_run:  # seed 001, bug 2: a dummy run signals nothing to anyone
             return self.model(batch, None)
         return self.model(batch, self.kv_cache, on_layer_done)

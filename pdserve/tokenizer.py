@@ -15,6 +15,7 @@ class Tokenizer:
     def __init__(self, folder: Path) -> None:
         from tokenizers import Tokenizer as HFTokenizer
 
+        self.folder = folder
         path = folder / "tokenizer.json"
         if not path.is_file():
             raise ModelLoadError(f"{folder} has no tokenizer.json (needed to serve text)")

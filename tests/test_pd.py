@@ -461,6 +461,6 @@ def test_scoring_tokenize_and_ids_through_the_router(pd: dict) -> None:
             return list(pool.map(lambda _: client.completions.create(model=MODEL, prompt="Hi", max_tokens=1).id,
                                  range(n)))
 
-    all_ids = ids(router, 300) + ids(mixed, 700)
+    all_ids = ids(router, 200) + ids(mixed, 800)
     assert len(set(all_ids)) == 1000
     _assert_all_blocks_free(pd)

@@ -8,12 +8,12 @@ import json
 import pytest
 import torch
 
-from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.api.protocol import IGNORED, ChatCompletionRequest, CompletionRequest
 from pdserve.engine.messages import TokenLogprobs
 from pdserve.engine.request import Request
 from pdserve.sampling import SamplingParams
 from pdserve.sampling.sampler import Sampler, SamplingRow
-from pdserve.structured.matcher import GrammarCompiler, allowed_tokens
+from pdserve.structured.matcher import GrammarCompiler, SequenceGrammar, allowed_tokens, unpack_on_device
 from pdserve.structured.spec import StructuredOutput, check, json_schema
 from pdserve.tools.grammar import tool_call_grammar
 from pdserve.tools.parsers import HermesParser
@@ -31,7 +31,7 @@ def compiler(embedded_folder) -> GrammarCompiler:
 
 
 def _accepts(compiler: GrammarCompiler, tokenizer, spec: StructuredOutput, text: str) -> bool:
-    matcher = compiler.sequence(spec, tokenizer.eos_token_ids).matcher
+    matcher = compiler.matcher(spec, tokenizer.eos_token_ids)
     return all(not matcher.is_stopped() and matcher.consume_token(t)
                for t in tokenizer.encode(text, add_special_tokens=False)) and matcher.is_accepting()
 
@@ -46,11 +46,35 @@ def test_compact_json_by_default(compiler, embedded_tokenizer):
 
 
 def test_a_complete_grammar_allows_only_eos(compiler, embedded_tokenizer):
-    seq = compiler.sequence(json_schema(SCHEMA), embedded_tokenizer.eos_token_ids,
-                            embedded_tokenizer.encode('{"a":7,"b":[]}', add_special_tokens=False))
+    seq = SequenceGrammar(json_schema(SCHEMA), embedded_tokenizer.eos_token_ids,
+                          embedded_tokenizer.encode('{"a":7,"b":[]}', add_special_tokens=False))
     allowed = allowed_tokens(compiler.fill_async([seq, None]).result(), 49152)
     assert allowed[0].nonzero().flatten().tolist() == list(embedded_tokenizer.eos_token_ids)
     assert allowed[1].all()  # a row without a grammar is not constrained
+
+
+def test_mask_unpacking_on_a_gpu_equals_the_cpu_path():
+    bits = torch.randint(-2**31, 2**31 - 1, (3, 1536), dtype=torch.int32)
+    assert torch.equal(allowed_tokens(bits, 49150), unpack_on_device(bits, 49150))
+
+
+def test_grammar_failures_are_the_requests_own(compiler, embedded_tokenizer, embedded_folder):
+    """What only the vocabulary can refuse is caught by the API's check with the tokenizer; in the
+    worker such a spec, or a token that does not fit, marks its sequence alone and leaves the rest."""
+    from pdserve.structured.spec import grammar_tokenizer
+
+    bad = StructuredOutput(kind="lark", value='start: "a" <[999999]>')
+    check(bad)  # without the vocabulary it looks fine
+    with pytest.raises(ValueError):
+        check(bad, grammar_tokenizer(embedded_folder / "tokenizer.json", None, embedded_tokenizer.eos_token_ids))
+    broken = SequenceGrammar(bad, embedded_tokenizer.eos_token_ids, [])
+    misfit = SequenceGrammar(json_schema(SCHEMA), embedded_tokenizer.eos_token_ids,
+                             embedded_tokenizer.encode("hello", add_special_tokens=False))
+    fine = SequenceGrammar(json_schema(SCHEMA), embedded_tokenizer.eos_token_ids, [])
+    bits = compiler.fill_async([broken, misfit, fine]).result()
+    assert "does not compile" in broken.error and "does not fit" in misfit.error and fine.error is None
+    allowed = allowed_tokens(bits, 49152)
+    assert allowed[0].all() and allowed[1].all() and not allowed[2].all()
 
 
 @pytest.mark.parametrize(("spec", "reason"), [
@@ -75,6 +99,31 @@ def test_sampler_applies_bias_allowed_ids_and_masks():
     mask[2, 9] = True
     out = Sampler()(logits.clone(), rows, mask)
     assert out.token_ids.tolist()[0] == 7 and out.token_ids.tolist()[1] in (3, 4) and out.token_ids.tolist()[2] == 9
+
+
+def test_tool_parameters_with_defs(compiler, embedded_tokenizer):
+    nested = {"type": "function", "function": {"name": "book", "parameters": {
+        "type": "object", "properties": {"guest": {"$ref": "#/$defs/Guest"}}, "required": ["guest"],
+        "$defs": {"Guest": {"type": "object", "properties": {"age": {"type": "integer"}}, "required": ["age"],
+                            "additionalProperties": False}}}}}
+    spec = tool_call_grammar([nested, TOOL], "book", parallel=False)
+    check(spec)
+    assert _accepts(compiler, embedded_tokenizer, spec,
+                    '<tool_call>\n{"name":"book","arguments":{"guest":{"age":40}}}\n</tool_call>')
+    assert not _accepts(compiler, embedded_tokenizer, spec,
+                        '<tool_call>\n{"name":"book","arguments":{"guest":{"age":"x"}}}\n</tool_call>')
+
+
+def test_min_tokens_yields_to_a_complete_grammar():
+    """A grammar that allows only EOS and min_tokens that bans it: EOS, never an all -inf row (token 0)."""
+    logits = torch.zeros(2, 10)
+    rows = [SamplingRow(SamplingParams(temperature=t, min_tokens=5, seed=1), [1], [3], eos_token_ids=(2,))
+            for t in (0.0, 1.0)]
+    mask = torch.zeros(2, 10, dtype=torch.bool)
+    mask[:, 2] = True
+    assert Sampler()(logits, rows, mask).token_ids.tolist() == [2, 2]
+    mask[:, 5] = True  # with another token allowed, min_tokens holds
+    assert Sampler()(logits, rows, mask).token_ids.tolist() == [5, 5]
 
 
 def test_tool_call_grammar_holds_name_and_arguments(compiler, embedded_tokenizer):
@@ -139,7 +188,10 @@ def test_request_fields():
         ChatCompletionRequest(**base, guided_regex="a", guided_choice=["a"]).structured_spec()
     with pytest.raises(ValueError, match="best_of"):
         CompletionRequest(prompt="x", best_of=3)
-    CompletionRequest(prompt="x", best_of=1, user="u", metadata={"k": "v"})  # neutral or harmless: accepted
+    CompletionRequest(prompt="x", best_of=1, bad_words=[], suffix="")  # neutral values are accepted
+    CompletionRequest(prompt="x", **{name: "v" for name in IGNORED})  # fields that change nothing too
+    with pytest.raises(ValueError, match="allowed_token_ids cannot be combined"):
+        ChatCompletionRequest(**base, allowed_token_ids=[1], guided_choice=["a"])
     with pytest.raises(ValueError, match="allowed only with echo"):
         CompletionRequest(prompt="x", max_tokens=0)
     with pytest.raises(ValueError, match="token ids"):

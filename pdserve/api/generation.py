@@ -35,7 +35,9 @@ class AnswerShape:
     tool_parser: Callable[[], Any] | None = None  # chat with tools: reads tool calls back from the text
     tools_forced: bool = False  # tool_choice required or named: the answer is calls only
     echo: bool = False  # completions: the prompt's text (and logprobs) first
-    generate: bool = True  # False: echo with max_tokens 0 (one token is computed, none returned)
+    return_generated: bool = True  # False: echo with max_tokens 0 (one token is computed, none returned)
+    echo_text: str | None = None  # the prompt as the client wrote it (echoed as is; token prompts are decoded)
+    max_tool_calls: int | None = None  # parallel_tool_calls false: the first call only
     prompt_logprobs_field: bool = False  # the client sent prompt_logprobs: answer vLLM's field
 
 

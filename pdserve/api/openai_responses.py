@@ -30,7 +30,10 @@ REFUSED_HERE = {
     "background": "background responses are not supported",
     "include": "include is not supported",
     "top_logprobs": "logprobs are served on /v1/chat/completions and /v1/completions",
+    "prompt_logprobs": "prompt logprobs are served on /v1/chat/completions and /v1/completions",
+    "n": "a response has one answer here; n > 1 is served on /v1/chat/completions",
 }
+NEUTRAL_HERE = {"n": 1}
 TEXT_PARTS = ("input_text", "output_text", "text")
 
 
@@ -59,7 +62,7 @@ class ResponsesRequest(_SamplingFields):
     def _refuse_here(cls, data: Any) -> Any:
         if isinstance(data, dict):
             for name, why in REFUSED_HERE.items():
-                if data.get(name) not in (None, [], False):
+                if data.get(name) not in (None, [], False, NEUTRAL_HERE.get(name)):
                     raise PydanticCustomError("refused_field", "{field}: {why}", {"field": name, "why": why})
         return data
 

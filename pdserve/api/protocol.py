@@ -53,7 +53,7 @@ NEUTRAL: dict[str, Any] = {"best_of": 1, "use_beam_search": False, "length_penal
                            "return_token_ids": False, "priority": 0}
 # accepted and ignored: they do not change the answer
 IGNORED = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier", "request_id",
-           "guided_decoding_backend", "parallel_tool_calls_hint", "cache_salt", "add_special_tokens")
+           "guided_decoding_backend", "cache_salt")
 
 
 class StreamOptions(BaseModel):
@@ -146,9 +146,17 @@ class _SamplingFields(BaseModel):
     def _refuse_unsupported(cls, data: Any) -> Any:
         if isinstance(data, dict):
             for name, why in REFUSED.items():
-                if name in data and data[name] is not None and data[name] != NEUTRAL.get(name, object()):
+                value = data.get(name)
+                if value not in (None, "", [], {}) and value != NEUTRAL.get(name, object()):
                     raise PydanticCustomError("refused_field", "{field}: {why}", {"field": name, "why": why})
         return data
+
+    @model_validator(mode="after")
+    def _allowed_ids_or_a_grammar(self) -> _SamplingFields:
+        if self.allowed_token_ids and self.structured_spec() is not None:
+            raise ValueError("allowed_token_ids cannot be combined with an output constraint: the grammar "
+                             "decides which tokens may come")
+        return self
 
     @field_validator("logit_bias")
     @classmethod
@@ -160,6 +168,12 @@ class _SamplingFields(BaseModel):
                 if not -100 <= value <= 100:
                     raise ValueError(f"logit_bias values must be in [-100, 100], got {value} for token {key}")
         return v
+
+    def constraint_field(self) -> str:
+        """The field that carries the request's output constraint (for the `param` of its errors)."""
+        names = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                 "guided_grammar")
+        return next((n for n in names if getattr(self, n, None) is not None), "response_format")
 
     def structured_spec(self) -> StructuredOutput | None:
         """The one output constraint this request asks for (ValueError if it asks for several)."""
@@ -217,6 +231,7 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]] | None = None
     prompt_token_ids: list[int] | None = None  # pdserve: the prompt as token ids
     echo: bool = False  # before max_tokens: its check reads it
+    add_special_tokens: bool = True  # the tokenizer's BOS (if it adds one) before a text prompt
     max_tokens: int | None = Field(16, ge=0)  # 0 only with echo: score the prompt, generate nothing
     logprobs: int | None = Field(None, ge=0, le=20)
 
@@ -271,6 +286,7 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+    add_special_tokens: bool = False  # vLLM's: the template writes the special tokens itself
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -279,6 +295,8 @@ class ChatCompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _tool_choice_needs_tools(self) -> ChatCompletionRequest:
+        if self.allowed_token_ids and (self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)):
+            raise ValueError("allowed_token_ids cannot be combined with a forced tool_choice")
         choice = self.tool_choice
         if choice is not None and choice != "none" and choice != "auto" and not self.tools:
             raise ValueError("tool_choice requires tools")

@@ -37,6 +37,7 @@ class Choice:
     prompt_logprobs: list[TokenLogprobs] | None = None
     call_offset: int = 0  # streams: the index of tool_calls[0] within the answer's calls
     first: bool = True  # the choice's first chunk (a whole answer is one)
+    text_offset: int = 0  # completions logprobs: where this chunk's text starts in the whole answer
 
 
 async def whole_answer_deltas(state: ServerState, gen: Generation, params: Any, n: int
@@ -64,7 +65,7 @@ async def complete(state: ServerState, body: Any, gen: Generation, params: Any, 
         c = choices[d.index]
         if d.prompt_logprobs is not None:
             c.prompt_logprobs = d.prompt_logprobs
-        if gen.shape.generate:
+        if gen.shape.return_generated:
             c.text += d.text
             c.token_ids += d.token_ids
             c.logprobs += d.logprobs
@@ -72,10 +73,11 @@ async def complete(state: ServerState, body: Any, gen: Generation, params: Any, 
         c.finish_reason = gen.finish_reasons.get(c.index)
         if gen.shape.tool_parser is not None:
             content, calls = gen.shape.tool_parser().parse(c.text)
+            calls = calls[:gen.shape.max_tool_calls] if gen.shape.max_tool_calls is not None else calls
             if calls:
                 c.text, c.tool_calls = content or "", calls
                 c.finish_reason = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
-    if not gen.shape.generate:
+    if not gen.shape.return_generated:
         gen.completion_tokens = 0
     out = {"id": gen.request_id, "object": kind, "created": int(gen.created), "model": state.model_name,
            "choices": [make_choice(state, gen, c, params, False) for c in choices], "usage": gen.usage()}
@@ -106,6 +108,7 @@ class _StreamedChoice:
         self.started = False
         self.parser = gen.shape.tool_parser() if gen.shape.tool_parser is not None else None
         self.num_calls = 0
+        self.text_offset = 0
 
     def pieces(self, gen: Generation, d: ChoiceDelta) -> tuple[str, list[ToolCall]]:
         if self.parser is None:
@@ -113,8 +116,11 @@ class _StreamedChoice:
         text, calls = self.parser.feed(d.text)
         if d.finish_reason is not None:
             text += self.parser.finish()
-        if gen.shape.tools_forced or (self.num_calls or calls) and not text.strip():
-            text = ""  # the newlines between forced calls are not content
+        if (self.num_calls or calls) and not text.strip():
+            text = ""  # the newlines between calls are not content
+        limit = gen.shape.max_tool_calls
+        if limit is not None:
+            calls = calls[:max(limit - self.num_calls, 0)]
         return text, calls
 
 
@@ -140,16 +146,19 @@ async def stream(state: ServerState, body: Any, gen: Generation, params: Any, ki
             sc = per_choice[d.index]
             text, calls = sc.pieces(gen, d)
             c = Choice(d.index, text, d.token_ids, list(d.logprobs), d.finish_reason, calls or None,
-                       d.prompt_logprobs, call_offset=sc.num_calls)
+                       d.prompt_logprobs, call_offset=sc.num_calls, text_offset=sc.text_offset)
             sc.num_calls += len(calls)
             if c.finish_reason == "stop" and sc.num_calls:
                 c.finish_reason = "tool_calls"
-            if not gen.shape.generate:
+            if not gen.shape.return_generated:
                 c.text, c.token_ids, c.logprobs = "", [], []
             first = c.first = not sc.started
             if first or c.text or c.finish_reason is not None or c.logprobs or c.tool_calls:
                 sc.started = True
                 choice = make_choice(state, gen, c, params, True)
+                if not chat and choice["logprobs"] and choice["logprobs"]["tokens"]:
+                    lp = choice["logprobs"]
+                    sc.text_offset = lp["text_offset"][-1] + len(lp["tokens"][-1])
                 if chat and first:
                     choice["delta"] = {"role": "assistant", **choice["delta"]}
                 extra = {}
@@ -157,7 +166,7 @@ async def stream(state: ServerState, body: Any, gen: Generation, params: Any, ki
                     extra["prompt_logprobs"] = _vllm_prompt_logprobs(state, gen, c.prompt_logprobs)
                 yield event([choice], **extra)
         if include_usage:
-            if not gen.shape.generate:
+            if not gen.shape.return_generated:
                 gen.completion_tokens = 0
             yield event([], gen.usage())
         yield "data: [DONE]\n\n"
@@ -175,22 +184,23 @@ def completion_choice(state: ServerState, gen: Generation, c: Choice, params: An
     text, token_ids, logprobs = c.text, c.token_ids, c.logprobs
     if gen.shape.echo and c.first:  # the prompt goes first: in the whole answer, or in a stream's first chunk
         prompt = gen.prompt_token_ids
-        text = state.tokenizer.decode(prompt, skip_special_tokens=False) + text
+        echoed = gen.shape.echo_text
+        text = (echoed if echoed is not None else state.tokenizer.decode(prompt, skip_special_tokens=False)) + text
         token_ids = prompt + token_ids
         logprobs = [None, *(c.prompt_logprobs or [])] + logprobs
     choice: dict = {"index": c.index, "text": text, "finish_reason": c.finish_reason, "logprobs": None}
     if params.logprobs is not None:
-        tok = state.tokenizer.token_text
+        tok, k = state.tokenizer.token_text, params.logprobs
         strings = [tok(t) for t in token_ids]
-        offsets, at = [], 0
+        offsets, at = [], c.text_offset
         for s in strings:
             offsets.append(at)
             at += len(s)
         choice["logprobs"] = {
             "tokens": strings,
             "token_logprobs": [lp.logprob if lp is not None else None for lp in logprobs],
-            "top_logprobs": [None if lp is None else {tok(t): v for t, v in zip(lp.top_token_ids, lp.top_logprobs,
-                                                                                strict=True)}
+            "top_logprobs": [None if lp is None else {tok(t): v for t, v in zip(lp.top_token_ids[:k],
+                                                                                lp.top_logprobs[:k], strict=True)}
                              for lp in logprobs],
             "text_offset": offsets,
         }
@@ -207,7 +217,7 @@ def _vllm_prompt_logprobs(state: ServerState, gen: Generation, entries: list[Tok
     out: list = [None]
     for token, lp in zip(gen.prompt_token_ids[1:], entries, strict=False):
         ranked = {t: (v, r + 1) for r, (t, v) in enumerate(zip(lp.top_token_ids, lp.top_logprobs, strict=True))}
-        chosen = {str(token): {"logprob": lp.logprob, "rank": ranked.get(token, (None, None))[1],
+        chosen = {str(token): {"logprob": lp.logprob, "rank": ranked.get(token, (None, lp.rank))[1],
                                "decoded_token": tok(token)}}
         out.append({**chosen, **{str(t): {"logprob": v, "rank": r, "decoded_token": tok(t)}
                                  for t, (v, r) in ranked.items() if t != token}})

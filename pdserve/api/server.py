@@ -40,7 +40,7 @@ from pdserve.engine.messages import PDParams
 from pdserve.http.auth import bearer_auth
 from pdserve.http.disconnect import until_disconnect
 from pdserve.http.errors import error_body
-from pdserve.structured.spec import StructuredOutput, check
+from pdserve.structured.spec import StructuredOutput, check, grammar_tokenizer
 from pdserve.tools.grammar import tool_call_grammar
 from pdserve.tools.parsers import PARSERS
 from pdserve.tools.prompt import render_messages, template_supports_tools
@@ -132,12 +132,14 @@ def build_app(state: ServerState) -> FastAPI:
     async def completions(body: CompletionRequest, raw: Request) -> Any:
         _check_model(state, body.model)
         prompt_ids = _completion_prompt(state, body)
-        shape = AnswerShape(echo=body.echo, generate=body.max_tokens != 0,
-                            prompt_logprobs_field=body.prompt_logprobs is not None)
+        shape = AnswerShape(echo=body.echo, return_generated=body.max_tokens != 0,
+                            prompt_logprobs_field=body.prompt_logprobs is not None, echo_text=_prompt_text(body))
         prompt_logprobs = body.prompt_logprobs
         if body.echo and body.logprobs is not None:  # the echoed prompt carries its logprobs
             prompt_logprobs = max(body.logprobs, prompt_logprobs or 0)
-        params = _sampling_params(state, body, body.max_tokens or 1, body.logprobs, _structured(body),
+        structured = await _structured(state, body)
+        max_tokens = 1 if body.max_tokens == 0 else body.max_tokens  # echo-only: one token computed, none shown
+        params = _sampling_params(state, body, max_tokens, body.logprobs, structured,
                                   prompt_logprobs=prompt_logprobs)
         gen = Generation(f"cmpl-{uuid.uuid4().hex}", prompt_ids, pd=_pd_params(body), shape=shape)
         return await _respond(state, raw, body, gen, params, "text_completion", completion_choice)
@@ -149,10 +151,12 @@ def build_app(state: ServerState) -> FastAPI:
         _check_length(state, prompt_ids)
         max_tokens = body.max_completion_tokens or body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        structured, shape = _structured(body), AnswerShape(prompt_logprobs_field=body.prompt_logprobs is not None)
+        structured = await _structured(state, body)
+        shape = AnswerShape(prompt_logprobs_field=body.prompt_logprobs is not None)
         if body.tools and body.tool_choice != "none":
             shape.tool_parser = PARSERS[state.tool_call_parser]
-            forced = _forced_tool_grammar(body)
+            shape.max_tool_calls = None if body.parallel_tool_calls else 1
+            forced = await _forced_tool_grammar(state, body)
             if forced is not None:
                 if structured is not None:
                     raise APIError("tool_choice required or a named function cannot be combined with "
@@ -168,7 +172,7 @@ def build_app(state: ServerState) -> FastAPI:
         messages = [ChatMessage(**m) for m in body.messages()]
         prompt_ids = _template_ids(state, messages, True, None, None)
         _check_length(state, prompt_ids)
-        params = _sampling_params(state, body, body.max_output_tokens, None, _structured(body))
+        params = _sampling_params(state, body, body.max_output_tokens, None, await _structured(state, body))
         gen = Generation(new_response_id(), prompt_ids, pd=_pd_params(body))
         return await _respond(state, raw, body, gen, params, "response", None, responses_api=True)
 
@@ -235,6 +239,13 @@ def _check_length(state: ServerState, prompt_ids: list[int]) -> None:
         raise APIError("prompt token ids must be in [0, vocab size)", param="prompt")
 
 
+def _prompt_text(body: CompletionRequest) -> str | None:
+    prompt = body.prompt if body.prompt_token_ids is None else None
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    return prompt if isinstance(prompt, str) else None
+
+
 def _completion_prompt(state: ServerState, body: CompletionRequest) -> list[int]:
     prompt = body.prompt_token_ids if body.prompt_token_ids is not None else body.prompt
     if prompt is None:
@@ -243,7 +254,8 @@ def _completion_prompt(state: ServerState, body: CompletionRequest) -> list[int]
         if len(prompt) != 1:
             raise APIError("one prompt per request is supported; send several requests", param="prompt")
         prompt = prompt[0]
-    ids = state.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    ids = state.tokenizer.encode(prompt, add_special_tokens=body.add_special_tokens) if isinstance(prompt, str) \
+        else list(prompt)
     _check_length(state, ids)
     return ids
 
@@ -283,18 +295,28 @@ async def _respond(state: ServerState, raw: Request, body: Any, gen: Generation,
         state.in_flight -= 1
 
 
-def _structured(body: Any) -> StructuredOutput | None:
-    """The request's output constraint, checked: a spec that does not compile is the client's 400."""
+async def _structured(state: ServerState, body: Any) -> StructuredOutput | None:
+    """The request's output constraint, checked against the model's tokenizer (off the event loop: a
+    large schema takes a while): a spec that does not compile is the client's 400."""
     try:
         spec = body.structured_spec()
         if spec is not None:
-            check(spec)
+            await _check_off_loop(state, spec)
     except ValueError as e:
-        raise APIError(f"the output constraint cannot be used: {e}", param="response_format") from None
+        raise APIError(f"the output constraint cannot be used: {e}", param=body.constraint_field()) from None
     return spec
 
 
-def _forced_tool_grammar(body: ChatCompletionRequest) -> StructuredOutput | None:
+async def _check_off_loop(state: ServerState, spec: StructuredOutput) -> None:
+    tokenizer = state.tokenizer
+
+    def run() -> None:  # the first call also builds llguidance's tokenizer (~0.3 s, cached)
+        check(spec, grammar_tokenizer(tokenizer.folder / "tokenizer.json", None, tokenizer.eos_token_ids))
+
+    await asyncio.to_thread(run)
+
+
+async def _forced_tool_grammar(state: ServerState, body: ChatCompletionRequest) -> StructuredOutput | None:
     choice, tools = body.tool_choice, [t.model_dump(exclude_none=True) for t in body.tools or []]
     if choice == "required":
         spec = tool_call_grammar(tools, None, body.parallel_tool_calls)
@@ -303,7 +325,7 @@ def _forced_tool_grammar(body: ChatCompletionRequest) -> StructuredOutput | None
     else:
         return None
     try:
-        check(spec)
+        await _check_off_loop(state, spec)
     except ValueError as e:
         raise APIError(f"the tools' parameter schemas cannot be used: {e}", param="tools") from None
     return spec
@@ -311,7 +333,11 @@ def _forced_tool_grammar(body: ChatCompletionRequest) -> StructuredOutput | None
 
 def _chat_prompt(state: ServerState, body: ChatCompletionRequest) -> list[int]:
     tools = body.tools if body.tool_choice != "none" else None
-    return _template_ids(state, body.messages, body.add_generation_prompt, tools, body.chat_template_kwargs)
+    ids = _template_ids(state, body.messages, body.add_generation_prompt, tools, body.chat_template_kwargs)
+    tok = state.tokenizer
+    if body.add_special_tokens and tok.add_bos_token and tok.bos_token_id is not None:
+        ids = [tok.bos_token_id, *ids]  # vLLM's add_special_tokens on chat: the tokenizer's BOS before the template's
+    return ids
 
 
 def _template_ids(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,

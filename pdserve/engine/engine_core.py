@@ -196,9 +196,12 @@ class EngineCore:
         for pl in result.prompt_logprobs:
             if (request := self.scheduler.requests.get(pl.request_id)) is not None:
                 request.add_prompt_logprobs(pl.first_position, pl.entries)
-        sampled = {s.request_id: s for s in result.sampled}
-        changed = self.scheduler.update(out, {rid: s.token_id for rid, s in sampled.items()})
         outputs = []
+        for s in result.sampled:
+            if s.error is not None and (request := self.scheduler.requests.get(s.request_id)) is not None:
+                outputs.extend(o for o in [self._fail(request, s.error, 400)] if o is not None)
+        sampled = {s.request_id: s for s in result.sampled if s.error is None}
+        changed = self.scheduler.update(out, {rid: s.token_id for rid, s in sampled.items()})
         for r in changed:
             s = sampled[r.request_id]
             output = final_output(r) if r.is_finished else RequestOutput(r.request_id, [])
@@ -215,11 +218,11 @@ class EngineCore:
 
     # ---- helpers -----------------------------------------------------------------------------
 
-    def _fail(self, request: Request, error: str) -> RequestOutput | None:
+    def _fail(self, request: Request, error: str, status: int = 500) -> RequestOutput | None:
         if request.is_finished:
             return None
         self.abort(request.request_id)
-        return error_output(request, error)
+        return error_output(request, error, status)
 
     def forget(self, request_id: str) -> None:
         """The worker may drop the request's sampling state (told with the next step)."""

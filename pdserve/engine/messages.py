@@ -57,6 +57,7 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
     logprob: float
     top_token_ids: list[int]
     top_logprobs: list[float]
+    rank: int | None = None  # the token's rank among all (1 = the most likely); prompt logprobs carry it
 
 
 class RequestTimes(msgspec.Struct):
@@ -179,6 +180,7 @@ class Sampled(msgspec.Struct, array_like=True):
     request_id: str
     token_id: int
     logprobs: TokenLogprobs | None = None
+    error: str | None = None  # the request cannot go on (its output constraint failed): the engine ends it
 
 
 class PromptLogprobs(msgspec.Struct, array_like=True):

@@ -134,7 +134,7 @@ class DecoderModel(nn.Module):
                 ops.silu_and_mul(act, gate_up)
             h = layer.down_proj.add_to(h, act)
         last = rms_norm(h[batch.logits_indices], self.norm)
-        return self.lm_head_proj(last).float()
+        return last if batch.return_hidden else self.lm_head_proj(last).float()
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the fused parameters; every parameter must be filled once."""

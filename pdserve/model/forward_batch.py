@@ -79,6 +79,9 @@ class ForwardBatch:
     fallback: FallbackAttention | None = None  # set when the compiled kernel is not used
     # A profile or dummy run: touches no other component (no KV signals, no messages).
     is_dummy_or_profile_run: bool = False
+    # The model returns the final-normed hidden states at logits_indices, not logits (prompt logprobs:
+    # the caller projects them in slices, so a long prompt never holds [tokens, vocab] at once).
+    return_hidden: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -22,6 +22,7 @@ class SamplingRow:
     grammar: Any = None  # structured.matcher.SequenceGrammar of a constrained request
     bias: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)  # logit_bias ids, values
     allowed: torch.Tensor | None = field(default=None, repr=False)  # allowed_token_ids
+    prompt_scored: int = 0  # prompt_logprobs: positions 0 .. prompt_scored - 1 have scored their next token
 
     def __post_init__(self) -> None:
         p = self.params
@@ -77,8 +78,7 @@ class Sampler:
         if constrained:
             _apply_constraints(x, rows, grammar_mask)
         if blocked:
-            row_idx, tok_idx = zip(*blocked, strict=True)
-            x[torch.tensor(row_idx, device=device), torch.tensor(tok_idx, device=device)] = -torch.inf
+            _ban_until_min_tokens(x, blocked)
         if penalised:
             _apply_penalties(x, rows)
 
@@ -109,6 +109,19 @@ def _apply_constraints(x: torch.Tensor, rows: list[SamplingRow], grammar_mask: t
             x[i].fill_(-torch.inf).index_copy_(0, r.allowed.to(device), keep)
     if grammar_mask is not None:
         x.masked_fill_(~grammar_mask.to(device), -torch.inf)
+
+
+def _ban_until_min_tokens(x: torch.Tensor, blocked: list[tuple[int, int]]) -> None:
+    """Ban EOS / stop tokens of rows short of min_tokens, except where nothing else is allowed (a
+    complete grammar allows only EOS: the grammar wins, the answer ends)."""
+    device = x.device
+    row_idx, tok_idx = (torch.tensor(v, device=device) for v in zip(*blocked, strict=True))
+    saved = x[row_idx, tok_idx].clone()
+    x[row_idx, tok_idx] = -torch.inf
+    dead = torch.isneginf(x).all(dim=-1)
+    if dead.any():
+        back = dead[row_idx]
+        x[row_idx[back], tok_idx[back]] = saved[back]
 
 
 def _has_penalty(p: SamplingParams) -> bool:

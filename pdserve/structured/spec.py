@@ -1,8 +1,8 @@
 """What a request's output must match, as it travels in SamplingParams; its llguidance grammar.
 
-torch-free: the API server checks a spec (an uncompilable one is the client's 400) and the worker
-compiles it. The grammar library is llguidance (vLLM's `guidance` backend, also in SGLang): it has no
-dependencies, where xgrammar pulls triton and an unpinned torch.
+torch-free: the API server checks a spec against the model's tokenizer (an uncompilable one is the
+client's 400) and the worker compiles it. The grammar library is llguidance (vLLM's `guidance`
+backend, also in SGLang): it has no dependencies, where xgrammar pulls triton and an unpinned torch.
 
 JSON is compact by default (no free whitespace between tokens: `{"a":1,"b":[2]}`). With free
 whitespace a small model, once it has written the last value, may write newlines until max_tokens;
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from functools import lru_cache
+from pathlib import Path
 
 import msgspec
 
@@ -32,6 +33,7 @@ class StructuredOutput(msgspec.Struct, kw_only=True, omit_defaults=True, frozen=
 
 def json_schema(schema: dict | bool, whitespace_flexible: bool = False,
                 whitespace_pattern: str | None = None) -> StructuredOutput:
+    """The spec for a JSON schema (offline use: `SamplingParams(structured=json_schema(schema))`)."""
     return StructuredOutput(kind="json", value=json.dumps(schema), whitespace_flexible=whitespace_flexible,
                             whitespace_pattern=whitespace_pattern)
 
@@ -46,25 +48,31 @@ def grammar_of(spec: StructuredOutput) -> str:
         options: dict = {"whitespace_flexible": spec.whitespace_flexible or spec.whitespace_pattern is not None}
         if spec.whitespace_pattern is not None:
             options["whitespace_pattern"] = spec.whitespace_pattern
-        grammar = LLMatcher.grammar_from_json_schema(schema, overrides=options)
-    elif spec.kind == "choice":
-        choices = json.loads(spec.value)
-        if not choices or not all(isinstance(c, str) for c in choices):
-            raise ValueError("choice needs a non-empty list of strings")
-        grammar = LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
-    else:
-        grammar = grammar_from(spec.kind, spec.value)
-    error = LLMatcher.validate_grammar(grammar)
-    if error:
-        raise ValueError(error.strip())
-    return grammar
+        return LLMatcher.grammar_from_json_schema(schema, overrides=options)
+    if spec.kind == "choice" and not json.loads(spec.value):
+        raise ValueError("choice needs a non-empty list of strings")
+    return grammar_from(spec.kind, spec.value)
 
 
-def check(spec: StructuredOutput) -> None:
-    """Raise ValueError (the reason, for a 400) if `spec` does not compile."""
+@lru_cache(maxsize=4)
+def grammar_tokenizer(tokenizer_json: Path, vocab_size: int | None = None,
+                      eos_token_ids: tuple[int, ...] = ()) -> object:
+    """llguidance's view of the model's tokenizer (~0.3 s to build: once per process)."""
+    from llguidance import LLTokenizer
+
+    return LLTokenizer(tokenizer_json.read_text(), n_vocab=vocab_size, eos_token=list(eos_token_ids) or None)
+
+
+def check(spec: StructuredOutput, tokenizer: object | None = None) -> None:
+    """Raise ValueError (the reason, for a 400) if `spec` does not compile. With the model's tokenizer
+    (grammar_tokenizer) this catches what only the vocabulary decides (special tokens, token ranges)."""
+    from llguidance import LLMatcher
+
     try:
-        grammar_of(spec)
+        error = LLMatcher.validate_grammar(grammar_of(spec), tokenizer)
     except ValueError:
         raise
     except Exception as e:  # llguidance raises plain exceptions for some malformed inputs
         raise ValueError(str(e)) from None
+    if error:
+        raise ValueError(error.strip())

@@ -1,10 +1,12 @@
 """Tools and tool-call histories as the chat template sees them.
 
-A template that renders tools itself (it names `tools`, as Qwen's, Llama 3.1's and Hermes' do) gets
-them as the `tools` variable, and assistant tool calls with their arguments as objects (what those
-templates expect; OpenAI sends a JSON string). A template that does not (SmolLM2's, plain ChatML) gets
-the Hermes prompt below in the system message, assistant calls as `<tool_call>` text and tool results
-as `<tool_response>` user turns: the format the `hermes` parser reads back.
+A template that renders tools itself (it names `tools`, as Qwen's and Hermes' do) gets them as the
+`tools` variable, and assistant tool calls with their arguments as objects (what those templates
+expect; OpenAI sends a JSON string). A template that does not (SmolLM2's, plain ChatML) gets the
+Hermes prompt below in the system message, assistant calls as `<tool_call>` text and tool results as
+`<tool_response>` user turns: the format the `hermes` parser reads back. Only that parser exists so
+far: a template that teaches another call format (Llama 3.1's `<|python_tag|>`) needs its own parser
+for `auto`.
 """
 
 from __future__ import annotations

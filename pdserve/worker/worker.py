@@ -31,7 +31,7 @@ from pdserve.kv_layout import KVLayout
 from pdserve.model import SequenceChunk
 from pdserve.model_runner import ModelRunner
 from pdserve.sampling import SamplingRow, make_generator
-from pdserve.structured.matcher import GrammarCompiler, allowed_tokens
+from pdserve.structured.matcher import GrammarCompiler, SequenceGrammar, allowed_tokens
 from pdserve.transfer_plan import LayerDone, StepTransfers
 from pdserve.worker.profile_run import profile_num_blocks
 
@@ -39,6 +39,7 @@ log = logging.getLogger("pdserve.worker")
 # "1": a CPU cache in private memory, with no shared-memory segment, as a CUDA cache is (tests use it to
 # run the no-segment startup path on a CPU machine)
 PRIVATE_CACHE_ENV = "PDSERVE_PRIVATE_KV_CACHE"
+PROMPT_SLICE = 256  # prompt positions projected to logits at a time (prompt logprobs)
 
 
 class KVCacheTooSmall(ValueError):
@@ -66,7 +67,7 @@ class Worker:
         self.layout = KVLayout.for_model(self.runner.config, num_blocks, config.block_size,
                                          self.runner.kv_cache_dtype)
         self.rows: dict[str, SamplingRow] = {}
-        self.grammars = GrammarCompiler(self.runner.folder / "tokenizer.json", self.runner.config.vocab_size)
+        self.grammar_compiler = GrammarCompiler(self.runner.folder / "tokenizer.json", self.runner.config.vocab_size)
         self._cache_command: CacheCommand | None = None
         self._messager: zmq.Socket | None = None
         self._encoder = msgspec.msgpack.Encoder()
@@ -120,10 +121,10 @@ class Worker:
         return WorkerOk(self.runner.kv_cache.shm_name if self.runner.kv_cache is not None else None)
 
     def execute(self, step: ExecuteStep) -> StepResult:
-        for new in step.new_requests:
-            self.rows[new.request_id] = self._row(new)
         for request_id in step.finished_ids:
             self.rows.pop(request_id, None)
+        for new in step.new_requests:
+            self.rows[new.request_id] = self._row(new)
         if not step.chunks:
             return StepResult(sampled=[])
         chunks = [SequenceChunk(c.token_ids, c.num_computed, c.block_table) for c in step.chunks]
@@ -131,7 +132,7 @@ class Worker:
         ids = [step.chunks[i].request_id for i in to_sample]
         rows = [self.rows[rid] for rid in ids]
         grammars = [r.grammar for r in rows]
-        masks = self.grammars.fill_async(grammars) if any(g is not None for g in grammars) else None
+        masks = self.grammar_compiler.fill_async(grammars) if any(g is not None for g in grammars) else None
         scored = [i for i, c in enumerate(step.chunks) if self._wants_prompt_logprobs(c)]
         logits, prompt_logits = self.runner.logits_with_prompt(chunks, scored, self._stream_layers(step))
         prompt_logprobs = [self._prompt_logprobs(step.chunks[i], prompt_logits[i]) for i in scored]
@@ -140,7 +141,7 @@ class Worker:
         if len(to_sample) < len(chunks):
             logits = logits[torch.tensor(to_sample, device=logits.device)]
         bits = masks.result() if masks is not None else None
-        grammar_mask = allowed_tokens(bits, logits.shape[1]) if bits is not None else None
+        grammar_mask = allowed_tokens(bits, logits.shape[1], logits.device) if bits is not None else None
         out = self.runner.sampler(logits, rows, grammar_mask)
         tokens = out.token_ids.tolist()
         logprobs = out.logprobs.tolist() if out.logprobs is not None else None
@@ -155,34 +156,50 @@ class Worker:
             if row.params.logprobs is not None and logprobs is not None:
                 k = row.params.logprobs
                 lp = TokenLogprobs(logprobs[j], top_ids[j][:k] if top_ids else [], top_lps[j][:k] if top_lps else [])
-            sampled.append(Sampled(rid, token, lp))
+            error = row.grammar.error if row.grammar is not None else None
+            sampled.append(Sampled(rid, token, lp, error))
         return StepResult(sampled=sampled, prompt_logprobs=prompt_logprobs)
 
     def _row(self, new: NewRequest) -> SamplingRow:
         row = SamplingRow(new.params, new.prompt_token_ids, list(new.output_token_ids), tuple(new.eos_token_ids),
                           make_generator(new.params.seed, self.runner.device))
-        if new.params.structured is not None:
-            row.grammar = self.grammars.sequence(new.params.structured, new.eos_token_ids, new.output_token_ids)
+        device = self.runner.device
+        if row.bias is not None:
+            row.bias = (row.bias[0].to(device), row.bias[1].to(device))
+        if row.allowed is not None:
+            row.allowed = row.allowed.to(device)
+        if new.params.structured is not None:  # compiled on the mask thread, at its first mask
+            row.grammar = SequenceGrammar(new.params.structured, new.eos_token_ids, new.output_token_ids)
         return row
 
     def _wants_prompt_logprobs(self, chunk: Chunk) -> bool:
-        """A chunk of a prompt_logprobs request that still covers prompt tokens."""
+        """A chunk of a prompt_logprobs request that covers prompt tokens not scored yet (a recompute
+        after preemption covers scored ones again)."""
         row = self.rows[chunk.request_id]
-        return row.params.prompt_logprobs is not None and chunk.num_computed < len(row.prompt_token_ids) - 1
+        if row.params.prompt_logprobs is None:
+            return False
+        unscored = row.prompt_scored < len(row.prompt_token_ids) - 1
+        return unscored and chunk.num_computed + len(chunk.token_ids) > row.prompt_scored
 
-    def _prompt_logprobs(self, chunk: Chunk, logits: torch.Tensor) -> PromptLogprobs:
-        """Logits at position p score prompt token p + 1: this chunk scores tokens start + 1 .. ."""
+    def _prompt_logprobs(self, chunk: Chunk, hidden: torch.Tensor) -> PromptLogprobs:
+        """The hidden state at position p scores prompt token p + 1. Projected PROMPT_SLICE rows at a
+        time: a 2,048-token chunk never holds [2,048, vocab] logits (0.4 GB at this vocab, 1.2 GB at 150k)."""
         row = self.rows[chunk.request_id]
-        prompt, start = row.prompt_token_ids, chunk.num_computed
-        n = min(len(chunk.token_ids), len(prompt) - 1 - start)
-        logprobs = torch.log_softmax(logits[:n].float(), dim=-1)
-        targets = torch.tensor(prompt[start + 1:start + 1 + n], device=logprobs.device)
-        chosen = logprobs.gather(1, targets[:, None]).squeeze(1).tolist()
-        k = row.params.prompt_logprobs
-        top_lps, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
-        entries = [TokenLogprobs(chosen[j], top_ids[j].tolist() if k else [], top_lps[j].tolist() if k else [])
-                   for j in range(n)]
-        return PromptLogprobs(chunk.request_id, start + 1, entries)
+        prompt, start, k = row.prompt_token_ids, chunk.num_computed, row.params.prompt_logprobs
+        first, end = max(start, row.prompt_scored), min(start + len(chunk.token_ids), len(prompt) - 1)
+        entries = []
+        for a in range(first, end, PROMPT_SLICE):
+            b = min(a + PROMPT_SLICE, end)
+            logprobs = torch.log_softmax(self.runner.project(hidden[a - start:b - start]), dim=-1)
+            targets = torch.tensor(prompt[a + 1:b + 1], device=logprobs.device)
+            chosen = logprobs.gather(1, targets[:, None])
+            ranks = (logprobs > chosen).sum(dim=-1).add_(1).tolist()
+            top_lps, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+            tops = zip(top_ids.tolist(), top_lps.tolist(), strict=True) if k else (([], []) for _ in ranks)
+            for lp, rank, (ids, lps) in zip(chosen.squeeze(1).tolist(), ranks, tops, strict=True):
+                entries.append(TokenLogprobs(lp, ids, lps, rank))
+        row.prompt_scored = end
+        return PromptLogprobs(chunk.request_id, first + 1, entries)
 
     def _stream_layers(self, step: ExecuteStep):  # noqa: ANN202 - Callable[[int], None] | None
         """Prefill role: tell the cache messager what this step sends, then each layer as it is done."""
@@ -194,7 +211,7 @@ class Worker:
         return lambda layer: sock.send(encode(LayerDone(step_id, layer)))
 
     def close(self) -> None:
-        self.grammars.close()
+        self.grammar_compiler.close()
         if self._messager is not None:
             self._messager.close()
         self.runner.release()
