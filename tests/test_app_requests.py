@@ -128,6 +128,7 @@ def test_uncompilable_schema_and_conflicts_are_400(client):
             "type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}}}},
         {"extra_body": {"guided_regex": "[a-z"}},
         {"extra_body": {"structured_outputs": {"grammar": "root ::= ("}}},
+        {"extra_body": {"structured_outputs": {"grammar": 'start: "a" <|no_such_token|>'}}},  # the vocabulary says
         {"response_format": {"type": "json_object"}, "extra_body": {"guided_regex": "a+"}},
         {"extra_body": {"structured_outputs": {"regex": "a", "choice": ["a"]}}},
     ]

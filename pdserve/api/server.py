@@ -308,10 +308,15 @@ async def _structured(state: ServerState, body: Any) -> StructuredOutput | None:
 
 
 async def _check_off_loop(state: ServerState, spec: StructuredOutput) -> None:
+    """A client's own grammar may name tokens (`<|im_end|>`, `<[1234]>`): only the vocabulary can check
+    those, so it is checked with llguidance's tokenizer (0.3 s and ~70 MB of this process, once). JSON
+    schemas, regexes, choices and the tool-call grammars cannot, and are checked without it."""
     tokenizer = state.tokenizer
 
-    def run() -> None:  # the first call also builds llguidance's tokenizer (~0.3 s, cached)
-        check(spec, grammar_tokenizer(tokenizer.folder / "tokenizer.json", None, tokenizer.eos_token_ids))
+    def run() -> None:
+        vocab = (grammar_tokenizer(tokenizer.folder / "tokenizer.json", None, tokenizer.eos_token_ids)
+                 if spec.kind == "grammar" else None)
+        check(spec, vocab)
 
     await asyncio.to_thread(run)
 
