@@ -26,7 +26,7 @@ from pdserve.tools.parsers import PARSERS
 from pdserve.transport.base import HOST_ID_ENV, host_id
 from pdserve.utils.memory import release_freed_memory
 from pdserve.utils.process import die_with_parent, exit_on_sigterm
-from pdserve.utils.uvicorn_run import serve_and_announce
+from pdserve.utils.uvicorn_run import serve_and_announce, server_config
 
 log = logging.getLogger("pdserve.serve")
 
@@ -128,7 +128,7 @@ def serve(args: argparse.Namespace) -> int:
         from prometheus_client import start_http_server
 
         start_http_server(metrics_port, addr=args.host, registry=metrics.registry)
-        server = uvicorn.Server(uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level="warning"))
+        server = uvicorn.Server(server_config(build_app(state), args.host, args.port))
         state.request_shutdown = lambda: setattr(server, "should_exit", True)
         asyncio.run(serve_and_announce(server, _announcement(args.host, args.port, metrics_port, name, ready.role,
                                                              ready.pd_comm_port)))

@@ -18,7 +18,7 @@ from pdserve.router.app import RouterSettings, build_router_app
 from pdserve.router.policies import POLICIES
 from pdserve.router.prompt import PromptReader
 from pdserve.utils.process import exit_on_sigterm
-from pdserve.utils.uvicorn_run import serve_and_announce
+from pdserve.utils.uvicorn_run import serve_and_announce, server_config
 
 log = logging.getLogger("pdserve.router")
 
@@ -106,7 +106,7 @@ def serve_router(args: argparse.Namespace) -> int:
     if not settings.cluster_secret and args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("no --cluster-secret: anyone who reaches %s:%d can register an instance", args.host, args.port)
     app = build_router_app(settings, prompt_reader(args.tokenizer, (args.prefill_policy, args.decode_policy)))
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
+    server = uvicorn.Server(server_config(app, args.host, args.port))
     asyncio.run(serve_and_announce(
         server, f"pdserve: router on http://{args.host}:{args.port} (instances register at /register; "
                 f"policies: prefill {args.prefill_policy}, decode {args.decode_policy})"))
