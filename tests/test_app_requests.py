@@ -88,11 +88,14 @@ def test_json_schema_n2_and_streamed(client):
     assert len(texts) == 2
     for text in texts:
         jsonschema.validate(json.loads(text), PERSON)
-    stream = client.chat.completions.create(
+    stream = list(client.chat.completions.create(
         model=MODEL, messages=ASK_PERSON, max_tokens=150, temperature=0, stream=True,
-        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}))
     streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert streamed == _person(client)[0]
+    counts = [c.usage.completion_tokens for c in stream]  # vLLM's continuous usage: a running count
+    assert counts == sorted(counts) and counts[-1] > counts[0] >= 1
 
 
 def test_json_object_and_vllm_parameters(client):

@@ -59,6 +59,7 @@ IGNORED = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "saf
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: the running usage in every chunk (with include_usage)
 
 
 class JsonSchemaFormat(BaseModel):

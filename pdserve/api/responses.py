@@ -127,14 +127,16 @@ class _StreamedChoice:
 async def stream(state: ServerState, body: Any, gen: Generation, params: Any, kind: str, make_choice: Any,
                   release: StreamRelease) -> AsyncIterator[str]:
     chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else kind
-    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    options = body.stream_options
+    include_usage = options is not None and options.include_usage
+    continuous = include_usage and options.continuous_usage_stats
     chat = kind == "chat.completion"
 
     def event(choices: list[dict], usage: dict | None = None, **extra: Any) -> str:
         data: dict = {"id": gen.request_id, "object": chunk_kind, "created": int(gen.created),
                       "model": state.model_name, "choices": choices, **extra}
         if include_usage:
-            data["usage"] = usage
+            data["usage"] = gen.usage() if continuous and usage is None else usage
         if body.collect_metrics:
             data["metrics"] = gen.metrics()
         return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
