@@ -31,9 +31,13 @@ class RequestRecord:
         return asdict(self)
 
 
-def request_body(req: BenchRequest, backend: str, model: str | None, ignore_eos: bool) -> dict:
+def request_body(req: BenchRequest, backend: str, model: str | None, ignore_eos: bool,
+                 temperature: float | None = None) -> dict:
+    """The streamed request; no temperature unless given (vLLM's client sends none: the server's default)."""
     body: dict = {"max_tokens": req.max_tokens, "stream": True, "stream_options": {"include_usage": True},
-                  "temperature": 0, "collect_metrics": True}
+                  "collect_metrics": True}
+    if temperature is not None:
+        body["temperature"] = temperature
     if model:
         body["model"] = model
     if ignore_eos:

@@ -38,6 +38,7 @@ def format_table(s: Summary) -> str:
              _row("Total Token throughput (tok/s):", s.total_throughput)]
     if s.goodput is not None:
         lines.append(_row("Request goodput (req/s):", s.goodput, "{:.3f}"))
+        lines.append(_row("Requests meeting the SLOs (%):", 100 * (s.slo_attainment or 0.0), "{:.1f}"))
     lines += _section("Decode speed (tok/s)", "Decode", "", s.decode)
     lines += _section("Time to First Token", "TTFT", "ms", s.ttft)
     lines += _section("Infer Time to First Token", "S_TTFT", "ms", s.s_ttft)
@@ -57,6 +58,14 @@ def format_table(s: Summary) -> str:
 def save_result(path: Path, summary: Summary, records: list[RequestRecord], config: dict) -> None:
     path.write_text(json.dumps({"config": config, "summary": asdict(summary),
                                 "requests": [r.as_dict() for r in records]}, indent=1))
+
+
+def save_probes(path: Path, runs: list[dict], best: float | None, target: float, config: dict) -> None:
+    """--find-rate: every probe's summary and requests, and the rate found."""
+    path.write_text(json.dumps({
+        "config": config, "found_rate": best, "target": target,
+        "probes": [{"rate": r["rate"], "summary": asdict(r["summary"]),
+                    "requests": [rec.as_dict() for rec in r["records"]]} for r in runs]}, indent=1))
 
 
 def plot(path: Path, records: list[RequestRecord]) -> None:

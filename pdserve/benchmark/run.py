@@ -14,7 +14,9 @@ from tqdm import tqdm
 
 from pdserve.benchmark.client import RequestRecord, request_body, send
 from pdserve.benchmark.datasets import BenchRequest, jsonl_requests, random_requests
-from pdserve.benchmark.report import format_table, plot, save_result
+from pdserve.benchmark.find_rate import Probe, find_rate, format_probes, plot_probes
+from pdserve.benchmark.report import format_table, plot, save_probes, save_result
+from pdserve.benchmark.sharegpt import sharegpt_requests
 from pdserve.benchmark.summary import parse_slos, summarize
 
 
@@ -30,28 +32,59 @@ def bench_serve(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     try:
-        percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
+        percentiles = sorted(float(p) for p in args.metric_percentiles.split(",") if p.strip())
         slos = parse_slos(args.goodput)
         rate = float(args.request_rate)
-        requests = _load(args)
+        if args.find_rate and not slos:
+            raise ValueError("--find-rate needs the SLOs: --goodput ttft:MS tpot:MS e2el:MS")
+        requests = _load(args, args.seed)
     except (ValueError, OSError) as e:
         print(f"pdserve bench: {e}", file=sys.stderr)
         return 2
     model = args.model or _first_model(base)
     path = "/v1/chat/completions" if args.backend == "openai-chat" else "/v1/completions"
+    if args.find_rate:
+        return _find_rate(base, path, model, args, percentiles, slos)
     records, duration = asyncio.run(_run(base, path, requests, model, args, rate))
-    summary = summarize(records, duration, sorted(percentiles), slos)
+    summary = summarize(records, duration, percentiles, slos)
     print(format_table(summary), flush=True)
-    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-              if k not in ("command", "instance_args")}
     if args.save_result:
-        save_result(args.save_result, summary, records, config)
+        save_result(args.save_result, summary, records, _config(args))
     if args.plot:
         plot(args.plot, records)
     return 0 if summary.completed else 1
 
 
-def _load(args: argparse.Namespace) -> list[BenchRequest]:
+def _find_rate(base: str, path: str, model: str | None, args: argparse.Namespace, percentiles: list[float],
+               slos: dict[str, float]) -> int:
+    """Each probe sends other prompts (seed + probe number): the same ones again would hit the prefix cache."""
+    runs: list[dict] = []
+
+    def measure(rate: float) -> Probe:
+        requests = _load(args, args.seed + len(runs))
+        records, duration = asyncio.run(_run(base, path, requests, model, args, rate))
+        summary = summarize(records, duration, percentiles, slos)
+        print(f"rate {rate:.3f} req/s: {summary.slo_attainment:.1%} met the SLOs, goodput {summary.goodput:.3f} "
+              f"req/s, {summary.failed} failed", flush=True)
+        runs.append({"rate": rate, "summary": summary, "records": records})
+        return Probe(rate, summary.slo_attainment or 0.0, summary.goodput or 0.0)
+
+    best, probes = find_rate(measure, args.find_rate_start, args.slo_attainment, args.find_rate_steps,
+                             args.find_rate_max)
+    print(format_probes(probes, best, args.slo_attainment), flush=True)
+    if args.save_result:
+        save_probes(args.save_result, runs, best, args.slo_attainment, _config(args))
+    if args.plot:
+        plot_probes(args.plot, probes, best, args.slo_attainment)
+    return 0 if best is not None else 1
+
+
+def _config(args: argparse.Namespace) -> dict:
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+            if k not in ("command", "instance_args")}
+
+
+def _load(args: argparse.Namespace, seed: int) -> list[BenchRequest]:
     from pdserve.loader import resolve_model_folder
     from pdserve.tokenizer import Tokenizer
 
@@ -59,14 +92,18 @@ def _load(args: argparse.Namespace) -> list[BenchRequest]:
     kind = args.dataset[0]
     if kind == "random":
         reqs = random_requests(tokenizer, args.num_prompts, args.random_input_len, args.random_output_len,
-                               args.random_range_ratio, args.seed)
+                               args.random_range_ratio, seed)
         if args.backend == "openai-chat":  # chat takes text: the ids' text (its length is then approximate)
             for r in reqs:
                 r.messages = [{"role": "user", "content": tokenizer.decode(r.prompt)}]
         return reqs
+    if kind == "sharegpt" and len(args.dataset) <= 2:
+        path = Path(args.dataset[1]) if len(args.dataset) == 2 else None
+        return sharegpt_requests(path, args.num_prompts, tokenizer, seed, args.sharegpt_output_len,
+                                 chat=args.backend == "openai-chat")
     if kind == "jsonl" and len(args.dataset) == 2:
-        return jsonl_requests(Path(args.dataset[1]), args.num_prompts, args.random_output_len, args.seed, tokenizer)
-    raise ValueError("--dataset takes `random` or `jsonl PATH`")
+        return jsonl_requests(Path(args.dataset[1]), args.num_prompts, args.random_output_len, seed, tokenizer)
+    raise ValueError("--dataset takes `random`, `sharegpt [PATH]` or `jsonl PATH`")
 
 
 def _first_model(base: str) -> str | None:
@@ -84,7 +121,7 @@ async def _run(base: str, path: str, requests: list[BenchRequest], model: str | 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=base, timeout=httpx.Timeout(3600, connect=30), limits=limits) as client:
         async def one(req: BenchRequest) -> RequestRecord:
-            body = request_body(req, args.backend, model, args.ignore_eos)
+            body = request_body(req, args.backend, model, args.ignore_eos, args.temperature)
             if limit is None:
                 rec = await send(client, path, body, req.prompt_len)
             else:

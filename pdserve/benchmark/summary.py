@@ -47,7 +47,8 @@ class Summary:
     tpot: Distribution  # ms
     itl: Distribution  # ms
     e2el: Distribution  # ms
-    goodput: float | None  # requests/s meeting every SLO; None without SLOs
+    goodput: float | None  # requests/s meeting every SLO (vLLM's definition); None without SLOs
+    slo_attainment: float | None  # share of the requests sent (failed ones included) meeting every SLO
     first_error: str | None
     ttft_breakdown: dict[str, float] = field(default_factory=dict)  # mean ms per phase, when the server says
 
@@ -67,14 +68,10 @@ def summarize(records: list[RequestRecord], duration: float, percentiles: list[f
         m = r.server or {}
         if m.get("first_token") is not None and m.get("prefill_start") is not None:
             s_ttft.append((m["first_token"] - m["prefill_start"]) * 1000)
-    goodput = None
+    goodput = attainment = None
     if slos:
-        good = 0
-        for r in ok:
-            t = {"ttft": r.ttft * 1000, "e2el": r.e2el * 1000,
-                 "tpot": (r.e2el - r.ttft) / (r.output_tokens - 1) * 1000 if r.output_tokens > 1 else 0.0}
-            good += all(t[k] <= v for k, v in slos.items())
-        goodput = good / duration
+        good = sum(meets_slos(r, slos) for r in ok)
+        goodput, attainment = good / duration, good / max(1, len(records))
     inputs = sum(r.prompt_tokens for r in ok)
     outputs = sum(r.output_tokens for r in ok)
     errors = [r.error for r in records if not r.ok and r.error]
@@ -84,7 +81,15 @@ def summarize(records: list[RequestRecord], duration: float, percentiles: list[f
         total_throughput=(inputs + outputs) / duration, decode=dist(decode),
         ttft=dist([r.ttft * 1000 for r in ok]), s_ttft=dist(s_ttft), tpot=dist(tpot),
         itl=dist([g * 1000 for r in ok for g in r.itl]), e2el=dist([r.e2el * 1000 for r in ok]),
-        goodput=goodput, first_error=errors[0] if errors else None, ttft_breakdown=ttft_breakdown(ok))
+        goodput=goodput, slo_attainment=attainment, first_error=errors[0] if errors else None,
+        ttft_breakdown=ttft_breakdown(ok))
+
+
+def meets_slos(r: RequestRecord, slos: dict[str, float]) -> bool:
+    """vLLM's good request: each SLO'd metric (ms) at or under its bound; TPOT is 0 for one-token answers."""
+    t = {"ttft": r.ttft * 1000, "e2el": r.e2el * 1000,
+         "tpot": (r.e2el - r.ttft) / (r.output_tokens - 1) * 1000 if r.output_tokens > 1 else 0.0}
+    return all(t[k] <= v for k, v in slos.items())
 
 
 # (label, from, to) in the server's per-request timings; PD requests have the middle ones
