@@ -45,6 +45,9 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
                    help="give each instance its own host id, so prefill and decode use tcp as across machines")
     p.add_argument("--prefill-policy", default=None, help="the router's (see pdserve router --help)")
     p.add_argument("--decode-policy", default=None, help="the router's (see pdserve router --help)")
+    p.add_argument("--pd-policy", default=None, help="the router's: always or conditional (see pdserve router --help)")
+    p.add_argument("--max-local-prefill-length", default=None, help="the router's (see pdserve router --help)")
+    p.add_argument("--max-prefill-queue-tokens", default=None, help="the router's (see pdserve router --help)")
     p.add_argument("--api-key", default=None, help="clients of the router must send it as a Bearer token")
     p.add_argument("--splitwise-cache-buffer-size", type=float, default=0.0,
                    help="GB of host buffer each decode instance receives the prefill's KV into (decode only)")
@@ -141,7 +144,10 @@ def launch(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         router_flags = [f for flag, value in (("--prefill-policy", args.prefill_policy),
-                                              ("--decode-policy", args.decode_policy), ("--api-key", args.api_key))
+                                              ("--decode-policy", args.decode_policy), ("--pd-policy", args.pd_policy),
+                                              ("--max-local-prefill-length", args.max_local_prefill_length),
+                                              ("--max-prefill-queue-tokens", args.max_prefill_queue_tokens),
+                                              ("--api-key", args.api_key))
                         if value for f in (flag, value)]
         deployment.start("router", [sys.executable, "-m", "pdserve.cli", "router", "--host", args.host,
                                     "--port", str(args.port), *router_flags])

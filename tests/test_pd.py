@@ -18,6 +18,7 @@ import httpx
 import openai
 import psutil
 import pytest
+import yaml
 
 from pdserve.transport import rdma_available
 from tests.greedy import DEFAULT_IS_BF16, HTTP_NEAR_TIE, assert_same_greedy_completion
@@ -463,4 +464,40 @@ def test_scoring_tokenize_and_ids_through_the_router(pd: dict) -> None:
 
     all_ids = ids(router, 200) + ids(mixed, 800)
     assert len(set(all_ids)) == 1000
+    _assert_all_blocks_free(pd)
+
+
+def test_conditional_pd_prefills_short_and_cached_prompts_on_decode(pd: dict, tokenizer, tmp_path: Path) -> None:
+    """`--pd-policy conditional`: a short prompt, and one whose prefix D already holds, are computed on D itself;
+    a long one on P. The answers equal the mixed instance's and the router counts each decision."""
+    from pdserve.http.wire import Registration
+
+    pair = {pd["prefill"].port, pd["decode_ipc"].port}
+    infos = [i for i in pd["router"].registered() if int(i["url"].rsplit(":", 1)[1]) in pair]
+    listing = tmp_path / "instances.yaml"
+    listing.write_text(yaml.safe_dump({"instances": [{k: i[k] for k in Registration.model_fields} for i in infos]}))
+    router = Router(tmp_path / "router", "--pd-policy", "conditional", "--max-local-prefill-length", "64",
+                    "--instances", str(listing), "--health-interval", "0.5")
+    try:
+        router.wait_pairs(2)
+        mixed, conditional = _client(pd["mixed"].url), _client(router.url)
+        ids = tokenizer.encode(PARAGRAPH * 10)
+        short, long = "The largest planet in the solar system is", ids[5:305]
+        cached = long + tokenizer.encode(" And so the story of the mill ends")
+        hits_before = metrics(pd["decode_ipc"].metrics_port)["pdserve_prefix_cache_hit_tokens"]
+        for prompt, where in ((short, "local"), (long, "remote"), (cached, "local")):
+            out = conditional.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                                 logprobs=2, extra_body={"collect_metrics": True})
+            assert_same_greedy_completion(out, _complete(mixed, prompt), f"{where} prefill")
+            timings = out.model_extra["metrics"]
+            assert ("preallocated" in timings) == (where == "remote"), timings  # a PD request's phases
+        m = metrics(router.port)
+        decisions = {(w, r): m.get(f'pdserve_router_prefill_decisions_total{{reason="{r}",where="{w}"}}', 0.0)
+                     for w, r in (("local", "short"), ("remote", "long"), ("local", "cached"))}
+        assert decisions == {("local", "short"): 1, ("remote", "long"): 1, ("local", "cached"): 1}, m
+        # D computed only the new tail of `cached`: the blocks P had sent it came from its prefix cache
+        wait_for(lambda: metrics(pd["decode_ipc"].metrics_port)["pdserve_prefix_cache_hit_tokens"] - hits_before
+                 >= (300 // BLOCK) * BLOCK, 5, "D did not serve the long prompt's blocks from its prefix cache")
+    finally:
+        stop_all([router])
     _assert_all_blocks_free(pd)

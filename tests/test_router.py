@@ -15,6 +15,7 @@ import yaml
 from pdserve.cluster_auth import SIGNATURE_HEADER, sign_body
 from pdserve.http.wire import Registration
 from pdserve.router.policies import CacheAware, LeastRequests, LeastTokens, PowerOfTwo, RoundRobin, RoutedRequest
+from pdserve.router.prefill_decider import PrefillDecider
 from pdserve.router.registry import Instance, Registry
 from pdserve.router.selector import Selector, compatible, pair_transport
 from tests.servers import Router, register, wait_for
@@ -79,6 +80,27 @@ def test_pairs_need_equal_compatibility_keys_and_ipc_needs_one_host() -> None:
     registry._instances[d_other.url] = d_other
     route = selector.pick(RoutedRequest(None, 1))
     assert route.decode is d_other and route.transport == "tcp"
+
+
+def test_conditional_pd_decides_by_uncached_length_and_prefill_backlog() -> None:
+    p = _instance("p", transports=["tcp"], compatibility_key=KEY)
+    d = _instance("d", "decode", transports=["tcp"], compatibility_key=KEY)
+    registry = Registry()
+    for i in (p, d):
+        registry._instances[i.url] = i
+    seen = []
+    selector = Selector(registry, LeastTokens(), LeastRequests(),
+                        decider=PrefillDecider(max_local_prefill_length=8, max_prefill_queue_tokens=100),
+                        on_decision=seen.append)
+    route = selector.pick(RoutedRequest(list(range(8)), 8))
+    assert route.first is d and route.decode is None  # D alone, no pair
+    long = list(range(100, 140))
+    assert selector.pick(RoutedRequest(long, 40)).decode is d  # P then D
+    assert selector.pick(RoutedRequest(long + [7] * 6, 46)).first is d  # 40 tokens D holds: 6 to compute
+    p.in_flight_tokens = 100  # P backed up: even a long new prompt stays on D
+    assert selector.pick(RoutedRequest(list(range(300, 340)), 40)).first is d
+    assert [(x.local, x.reason, x.uncached_tokens) for x in seen] == [
+        (True, "short", 8), (False, "long", 40), (True, "cached", 6), (True, "prefill_busy", 40)]
 
 
 def test_health_thresholds_and_lost_requests() -> None:

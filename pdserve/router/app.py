@@ -23,6 +23,7 @@ from pdserve.router.forward import Forwarder, error_response
 from pdserve.router.health import HealthChecker
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import make_policy
+from pdserve.router.prefill_decider import PrefillDecider
 from pdserve.router.prompt import PromptReader
 from pdserve.router.registry import Registry
 from pdserve.router.selector import Selector
@@ -46,6 +47,9 @@ class RouterSettings:
     cluster_secret: bytes = b""
     max_request_bytes: int = 16 << 20
     cache_aware: dict = field(default_factory=dict)  # balance_abs, balance_rel, min_match
+    pd_policy: str = "always"  # or "conditional": short or cached prompts are prefilled on the decode instance
+    max_local_prefill_length: int = 256
+    max_prefill_queue_tokens: int = 4096
     static_instances: list[Registration] = field(default_factory=list)
 
 
@@ -57,9 +61,12 @@ class Unregistration(BaseModel):
 
 def build_router_app(settings: RouterSettings, reader: PromptReader) -> FastAPI:
     registry = Registry(settings.instance_expiry, settings.fail_threshold, settings.success_threshold)
-    selector = Selector(registry, make_policy(settings.prefill_policy, **settings.cache_aware),
-                        make_policy(settings.decode_policy, **settings.cache_aware), settings.mixed_fallback)
     metrics = RouterMetrics(registry)
+    decider = (PrefillDecider(settings.max_local_prefill_length, settings.max_prefill_queue_tokens)
+               if settings.pd_policy == "conditional" else None)
+    selector = Selector(registry, make_policy(settings.prefill_policy, **settings.cache_aware),
+                        make_policy(settings.decode_policy, **settings.cache_aware), settings.mixed_fallback,
+                        decider, metrics.count_decision)
     signatures = SignatureCheck(settings.cluster_secret)
     state: dict = {}
 

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+from pdserve.router.prefill_decider import Decision
 from pdserve.router.registry import Registry
 
 
@@ -18,7 +19,13 @@ class RouterMetrics:
         self.retries = Counter("pdserve_router_retries", "requests tried again on another route", registry=r)
         self.refused = Counter("pdserve_router_refused", "refused: bad registration signature, too large "
                                "(a bad API key is refused before routing and not counted)", ["reason"], registry=r)
+        self.prefill_decisions = Counter(
+            "pdserve_router_prefill_decisions", "--pd-policy conditional: where PD requests' prompts were computed "
+            "(remote: the prefill instance; local: the decode instance) and why", ["where", "reason"], registry=r)
         r.register(_InstanceCollector(registry))
+
+    def count_decision(self, decision: Decision) -> None:
+        self.prefill_decisions.labels("local" if decision.local else "remote", decision.reason).inc()
 
 
 class _InstanceCollector:

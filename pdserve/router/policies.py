@@ -9,10 +9,10 @@ from __future__ import annotations
 import itertools
 import random
 from abc import ABC, abstractmethod
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from pdserve.engine.block_pool import hash_block
+from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.registry import Instance
 
 POLICIES = ("round_robin", "random", "power_of_two", "least_tokens", "least_requests", "cache_aware")
@@ -92,8 +92,7 @@ class CacheAware(Policy):
     def __init__(self, balance_abs: int = 4096, balance_rel: float = 1.5, min_match: float = 0.3,
                  max_blocks_per_instance: int = 100_000) -> None:
         self.balance_abs, self.balance_rel, self.min_match = balance_abs, balance_rel, min_match
-        self.max_blocks = max_blocks_per_instance
-        self._index: dict[str, OrderedDict[bytes, None]] = {}
+        self.index = PrefixIndex(max_blocks_per_instance)
         self._fallback = LeastTokens()
 
     def choose(self, candidates: list[Instance], request: RoutedRequest) -> Instance:
@@ -105,30 +104,16 @@ class CacheAware(Policy):
             if self.matched(best.url, hashes) >= self.min_match * len(hashes):
                 chosen = best
         chosen = chosen or self._fallback.choose(candidates, request)
-        self._remember(chosen.url, hashes)
+        self.index.remember(chosen.url, hashes)
         return chosen
 
     def matched(self, url: str, hashes: list[bytes]) -> int:
-        index = self._index.get(url, {})
-        n = 0
-        for h in hashes:
-            if h not in index:
-                break
-            n += 1
-        return n
+        return self.index.matched(url, hashes)
 
     def _imbalanced(self, candidates: list[Instance]) -> bool:
         loads = [i.in_flight_tokens for i in candidates]
         hi, lo = max(loads), min(loads)
         return hi - lo > self.balance_abs and hi > self.balance_rel * lo
-
-    def _remember(self, url: str, hashes: list[bytes]) -> None:
-        index = self._index.setdefault(url, OrderedDict())
-        for h in hashes:
-            index[h] = None
-            index.move_to_end(h)
-        while len(index) > self.max_blocks:
-            index.popitem(last=False)
 
 
 def _least(candidates: list[Instance], load) -> Instance:  # noqa: ANN001

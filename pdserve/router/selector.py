@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.router.policies import Policy, RoutedRequest
+from pdserve.router.prefill_decider import Decision, PrefillDecider
 from pdserve.router.registry import Instance, Registry
 from pdserve.transport import choose_protocol
 
@@ -14,6 +16,7 @@ class Route:
     first: Instance  # the prefill instance, or the mixed one
     decode: Instance | None = None
     transport: str | None = None  # how P writes into D's cache
+    decision: Decision | None = None  # conditional disaggregation: why `first` (a decode instance) prefills itself
 
 
 def pair_transport(prefill: Instance, decode: Instance) -> str | None:
@@ -29,10 +32,12 @@ def compatible(prefill: Instance, decode: Instance) -> bool:
 
 class Selector:
     def __init__(self, registry: Registry, prefill_policy: Policy, decode_policy: Policy,
-                 mixed_fallback: bool = False) -> None:
+                 mixed_fallback: bool = False, decider: PrefillDecider | None = None,
+                 on_decision: Callable[[Decision], None] = lambda d: None) -> None:
         self.registry = registry
         self.prefill_policy, self.decode_policy = prefill_policy, decode_policy
         self.mixed_fallback = mixed_fallback
+        self.decider, self.on_decision = decider, on_decision
 
     def pick(self, request: RoutedRequest, exclude: frozenset[str] | set[str] = frozenset()) -> Route | None:
         if request.single:
@@ -43,6 +48,11 @@ class Selector:
         if pairable:
             p = self.prefill_policy.choose(pairable, request)
             d = self.decode_policy.choose([d for d in decode if compatible(p, d)], request)
+            if self.decider is not None:
+                decision = self.decider.decide(request, p, d)
+                self.on_decision(decision)
+                if decision.local:
+                    return Route(d, decision=decision)
             return Route(p, d, pair_transport(p, d))
         mixed = [i for i in self.registry.healthy("mixed") if i.url not in exclude]
         if mixed and (self.mixed_fallback or not self.registry.has_pd()):

@@ -16,6 +16,7 @@ from pdserve.cluster_auth import ENV
 from pdserve.http.wire import Registration
 from pdserve.router.app import RouterSettings, build_router_app
 from pdserve.router.policies import POLICIES
+from pdserve.router.prefill_decider import PD_POLICIES
 from pdserve.router.prompt import PromptReader
 from pdserve.utils.process import exit_on_sigterm
 from pdserve.utils.uvicorn_run import serve_and_announce, server_config
@@ -29,6 +30,15 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-policy", choices=POLICIES, default="least_tokens")
     p.add_argument("--decode-policy", choices=POLICIES, default="least_requests",
                    help="also picks among mixed instances")
+    p.add_argument("--pd-policy", choices=PD_POLICIES, default="always",
+                   help="always: every prompt is computed on a prefill instance; conditional: on the decode "
+                        "instance when what it lacks of the prompt is at most --max-local-prefill-length tokens, "
+                        "or when the prefill instance is backed up (Dynamo's disaggregated router)")
+    p.add_argument("--max-local-prefill-length", type=int, default=256,
+                   help="conditional: uncached prompt tokens a decode instance computes itself")
+    p.add_argument("--max-prefill-queue-tokens", type=int, default=4096,
+                   help="conditional: the prefill instance's in-flight prompt tokens from which prompts are "
+                        "computed on the decode instance instead")
     p.add_argument("--mixed-fallback", action="store_true",
                    help="send requests to mixed instances when no complete prefill/decode pair is healthy "
                         "(without prefill/decode instances at all, mixed ones always serve)")
@@ -72,6 +82,8 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         max_request_bytes=args.max_request_bytes,
         cache_aware={"balance_abs": args.cache_balance_abs, "balance_rel": args.cache_balance_rel,
                      "min_match": args.cache_min_match},
+        pd_policy=args.pd_policy, max_local_prefill_length=args.max_local_prefill_length,
+        max_prefill_queue_tokens=args.max_prefill_queue_tokens,
         static_instances=load_static_instances(args.instances) if args.instances else [])
 
 
@@ -109,5 +121,5 @@ def serve_router(args: argparse.Namespace) -> int:
     server = uvicorn.Server(server_config(app, args.host, args.port))
     asyncio.run(serve_and_announce(
         server, f"pdserve: router on http://{args.host}:{args.port} (instances register at /register; "
-                f"policies: prefill {args.prefill_policy}, decode {args.decode_policy})"))
+                f"policies: prefill {args.prefill_policy}, decode {args.decode_policy}, pd {args.pd_policy})"))
     return 0
