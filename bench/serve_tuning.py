@@ -1,8 +1,8 @@
 """The serving defaults that decide TTFT and inter-token latency, measured: one Poisson workload against a
 `pdserve serve` instance per setting, all measured by `pdserve bench serve`, one table.
 
-    .venv/bin/python bench/serve_tuning.py [--rates 2,4] [--num-prompts 80] [--input-len 256] [--output-len 64]
-        [--setting "NAME=FLAGS" ...] [--out bench-results/serve_tuning]
+    .venv/bin/python bench/serve_tuning.py [--dataset sharegpt|random] [--rates 0.5,1,1.5] [--num-prompts 40]
+        [--temperatures none,0] [--setting "NAME=FLAGS" ...] [--out bench-results/serve_tuning]
 
 Default settings: the token budget per step (`--max-num-batched-tokens` 512, 1024, 2048 = the default,
 4096) and the default with the worker's OpenMP threads bound to cores (OMP_PROC_BIND). A setting is
@@ -16,9 +16,8 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
-from pathlib import Path
 
-from serve_vs_vllm import FLAGS, measure, ratio_table
+from serve_vs_vllm import FLAGS, add_workload_args, measure, prepare, table
 
 DEFAULT_SETTINGS = [
     "budget 512=--max-num-batched-tokens 512",
@@ -40,19 +39,16 @@ def parse_setting(text: str) -> tuple[str, list[str], dict[str, str]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[2.0, 4.0])
-    parser.add_argument("--num-prompts", type=int, default=80)
-    parser.add_argument("--warmup-prompts", type=int, default=8)
-    parser.add_argument("--input-len", type=int, default=256)
-    parser.add_argument("--output-len", type=int, default=64)
+    add_workload_args(parser, "bench-results/serve_tuning")
     parser.add_argument("--setting", action="append", help="NAME=FLAGS; repeat; default: the budget sweep")
-    parser.add_argument("--out", type=Path, default=Path("bench-results/serve_tuning"))
     args = parser.parse_args()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
+    prepare(args)
     settings = [parse_setting(s) for s in args.setting or DEFAULT_SETTINGS]
     pdserve = [sys.executable, "-m", "pdserve.cli", "serve", "--port", "{port}", *FLAGS]
     results = {name: measure(name, [*pdserve, *flags], env, args) for name, flags, env in settings}
-    text = ratio_table(results, REFERENCE if REFERENCE in results else next(iter(results)), args, "ref")
+    if REFERENCE in results:  # the table's ratios are against its first row
+        results = {REFERENCE: results.pop(REFERENCE), **results}
+    text = table(results, args)
     args.out.with_suffix(".md").write_text(text + "\n")
     print(text)
 

