@@ -467,6 +467,21 @@ def test_scoring_tokenize_and_ids_through_the_router(pd: dict) -> None:
     _assert_all_blocks_free(pd)
 
 
+def test_seeded_sampling_through_pd_equals_mixed(pd: dict) -> None:
+    """P draws the first token's random number, D continues the same generator: a seeded sampled answer is
+    the mixed instance's (and different seeds differ)."""
+    router, mixed = _client(pd["router"].url), _client(pd["mixed"].url)
+
+    def texts(client: openai.OpenAI, seed: int) -> list[str]:
+        return [client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=1.0, seed=seed,
+                                          top_p=0.95).choices[0].text
+                for prompt in ("Once upon a time", "The best way to learn a language is")]
+
+    through_pd = texts(router, 11)
+    assert through_pd == texts(mixed, 11)
+    assert through_pd != texts(mixed, 12)
+
+
 def test_conditional_pd_prefills_short_and_cached_prompts_on_decode(pd: dict, tokenizer, tmp_path: Path) -> None:
     """`--pd-policy conditional`: a short prompt, and one whose prefix D already holds, are computed on D itself;
     a long one on P. The answers equal the mixed instance's and the router counts each decision."""

@@ -8,10 +8,10 @@ from pdserve.sampling.sampling_params import SamplingParams
 from pdserve.sampling.stop import check_stop
 
 if TYPE_CHECKING:
-    from pdserve.sampling.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
+    from pdserve.sampling.sampler import Sampler, SamplerOutput, SamplingRow, make_generator, skip_draws
 
-__all__ = ["SamplingParams", "Sampler", "SamplingRow", "SamplerOutput", "check_stop", "make_generator"]
-_SAMPLER_NAMES = {"Sampler", "SamplingRow", "SamplerOutput", "make_generator"}
+__all__ = ["SamplingParams", "Sampler", "SamplingRow", "SamplerOutput", "check_stop", "make_generator", "skip_draws"]
+_SAMPLER_NAMES = {"Sampler", "SamplingRow", "SamplerOutput", "make_generator", "skip_draws"}
 
 
 def __getattr__(name: str) -> Any:

@@ -30,7 +30,7 @@ from pdserve.kv_cache import KVCache
 from pdserve.kv_layout import KVLayout
 from pdserve.model import SequenceChunk
 from pdserve.model_runner import ModelRunner
-from pdserve.sampling import SamplingRow, make_generator
+from pdserve.sampling import SamplingRow, make_generator, skip_draws
 from pdserve.structured.matcher import GrammarCompiler, SequenceGrammar, allowed_tokens
 from pdserve.transfer_plan import LayerDone, StepTransfers
 from pdserve.worker.profile_run import profile_num_blocks
@@ -163,6 +163,8 @@ class Worker:
     def _row(self, new: NewRequest) -> SamplingRow:
         row = SamplingRow(new.params, new.prompt_token_ids, list(new.output_token_ids), tuple(new.eos_token_ids),
                           make_generator(new.params.seed, self.runner.device))
+        if row.generator is not None:  # tokens sampled before (by P, or before a preemption) drew already
+            skip_draws(row.generator, len(new.output_token_ids))
         device = self.runner.device
         if row.bias is not None:
             row.bias = (row.bias[0].to(device), row.bias[1].to(device))
