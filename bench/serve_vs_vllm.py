@@ -32,8 +32,9 @@ from pd_sweep import wait_healthy
 from pdserve.api.serve import free_port
 
 FLAGS = ["--kv-cache-memory", "2G", "--max-model-len", "2048"]
-NAMES = {"vllm": "vLLM CPU 0.32", "mixed": "pdserve mixed", "1p1d": "pdserve 1P1D",
-         "conditional": "pdserve 1P1D conditional"}
+NAMES = {"vllm": "vLLM CPU 0.32", "mixed": "pdserve mixed", "1p1d": "pdserve 1P1D (a core each)",
+         "conditional": "pdserve 1P1D conditional", "lend": "pdserve 1P1D lending",
+         "lend_conditional": "pdserve 1P1D lending + conditional"}
 VLLM_CLIENT = """
 import argparse, sys
 from vllm.benchmarks.serve import add_cli_args, main
@@ -47,14 +48,16 @@ def commands(args: argparse.Namespace, folder: Path) -> dict[str, tuple[list[str
     vllm_env = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     pdserve = [sys.executable, "-m", "pdserve.cli"]
     launch = [*pdserve, "launch", "--prefill", "1", "--decode", "1", "--port", "{port}", *FLAGS]
+    conditional = ["--pd-policy", "conditional", "--max-local-prefill-length", str(args.max_local_prefill_length)]
     return {
         "vllm": ([args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
                   "--served-model-name", "SmolLM2-135M-Instruct", "--dtype", args.vllm_dtype, "--max-model-len",
                   "2048", "--gpu-memory-utilization", "0.5", "--port", "{port}"], vllm_env),
         "mixed": ([*pdserve, "serve", "--port", "{port}", *FLAGS], {}),
-        "1p1d": (launch, {}),
-        "conditional": ([*launch, "--pd-policy", "conditional", "--max-local-prefill-length",
-                         str(args.max_local_prefill_length)], {}),
+        "1p1d": ([*launch, "--cpu-binding", "pin"], {}),
+        "conditional": ([*launch, "--cpu-binding", "pin", *conditional], {}),
+        "lend": ([*launch, "--cpu-binding", "lend"], {}),
+        "lend_conditional": ([*launch, "--cpu-binding", "lend", *conditional], {}),
     }
 
 
@@ -198,7 +201,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_args(parser, "bench-results/serve_vs_vllm")
     parser.add_argument("--vllm-dtype", default=None, help="default: what pdserve's --dtype auto picks here")
-    parser.add_argument("--deployments", type=lambda s: s.split(","), default=list(NAMES))
+    parser.add_argument("--deployments", type=lambda s: s.split(","),
+                        default=["vllm", "mixed", "1p1d", "lend", "lend_conditional"])
     parser.add_argument("--max-local-prefill-length", type=int, default=256, help="for the conditional deployment")
     args = parser.parse_args()
     if ("vllm" in args.deployments or args.client == "vllm") and not args.vllm_python:

@@ -17,11 +17,14 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 
@@ -29,6 +32,7 @@ from pdserve.api.serve import DEMO_REQUEST, free_port
 from pdserve.cluster_auth import ENV
 from pdserve.supervisor import Supervisor
 from pdserve.utils.dtype_names import gpu_present
+from pdserve.worker import core_loan
 
 
 def add_launch_args(p: argparse.ArgumentParser) -> None:
@@ -38,9 +42,11 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="where the router listens")
     p.add_argument("--port", type=int, default=8000, help="the router's port: the deployment's OpenAI endpoint")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for every instance")
-    p.add_argument("--cpu-binding", choices=["auto", "none"], default="auto",
-                   help="auto (on a CPU-only machine): give each instance its own cores and as many torch "
-                        "threads; none: let them share every core")
+    p.add_argument("--cpu-binding", choices=["auto", "lend", "pin", "none"], default="auto",
+                   help="on a CPU-only machine: pin gives each instance its own cores and as many torch threads; "
+                        "lend (what auto does) also lets each decode instance compute on a prefill instance's "
+                        "cores while that one has nothing to compute (pdserve/worker/core_loan.py); none lets "
+                        "every instance use every core")
     p.add_argument("--separate-hosts", action="store_true",
                    help="give each instance its own host id, so prefill and decode use tcp as across machines")
     p.add_argument("--prefill-policy", default=None, help="the router's (see pdserve router --help)")
@@ -125,6 +131,24 @@ def split_cpus(n: int) -> list[set[int] | None]:
     return out
 
 
+def lend_cores(specs: list[InstanceSpec], cpu_sets: list[set[int] | None],
+               flags_dir: Path) -> tuple[list[set[int] | None], list[dict[str, str]]]:
+    """Pair the i-th prefill with the i-th decode instance: D may also run on P's cores, P raises a flag
+    in flags_dir while it computes (pdserve/worker/core_loan.py). Unpaired instances keep their cores."""
+    cpu_sets, envs = list(cpu_sets), [{} for _ in specs]
+    prefills = [i for i, s in enumerate(specs) if s.role == "prefill"]
+    decodes = [i for i, s in enumerate(specs) if s.role == "decode"]
+    for p, d in zip(prefills, decodes, strict=False):
+        own, lent = cpu_sets[d], cpu_sets[p]
+        if not own or not lent or own & lent:
+            continue
+        flag = core_loan.create_flag(flags_dir / f"{specs[p].name}.flag")
+        envs[p] = {core_loan.LEND_ENV: str(flag)}
+        envs[d] = {core_loan.BORROW_ENV: core_loan.borrow_spec(flag, own, lent)}
+        cpu_sets[d] = own | lent
+    return cpu_sets, envs
+
+
 def _cpu_only() -> bool:
     """Checked without importing torch, which would cost this supervising process ~200 MB for the
     deployment's whole life."""
@@ -142,6 +166,7 @@ def launch(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    flags_dir: Path | None = None
     try:
         router_flags = [f for flag, value in (("--prefill-policy", args.prefill_policy),
                                               ("--decode-policy", args.decode_policy), ("--pd-policy", args.pd_policy),
@@ -151,14 +176,19 @@ def launch(args: argparse.Namespace) -> int:
                         if value for f in (flag, value)]
         deployment.start("router", [sys.executable, "-m", "pdserve.cli", "router", "--host", args.host,
                                     "--port", str(args.port), *router_flags])
-        cpu_sets = split_cpus(len(specs)) if args.cpu_binding == "auto" and _cpu_only() else [None] * len(specs)
-        for spec, cpus in zip(specs, cpu_sets, strict=True):
+        pinned = args.cpu_binding != "none" and _cpu_only()
+        cpu_sets = split_cpus(len(specs)) if pinned else [None] * len(specs)
+        envs: list[dict[str, str]] = [{} for _ in specs]
+        if pinned and args.cpu_binding in ("auto", "lend"):
+            flags_dir = Path(tempfile.mkdtemp(prefix="pdserve-cores-"))
+            cpu_sets, envs = lend_cores(specs, cpu_sets, flags_dir)
+        for spec, cpus, env in zip(specs, cpu_sets, envs, strict=True):
             cores = f", cores {','.join(map(str, sorted(cpus)))}" if cpus else ""
             print(f"pdserve launch: {spec.name} on {spec.host}:{spec.port}{cores}", flush=True)
             extra = list(args.instance_args)
             if spec.role == "decode" and args.splitwise_cache_buffer_size:
                 extra += ["--splitwise-cache-buffer-size", str(args.splitwise_cache_buffer_size)]
-            deployment.start(spec.name, spec.command(router_url, extra), cpus)
+            deployment.start(spec.name, spec.command(router_url, extra), cpus, env)
         error = _wait_ready(deployment, router_url, len(specs), args.ready_timeout, stop)
         if error:
             print(f"pdserve launch: {error}", file=sys.stderr, flush=True)
@@ -177,6 +207,8 @@ def launch(args: argparse.Namespace) -> int:
         return 0
     finally:
         deployment.stop()
+        if flags_dir is not None:
+            shutil.rmtree(flags_dir, ignore_errors=True)
 
 
 def _wait_ready(deployment: Supervisor, router_url: str, expected: int, timeout: float,

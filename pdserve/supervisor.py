@@ -25,6 +25,7 @@ class Supervised:
     name: str
     cmd: list[str]
     cpus: set[int] | None
+    env: dict[str, str] = field(default_factory=dict)  # this member's own additions
     proc: subprocess.Popen | None = None
     exits: deque[float] = field(default_factory=deque)  # when it exited, within the crash-loop window
     restarts: int = 0
@@ -42,11 +43,13 @@ class Supervisor:
     def procs(self) -> dict[str, subprocess.Popen]:
         return {n: m.proc for n, m in self.members.items() if m.proc is not None}
 
-    def start(self, name: str, cmd: list[str], cpus: set[int] | None = None) -> None:
-        member = self.members.setdefault(name, Supervised(name, cmd, cpus))
+    def start(self, name: str, cmd: list[str], cpus: set[int] | None = None,
+              env_extra: dict[str, str] | None = None) -> None:
+        member = self.members.setdefault(name, Supervised(name, cmd, cpus, env_extra or {}))
         env = {**child_env(), **self.env}
         if cpus:
             env["OMP_NUM_THREADS"] = str(len(cpus))
+        env.update(member.env)
         member.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
                                        preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
         member.restart_at = None

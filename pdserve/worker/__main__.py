@@ -16,6 +16,7 @@ import zmq
 from pdserve.engine.messages import CacheCommand, ExecuteStep, WorkerError, WorkerInput, WorkerShutdown
 from pdserve.loader.errors import ModelLoadError
 from pdserve.utils.process import child_entry, recv_until_stopped
+from pdserve.worker import core_loan
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,12 +45,16 @@ def main(argv: list[str] | None = None) -> int:
         except (ModelLoadError, ValueError, RuntimeError, MemoryError, OSError) as e:
             sock.send(encoder.encode(WorkerError(error=str(e))))
             return 1
+        loan = core_loan.from_env()  # pdserve launch: a prefill worker lends its cores to a decode worker
         while True:
             msg = decoder.decode(recv_until_stopped(sock))
             if isinstance(msg, WorkerShutdown):
                 return 0
             try:
-                reply = worker.execute(msg) if isinstance(msg, ExecuteStep) else worker.weights(msg)
+                if isinstance(msg, ExecuteStep):
+                    reply = loan.run(lambda: worker.execute(msg)) if loan else worker.execute(msg)  # noqa: B023
+                else:
+                    reply = worker.weights(msg)
             except Exception as e:  # report and keep serving; the engine fails this step's requests
                 logging.exception("step failed")
                 reply = WorkerError(error=f"{type(e).__name__}: {e}")

@@ -1,0 +1,86 @@
+"""Core lending between a prefill and a decode instance on one CPU box (`pdserve launch`, CPU only).
+
+Disaggregation halves a small box: each side computes on its own cores. Under real traffic the prefill
+side is idle most of the time (at 0.4 req/s of ShareGPT on 2 cores, P's worker was busy 29% of the time
+and D's 100%), so its cores sit unused while D is the bottleneck. With lending, P's worker raises a
+flag in a small shared file while it computes a step; D's worker, before each step, runs on its own
+cores plus P's when the flag is down, and on its own alone when it is up. So D decodes on the whole box
+while no prompt is being prefilled, and P's prefills never share a core with D's threads for longer
+than the one D step that was running when P started (the cost SGLang's PD multiplexing pays on GPUs
+by re-splitting SMs).
+
+D's process may run on both core sets (its OpenMP team is created there), its main thread is pinned to
+its own cores, so the torch threads it drops when P is busy are the ones on P's cores.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+LEND_ENV = "PDSERVE_LEND_CORES"  # prefill worker: the flag file it raises while computing
+BORROW_ENV = "PDSERVE_BORROW_CORES"  # decode worker: FLAG_FILE:OWN_CORES:BORROWED_CORES (cores as 0,1,...)
+FLAG_BYTES = 64
+T = TypeVar("T")
+
+
+def create_flag(path: Path) -> Path:
+    path.write_bytes(b"\0" * FLAG_BYTES)
+    return path
+
+
+def _map(path: str) -> mmap.mmap:
+    with open(path, "r+b") as f:
+        return mmap.mmap(f.fileno(), FLAG_BYTES)
+
+
+class Lender:
+    def __init__(self, path: str) -> None:
+        self._flag = _map(path)
+
+    def run(self, step: Callable[[], T]) -> T:
+        self._flag[0] = 1
+        try:
+            return step()
+        finally:
+            self._flag[0] = 0
+
+
+class Borrower:
+    def __init__(self, path: str, own: set[int], borrowed: set[int]) -> None:
+        import torch
+
+        self._torch = torch
+        self._flag = _map(path)
+        self.own, self.all = len(own), len(own) + len(borrowed)
+        torch.set_num_threads(self.all)
+        torch.randn(1 << 20).sum()  # the OpenMP team is created now, free to run on every core
+        os.sched_setaffinity(0, own)  # this thread only (Linux): the team's master stays on D's cores
+        self.threads = self.all
+
+    def run(self, step: Callable[[], T]) -> T:
+        want = self.own if self._flag[0] else self.all
+        if want != self.threads:
+            self._torch.set_num_threads(want)
+            self.threads = want
+        return step()
+
+
+def from_env() -> Lender | Borrower | None:
+    if path := os.environ.get(LEND_ENV):
+        return Lender(path)
+    if spec := os.environ.get(BORROW_ENV):
+        path, own, borrowed = spec.rsplit(":", 2)
+        return Borrower(path, _cores(own), _cores(borrowed))
+    return None
+
+
+def borrow_spec(path: Path, own: set[int], borrowed: set[int]) -> str:
+    return f"{path}:{','.join(map(str, sorted(own)))}:{','.join(map(str, sorted(borrowed)))}"
+
+
+def _cores(text: str) -> set[int]:
+    return {int(c) for c in text.split(",") if c}
