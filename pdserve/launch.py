@@ -51,8 +51,11 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
                    help="give each instance its own host id, so prefill and decode use tcp as across machines")
     p.add_argument("--prefill-policy", default=None, help="the router's (see pdserve router --help)")
     p.add_argument("--decode-policy", default=None, help="the router's (see pdserve router --help)")
-    p.add_argument("--pd-policy", default=None, help="the router's: always or conditional (see pdserve router --help)")
-    p.add_argument("--max-local-prefill-length", default=None, help="the router's (see pdserve router --help)")
+    p.add_argument("--pd-policy", default="conditional",
+                   help="the router's: conditional (launch's default: short prompts are computed on the decode "
+                        "instance) or always (see pdserve router --help)")
+    p.add_argument("--max-local-prefill-length", default="512",
+                   help="the router's (see pdserve router --help); launch's default 512 won on ShareGPT here")
     p.add_argument("--max-prefill-queue-tokens", default=None, help="the router's (see pdserve router --help)")
     p.add_argument("--api-key", default=None, help="clients of the router must send it as a Bearer token")
     p.add_argument("--splitwise-cache-buffer-size", type=float, default=0.0,
