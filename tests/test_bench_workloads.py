@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.benchmark.client import RequestRecord, request_body
+from pdserve.benchmark.client import RequestRecord, has_token, request_body
 from pdserve.benchmark.datasets import BenchRequest
 from pdserve.benchmark.find_rate import Probe, find_rate
 from pdserve.benchmark.sharegpt import read_entries, sharegpt_requests
@@ -82,6 +82,12 @@ def test_requests_send_no_temperature_unless_asked() -> None:
     req = BenchRequest("hi", None, 1, 8)
     assert "temperature" not in request_body(req, "openai", "m", False)
     assert request_body(req, "openai", "m", False, 0.0)["temperature"] == 0.0
+
+
+def test_a_chunk_with_a_choice_is_a_token_chunk_as_for_vllms_client() -> None:
+    assert has_token({"choices": [{"index": 0, "text": "", "finish_reason": "stop"}]})  # a lone EOS
+    assert has_token({"choices": [{"index": 0, "delta": {"role": "assistant", "content": "Hi"}}]})
+    assert not has_token({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1}})
 
 
 def _record(ttft: float, e2el: float, tokens: int, ok: bool = True) -> RequestRecord:

@@ -71,7 +71,7 @@ async def send(client: httpx.AsyncClient, path: str, body: dict, prompt_len: int
                     rec.output_tokens = data["usage"].get("completion_tokens") or rec.output_tokens
                 if data.get("metrics"):
                     rec.server = data["metrics"]
-                if not _has_token(data):
+                if not has_token(data):
                     continue
                 if rec.ttft is None:
                     rec.ttft = now - rec.start
@@ -92,11 +92,10 @@ async def send(client: httpx.AsyncClient, path: str, body: dict, prompt_len: int
     return rec
 
 
-def _has_token(data: dict) -> bool:
-    for choice in data.get("choices") or []:
-        if choice.get("text") or (choice.get("delta") or {}).get("content"):
-            return True
-    return False
+def has_token(data: dict) -> bool:
+    """vLLM's client rule: any chunk with a choice is a token chunk, its text empty or not (an answer
+    that is a lone EOS has a TTFT and succeeds). The usage chunk has no choices."""
+    return bool(data.get("choices"))
 
 
 def _message(text: str) -> str:
