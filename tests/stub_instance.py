@@ -5,12 +5,19 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
 class StubInstance:
+    """With `story` set, a stream tells its words one per event (word i is token 100 + i, named in the
+    router's token comment when asked for), resuming after the tokens of `migration.token_ids`; with
+    `cut_after` set too, the connection is cut after that many words of one answer."""
+
     def __init__(self, name: str, host: str = "127.0.0.1") -> None:
         self.name = name
+        self.story: list[str] | None = None
+        self.cut_after: int | None = None
         self.health_status = 200
         self.requests: list[dict] = []
         self.headers: list[dict] = []
@@ -40,10 +47,33 @@ class StubInstance:
                 self.send_header("Content-Type", "text/event-stream")
                 self.send_header("Transfer-Encoding", "chunked")
                 self.end_headers()
+                if stub.story is not None:
+                    self._tell(body)
+                    return
                 for text in (stub.name, "!"):
                     event = {"id": "cmpl-stub", "object": "text_completion", "model": "stub",
                              "choices": [{"index": 0, "text": text, "finish_reason": None, "logprobs": None}]}
                     self._chunk(f"data: {json.dumps(event)}\n\n".encode())
+                self._chunk(b"data: [DONE]\n\n")
+                self._chunk(b"")
+
+            def _tell(self, body: dict) -> None:
+                migration = body.get("migration")
+                start = len(migration.get("token_ids", [])) if migration is not None else 0
+                stream_id = (migration or {}).get("id") or f"cmpl-{stub.name}"
+                for i in range(start, len(stub.story)):
+                    if stub.cut_after is not None and i - start == stub.cut_after:
+                        self.wfile.flush()
+                        time.sleep(0.3)  # the words reach the client first (aiohttp drops what it holds at a cut)
+                        self.connection.shutdown(2)  # the instance died mid-answer
+                        self.close_connection = True
+                        return
+                    last = i == len(stub.story) - 1
+                    event = {"id": stream_id, "object": "text_completion", "created": 7, "model": "stub",
+                             "choices": [{"index": 0, "text": stub.story[i], "logprobs": None,
+                                          "finish_reason": "length" if last else None}]}
+                    comment = f": pdserve-tokens {100 + i}\n" if migration is not None else ""
+                    self._chunk(f"{comment}data: {json.dumps(event)}\n\n".encode())
                 self._chunk(b"data: [DONE]\n\n")
                 self._chunk(b"")
 

@@ -572,3 +572,84 @@ def test_killed_worker_fails_fast_and_the_instance_exits_for_its_supervisor(tmp_
     finally:
         if doomed.proc.poll() is None:
             doomed.stop()
+
+
+# ---- a stream resumed on another instance (the router's migration, router/migration.py) ----------
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+RESUMED = {  # each with what a resume must carry over: held-back stop text, a grammar, a tool parser, a seed
+    "completion, stop string, logprobs": ("/v1/completions", {
+        "prompt": "The history of the city of Rome begins", "stop": ["zzz"], "logprobs": 1, "temperature": 0}),
+    "chat, json schema": ("/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Give me a person as JSON."}], "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": {
+            "type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+            "required": ["name", "age"]}}}}),
+    "chat, required tool call": ("/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "What is the weather in Paris and in Rome?"}], "temperature": 0,
+        "tools": [WEATHER_TOOL], "tool_choice": "required", "max_tokens": 60}),  # the first call, whole
+    "chat, seeded sampling with a penalty": ("/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Tell me a joke."}], "temperature": 1.0, "seed": 7,
+        "presence_penalty": 0.5}),
+}
+
+
+def _events_with_tokens(server: Server, path: str, body: dict) -> list[tuple[list[int], dict]]:
+    """(token ids the event names, its data) per data event of a stream asked with `migration`."""
+    with httpx.stream("POST", f"{server.url}{path}", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        raw = b"".join(r.iter_bytes())
+    out = []
+    for event in raw.split(b"\n\n"):
+        ids, data = [], None
+        for line in event.split(b"\n"):
+            if line.startswith(b": pdserve-tokens"):
+                ids = [int(t) for t in line.split()[2:]]
+            elif line.startswith(b"data: {"):
+                data = json.loads(line[len(b"data: "):])
+        if data is not None:
+            out.append((ids, data))
+    return out
+
+
+def _visible(events: list[tuple[list[int], dict]]) -> tuple[list[str], list[float]]:
+    """What a client sees of each event (the usage without the server's own prefix-cache count), and
+    the logprobs apart: a resumed answer computes its tokens as prompt, rounding differently."""
+    seen, logprobs = [], []
+
+    def numbers_apart(x: object) -> object:
+        if isinstance(x, float):
+            logprobs.append(x)
+            return "lp"
+        if isinstance(x, dict):
+            return {k: numbers_apart(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [numbers_apart(v) for v in x]
+        return x
+
+    for _, data in events:
+        usage = dict(data.get("usage") or {})
+        usage.pop("prompt_tokens_details", None)
+        choices = numbers_apart(data["choices"])
+        seen.append(json.dumps([data["id"], data["created"], choices, usage], sort_keys=True))
+    return seen, logprobs
+
+
+@pytest.mark.parametrize("case", list(RESUMED))
+def test_a_stream_resumed_after_its_first_events_continues_as_the_unbroken_one(server: Server, case: str) -> None:
+    path, body = RESUMED[case]
+    body = {"max_tokens": 40, **body, "stream": True, "stream_options": {"include_usage": True}}
+    whole = _events_with_tokens(server, path, {**body, "migration": {}})
+    total = whole[-1][1]["usage"]["completion_tokens"]
+    assert sum(len(ids) for ids, _ in whole) == total  # every token is named
+    cuts = [c for c in (2, 7) if sum(len(ids) for ids, _ in whole[:c]) < total]  # a tool call is a few events
+    assert cuts
+    for cut in cuts:
+        sent = [t for ids, _ in whole[:cut] for t in ids]
+        first = whole[0][1]
+        migration = {"token_ids": sent, "id": first["id"], "created": first["created"]}
+        rest = _events_with_tokens(server, path, {**body, "migration": migration})
+        (want, want_lps), (got, got_lps) = _visible(whole), _visible(whole[:cut] + rest)
+        assert got == want, f"{case}: resumed after event {cut}"
+        assert got_lps == pytest.approx(want_lps, abs=1e-3)

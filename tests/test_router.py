@@ -235,3 +235,48 @@ def test_static_instance_list_and_mixed_fallback(tmp_path: Path) -> None:
             r.stop()
         mixed.close()
         prefill.close()
+
+
+@pytest.mark.e2e
+def test_a_stream_cut_mid_answer_resumes_on_another_instance_and_limit_0_ends_it(tmp_path: Path) -> None:
+    alpha, beta = StubInstance("alpha"), StubInstance("beta")
+    story = ["Once", " upon", " a", " time"]
+    for stub in (alpha, beta):
+        stub.story, stub.cut_after = story, 2  # whichever answers first dies after two words
+    listing = tmp_path / "instances.yaml"
+    listing.write_text(yaml.safe_dump({"instances": [alpha.registration(), beta.registration()]}))
+    routers = []
+    try:
+        for limit in ("3", "0"):
+            routers.append(Router(tmp_path / f"router-{limit}", "--instances", str(listing), "--tokenizer", "none",
+                                  "--health-interval", "0.2", "--migration-limit", limit))
+            wait_for(lambda r=routers[-1]: len(r.healthy_urls()) == 2, 10, "the static instances were not probed")
+        resuming, failing = routers
+        client = openai.OpenAI(base_url=f"{resuming.url}/v1", api_key="x", max_retries=0, timeout=30)
+        chunks = list(client.completions.create(model="stub", prompt="hi", max_tokens=4, stream=True))
+        assert "".join(c.choices[0].text for c in chunks) == "Once upon a time"  # no word lost or repeated
+        first, second = sorted((alpha, beta), key=lambda s: len(s.requests[0]["migration"].get("token_ids", [])))
+        assert first.requests[0]["migration"] == {}  # asked to name its tokens
+        resumed = second.requests[0]["migration"]
+        assert resumed["token_ids"] == [100, 101] and resumed["id"] == f"cmpl-{first.name}"
+        assert {c.id for c in chunks} == {f"cmpl-{first.name}"}  # one stream, one id
+        assert chunks[-1].choices[0].finish_reason == "length"
+        text = httpx.get(f"{resuming.url}/metrics").text
+        assert 'pdserve_router_migrations_total{outcome="resumed"} 1.0' in text
+
+        wait_for(lambda: len(failing.healthy_urls()) == 2, 10, "the cut instance did not come back")
+        for stub in (alpha, beta):
+            stub.requests.clear()
+        client = openai.OpenAI(base_url=f"{failing.url}/v1", api_key="x", max_retries=0, timeout=30)
+        texts = []
+        with pytest.raises(openai.APIError, match="failed mid-answer"):
+            for c in client.completions.create(model="stub", prompt="hi", max_tokens=4, stream=True):
+                texts.append(c.choices[0].text)
+        assert texts == ["Once", " upon"]
+        assert [len(s.requests) for s in (alpha, beta)] in ([1, 0], [0, 1])  # not sent again
+        assert "migration" not in (alpha.requests or beta.requests)[0]
+    finally:
+        for r in routers:
+            r.stop()
+        alpha.close()
+        beta.close()

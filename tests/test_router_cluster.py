@@ -1,16 +1,18 @@
 """A 2P2D deployment through the router, on four loopback addresses standing in for two hosts:
 host-a has p0 and d0, host-b has p1 and d1, so a pair on one host talks ipc and across hosts tcp.
 Checked against a mixed instance: spreading by load, prefix affinity, forged control messages, and
-instances killed under load (a D mid-stream, a P with requests queued on it).
+instances killed under load (a D or its worker mid-stream: the stream is resumed on the other pair;
+a P after its first token; a P with requests queued on it).
 """
 
 from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import msgspec
@@ -233,36 +235,90 @@ def test_a_client_that_goes_away_stops_the_work_on_the_instances(cluster: dict) 
     _blocks_free(cluster, list(INSTANCES), 10)
 
 
-def test_decode_killed_mid_stream_ends_the_stream_with_an_error_and_rejoins_after_restart(cluster: dict) -> None:
+STORY_PROMPT = "Write a long story about a dragon."
+
+
+def _streamed(client: openai.OpenAI, victim_of: Callable[[], None] | None = None, after: int = 3,
+              max_tokens: int = 48) -> SimpleNamespace:
+    """A greedy stream (logprobs 2, usage) read to its end, `victim_of()` called after `after` chunks;
+    joined into the shape of a whole completion, with every chunk's id."""
+    stream = client.completions.create(model=MODEL, prompt=STORY_PROMPT, max_tokens=max_tokens, temperature=0,
+                                       logprobs=2, stream=True, stream_options={"include_usage": True},
+                                       extra_body={"ignore_eos": True})
+    tokens, tops, ids, usage, finish = [], [], set(), None, None
+    for i, chunk in enumerate(stream):
+        if i == after and victim_of is not None:
+            victim_of()
+        ids.add(chunk.id)
+        usage = chunk.usage or usage
+        if chunk.choices:
+            tokens += chunk.choices[0].logprobs.tokens
+            tops += chunk.choices[0].logprobs.top_logprobs
+            finish = chunk.choices[0].finish_reason or finish
+    logprobs = SimpleNamespace(tokens=tokens, top_logprobs=tops)
+    return SimpleNamespace(choices=[SimpleNamespace(logprobs=logprobs, finish_reason=finish)], ids=ids, usage=usage)
+
+
+def _reference(cluster: dict, max_tokens: int = 48) -> openai.types.Completion:
+    return _client(cluster["mixed"].url).completions.create(
+        model=MODEL, prompt=STORY_PROMPT, max_tokens=max_tokens, temperature=0, logprobs=2,
+        extra_body={"ignore_eos": True})
+
+
+def _busy_decode(cluster: dict) -> str:
+    (busy,) = [i["url"] for i in cluster["router"].registered() if i["role"] == "decode" and i["in_flight_requests"]]
+    return next(n for n in ("d0", "d1") if cluster[n].url == busy)
+
+
+def _restart(cluster: dict, name: str, old: Server) -> None:
+    """The same address and ports again: a new process, so it joins on its first good probe."""
     router = cluster["router"]
-    stream = _client(router.url).completions.create(model=MODEL, prompt="Write a long story about a dragon.",
-                                                    max_tokens=400, temperature=0, stream=True,
-                                                    extra_body={"ignore_eos": True})
-    chunks = iter(stream)
-    for _ in range(3):
-        next(chunks)
-    (busy,) = [i["url"] for i in router.registered() if i["role"] == "decode" and i["in_flight_requests"]]
-    victim = next(n for n in ("d0", "d1") if cluster[n].url == busy)
-    other = "d1" if victim == "d0" else "d0"
-    old = cluster[victim]
-    old.kill()
-    with pytest.raises(openai.APIError, match="PD error"):
-        for _ in chunks:
-            pass
-    wait_for(lambda: old.url not in router.healthy_urls(), 5, "the router kept a dead decode instance")
+    wait_for(lambda: old.url not in router.healthy_urls(), 5, f"the router kept a dead {name}")
     old.wait_gone(20)
-    before = _served(router)
-    for _ in range(3):
-        assert _complete(_client(router.url), "The capital of France is", 2).choices[0].text
-    after = _served(router)
-    assert after[cluster[other].url] - before[cluster[other].url] == 3 and after.get(old.url) == before.get(old.url)
-    # the same address and ports again: a new process, so it joins on its first good probe
-    cluster[victim] = _start(cluster["tmp"], victim, router, wait=True, port=old.port, metrics_port=old.metrics_port,
-                             workdir=f"{victim}-restarted")
-    wait_for(lambda: old.url in router.healthy_urls(), 20, "the restarted decode instance did not rejoin")
-    for _ in range(2):
-        assert _complete(_client(router.url), "The opposite of hot is", 2).choices[0].text
-    assert _served(router)[old.url] >= 1
+    cluster[name] = _start(cluster["tmp"], name, router, wait=True, port=old.port, metrics_port=old.metrics_port,
+                           workdir=f"{name}-restarted-{time.monotonic_ns()}")
+    wait_for(lambda: old.url in router.healthy_urls(), 20, f"the restarted {name} did not rejoin")
+
+
+@pytest.mark.parametrize("what", ["server", "worker"])
+def test_decode_killed_mid_stream_the_stream_goes_on_elsewhere_as_if_unbroken(cluster: dict, what: str) -> None:
+    router = cluster["router"]
+    killed: list[str] = []
+
+    def kill_the_busy_decode() -> None:
+        killed.append(_busy_decode(cluster))
+        server = cluster[killed[0]]
+        (server if what == "server" else server.worker()).kill()
+
+    before = metrics(router.port).get('pdserve_router_migrations_total{outcome="resumed"}', 0.0)
+    out = _streamed(_client(router.url), kill_the_busy_decode)
+    assert_same_greedy_completion(out, _reference(cluster), f"the stream whose decode {what} was killed")
+    assert len(out.ids) == 1 and out.usage.completion_tokens == 48 and out.choices[0].finish_reason == "length"
+    after = metrics(router.port)
+    assert after['pdserve_router_migrations_total{outcome="resumed"}'] == before + 1
+    assert after["pdserve_router_migration_seconds_count"] >= 1
+    (victim,) = killed
+    old = cluster[victim]
+    if what == "worker":  # an instance without its engine exits for its supervisor to restart it
+        wait_for(lambda: old.proc.poll() is not None, 10, "the decode instance outlived its worker")
+    _restart(cluster, victim, old)
+    assert _complete(_client(router.url), "The opposite of hot is", 2).choices[0].text
+
+
+def test_prefill_killed_after_its_first_token_the_stream_goes_on(cluster: dict) -> None:
+    router = cluster["router"]
+    served = _served(router)
+    killed: list[str] = []
+
+    def kill_the_prefill_that_served() -> None:
+        now = _served(router)
+        killed.append(next(n for n in ("p0", "p1") if now[cluster[n].url] > served[cluster[n].url]))
+        cluster[killed[0]].kill()
+
+    out = _streamed(_client(router.url), kill_the_prefill_that_served, after=1)
+    assert_same_greedy_completion(out, _reference(cluster), "the stream whose prefill instance was killed")
+    assert out.usage.completion_tokens == 48
+    _restart(cluster, killed[0], cluster[killed[0]])
 
 
 def test_prefill_killed_with_requests_queued_they_complete_on_the_other(cluster: dict, embedded_tokenizer) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,12 +55,22 @@ class Generation:
     finish_reasons: dict[int, str] = field(default_factory=dict)
     pd: PDParams | None = None  # a PD request: each choice i is transfer `{transfer_id}-{i}`
     shape: AnswerShape = field(default_factory=lambda: AnswerShape())
+    # A stream the router may move (its `migration` field): events name their token ids. A resumed
+    # one continues after `resumed`, the tokens an earlier instance streamed (`resumed_text`).
+    report_tokens: bool = False
+    resumed: list[int] = field(default_factory=list)
+    resumed_text: str = ""
+
+    def resume_after(self, token_ids: list[int], text: str) -> None:
+        self.resumed, self.resumed_text = list(token_ids), text
+        self.completion_tokens = len(token_ids)
 
     def usage(self) -> dict:
+        """A resumed answer's prefix-cache hits may cover the tokens it resumed after: at most the prompt."""
         prompt = len(self.prompt_token_ids)
         return {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,
                 "total_tokens": prompt + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens}}
+                "prompt_tokens_details": {"cached_tokens": min(self.num_cached_tokens, prompt)}}
 
     def metrics(self) -> dict:
         """Server timestamps (unix seconds) of the first choice, plus seconds since arrival now."""
@@ -86,9 +97,12 @@ async def generate_choices(engine: AsyncEngine, tokenizer: Tokenizer, gen: Gener
         sub = params if n == 1 else msgspec.structs.replace(
             params, seed=None if params.seed is None else params.seed + index)
         detok = IncrementalDetokenizer(tokenizer, sub)
+        detok.add(gen.resumed)  # a resumed answer: its text so far is settled as it was where it began
         pd = None if gen.pd is None else msgspec.structs.replace(gen.pd, transfer_id=f"{gen.pd.transfer_id}-{index}")
+        prompt = gen.prompt_token_ids + gen.resumed
+        engine_id = f"{gen.request_id}-{index}" + (f"-{uuid.uuid4().hex[:8]}" if gen.resumed else "")
         try:
-            async for out in engine.generate(f"{gen.request_id}-{index}", gen.prompt_token_ids, sub, eos, pd):
+            async for out in engine.generate(engine_id, prompt, sub, eos, pd, len(gen.resumed)):
                 if out.error is not None:  # 400s are the request's fault; the rest the engine's
                     raise (ValueError(out.error) if out.error_status == 400
                            else EngineError(out.error, out.error_type or "internal_server_error"))

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from pydantic_core import PydanticCustomError
 
 from pdserve.http.chat_content import text_content
-from pdserve.http.wire import PDRequest
+from pdserve.http.wire import Migration, PDRequest
 from pdserve.sampling import SamplingParams
 from pdserve.structured.spec import StructuredOutput
 
@@ -141,6 +141,7 @@ class _SamplingFields(BaseModel):
     guided_whitespace_pattern: str | None = None
     collect_metrics: bool = False  # pdserve: per-request server timestamps in the response
     pd: PDRequest | None = None  # pdserve: set by the router on requests to prefill/decode instances
+    migration: Migration | None = None  # pdserve: set by the router on streams it can resume elsewhere
 
     @model_validator(mode="before")
     @classmethod

@@ -21,6 +21,7 @@ from pdserve.api.state import APIError, ServerState
 from pdserve.engine.engine_client import EngineError
 from pdserve.engine.messages import TokenLogprobs
 from pdserve.http.errors import error_body
+from pdserve.http.wire import TOKENS_COMMENT
 from pdserve.tools.parsers import ToolCall
 
 
@@ -109,6 +110,23 @@ class _StreamedChoice:
         self.parser = gen.shape.tool_parser() if gen.shape.tool_parser is not None else None
         self.num_calls = 0
         self.text_offset = 0
+        self.unreported: list[int] = []  # token ids since the last event (Generation.report_tokens)
+
+    def resume(self, state: ServerState, gen: Generation) -> None:
+        """A resumed answer: its first chunk, echo and tool calls so far went out from another instance."""
+        self.started = True
+        if self.parser is not None:
+            self.num_calls = len(self.parser.feed(gen.resumed_text)[1])
+        # completions logprobs: offsets count token strings, echoed prompt tokens first
+        shown = ([*gen.prompt_token_ids, *gen.resumed] if gen.shape.echo else gen.resumed)
+        self.text_offset = sum(len(state.tokenizer.token_text(t)) for t in shown)
+
+    def tokens_comment(self, gen: Generation) -> str:
+        """The SSE comment naming the token ids this event carries (for the router), or ""."""
+        if not gen.report_tokens:
+            return ""
+        ids, self.unreported = self.unreported, []
+        return f"{TOKENS_COMMENT.decode()} {' '.join(map(str, ids))}\n"
 
     def pieces(self, gen: Generation, d: ChoiceDelta) -> tuple[str, list[ToolCall]]:
         if self.parser is None:
@@ -143,9 +161,12 @@ async def stream(state: ServerState, body: Any, gen: Generation, params: Any, ki
 
     outcome = None
     per_choice = [_StreamedChoice(gen) for _ in range(body.n)]
+    if gen.resumed:
+        per_choice[0].resume(state, gen)
     try:
         async for d in generate_choices(state.engine, state.tokenizer, gen, params, body.n):
             sc = per_choice[d.index]
+            sc.unreported += d.token_ids
             text, calls = sc.pieces(gen, d)
             c = Choice(d.index, text, d.token_ids, list(d.logprobs), d.finish_reason, calls or None,
                        d.prompt_logprobs, call_offset=sc.num_calls, text_offset=sc.text_offset)
@@ -166,7 +187,7 @@ async def stream(state: ServerState, body: Any, gen: Generation, params: Any, ki
                 extra = {}
                 if chat and c.prompt_logprobs is not None and gen.shape.prompt_logprobs_field:
                     extra["prompt_logprobs"] = _vllm_prompt_logprobs(state, gen, c.prompt_logprobs)
-                yield event([choice], **extra)
+                yield sc.tokens_comment(gen) + event([choice], **extra)
         if include_usage:
             if not gen.shape.return_generated:
                 gen.completion_tokens = 0

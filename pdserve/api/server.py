@@ -35,6 +35,7 @@ from pdserve.api.protocol import (
 from pdserve.api.registration import register_forever
 from pdserve.api.responses import StreamRelease, chat_choice, complete, completion_choice, stream
 from pdserve.api.state import APIError, ServerState
+from pdserve.detokenizer import IncrementalDetokenizer
 from pdserve.engine.engine_client import EngineError
 from pdserve.engine.messages import PDParams
 from pdserve.http.auth import bearer_auth
@@ -142,6 +143,7 @@ def build_app(state: ServerState) -> FastAPI:
         params = _sampling_params(state, body, max_tokens, body.logprobs, structured,
                                   prompt_logprobs=prompt_logprobs)
         gen = Generation(f"cmpl-{uuid.uuid4().hex}", prompt_ids, pd=_pd_params(body), shape=shape)
+        params = _migrate(state, body, gen, params)
         return await _respond(state, raw, body, gen, params, "text_completion", completion_choice)
 
     @app.post("/v1/chat/completions")
@@ -164,11 +166,14 @@ def build_app(state: ServerState) -> FastAPI:
                 structured, shape.tools_forced = forced, True
         params = _sampling_params(state, body, max_tokens, logprobs, structured)
         gen = Generation(f"chatcmpl-{uuid.uuid4().hex}", prompt_ids, pd=_pd_params(body), shape=shape)
+        params = _migrate(state, body, gen, params)
         return await _respond(state, raw, body, gen, params, "chat.completion", chat_choice)
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, raw: Request) -> Any:
         _check_model(state, body.model)
+        if body.migration is not None:
+            raise APIError("migration is served on /v1/completions and /v1/chat/completions", param="migration")
         messages = [ChatMessage(**m) for m in body.messages()]
         prompt_ids = _template_ids(state, messages, True, None, None)
         _check_length(state, prompt_ids)
@@ -355,6 +360,28 @@ def _template_ids(state: ServerState, messages: list[ChatMessage], add_generatio
                                                    tokenize=True, **extra, **(kwargs or {}))
     except Exception as e:  # the template raised on these messages
         raise APIError(f"cannot apply the chat template: {e}", param="messages") from None
+
+
+def _migrate(state: ServerState, body: Any, gen: Generation, params: Any) -> Any:
+    """The router's `migration` field: name token ids in the stream; resume after the ones given."""
+    migration = body.migration
+    if migration is None:
+        return params
+    if body.n != 1:
+        raise APIError("migration serves one choice (n = 1)", param="migration")
+    gen.report_tokens = True
+    done = migration.token_ids
+    if not done:
+        return params
+    if any(not 0 <= t < state.tokenizer.vocab_size for t in done):
+        raise APIError("migration.token_ids must be in [0, vocab size)", param="migration")
+    if params.max_tokens is not None and len(done) >= params.max_tokens:
+        raise APIError(f"migration resumes after {len(done)} tokens, but max_tokens is {params.max_tokens}",
+                       param="migration")
+    gen.request_id = migration.id or gen.request_id
+    gen.created = migration.created if migration.created is not None else gen.created
+    gen.resume_after(done, IncrementalDetokenizer(state.tokenizer, params).add(done))
+    return msgspec.structs.replace(params, prompt_logprobs=None)  # they went out with the first chunk
 
 
 def _pd_params(body: Any) -> PDParams | None:

@@ -141,7 +141,8 @@ class EngineCore:
                                   error="the model weights are cleared; POST /update_model_weight loads them",
                                   error_status=503,
                                   num_prompt_tokens=len(msg.prompt_token_ids))]
-        request = Request(msg.request_id, msg.prompt_token_ids, msg.params, tuple(msg.eos_token_ids))
+        request = Request(msg.request_id, msg.prompt_token_ids, msg.params, tuple(msg.eos_token_ids),
+                          num_resumed=msg.num_resumed)
         request.times.arrival = msg.arrival_time
         try:
             if msg.pd is None:
@@ -178,7 +179,7 @@ class EngineCore:
             if r.request_id not in self._on_worker:
                 self._on_worker.add(r.request_id)
                 new_requests.append(NewRequest(r.request_id, r.prompt_token_ids, r.params, list(r.eos_token_ids),
-                                               list(r.output_token_ids)))
+                                               list(r.output_token_ids), r.num_resumed))
             start = r.num_computed_tokens
             chunks.append(Chunk(r.request_id, r.token_ids[start:start + c.num_new_tokens], start,
                                 [b.block_id for b in r.blocks], c.completes_known_tokens))

@@ -31,6 +31,9 @@ class AddRequest(msgspec.Struct, tag=True):
     eos_token_ids: list[int]
     arrival_time: float
     pd: PDParams | None = None
+    # A migrated answer: the last num_resumed prompt tokens are output an earlier instance streamed.
+    # They are computed as prompt, and count as output for sampling (penalties, grammar, seed).
+    num_resumed: int = 0
 
 
 class AbortRequests(msgspec.Struct, tag=True):
@@ -136,6 +139,7 @@ class NewRequest(msgspec.Struct, array_like=True):
     params: SamplingParams
     eos_token_ids: list[int]
     output_token_ids: list[int] = []  # a decode instance starts from the prefill instance's first token
+    num_resumed: int = 0  # the last num_resumed prompt tokens are output (AddRequest.num_resumed)
 
 
 class Chunk(msgspec.Struct, array_like=True):

@@ -40,6 +40,7 @@ class Request:
     # params.prompt_logprobs: gathered chunk by chunk, sent once with the first output token
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs_sent: bool = False
+    num_resumed: int = 0  # a migrated answer: the prompt's last tokens are output streamed elsewhere
 
     def add_prompt_logprobs(self, first_position: int, entries: list[TokenLogprobs]) -> None:
         """Entries for prompt tokens first_position ..; a recompute after preemption repeats known ones."""

@@ -240,7 +240,7 @@ class Scheduler:
             request.times.first_token = now
         request.times.last_token = now
         reason = check_stop(request.params, request.output_token_ids, request.eos_token_ids,
-                            self.config.max_model_len - request.num_tokens)
+                            self.config.max_model_len - request.num_tokens, request.num_resumed)
         if reason is None and request.kv_producer:
             reason = "prefilled"  # the prefill instance's part ends with the first token
         if reason is not None:

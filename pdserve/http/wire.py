@@ -35,3 +35,19 @@ class PDRequest(BaseModel):
     role: Literal["prefill", "decode"]
     prefill_addr: str | None = None  # decode side: host:port of the prefill instance's --pd-comm-port
     transport: Literal["ipc", "tcp", "rdma"] | None = None  # decode side: the router's choice for this pair
+
+
+class Migration(BaseModel):
+    """The router's instructions for a stream it can move to another instance (the body's `migration`).
+
+    Its presence asks the instance to name, in the stream, the token ids each event carries (an SSE
+    comment line, `TOKENS_COMMENT`, which the router removes). With `token_ids`, the answer resumes
+    after those tokens, which an earlier instance streamed: same id and created, no role chunk, usage
+    counting them. One choice only (n = 1)."""
+
+    token_ids: list[int] = []
+    id: str | None = Field(None, max_length=200)
+    created: int | None = None
+
+
+TOKENS_COMMENT = b": pdserve-tokens"  # `: pdserve-tokens 12 345 6` before an event's data line

@@ -37,6 +37,7 @@ class RouterSettings:
     decode_policy: str = "least_requests"
     mixed_fallback: bool = False
     max_retries: int = 2
+    migration_limit: int = 3  # times a stream that broke mid-answer is resumed on another route
     request_timeout: float = 600.0
     instance_expiry: float = 10.0
     health_interval: float = 2.0
@@ -78,7 +79,8 @@ def build_router_app(settings: RouterSettings, reader: PromptReader) -> FastAPI:
             auto_decompress=False)  # bytes pass through as the instance sent them
         checker = HealthChecker(registry, client, settings.health_interval, settings.health_timeout)
         state["checker"] = checker
-        state["forwarder"] = Forwarder(client, registry, selector, settings.max_retries, metrics.retries.inc)
+        state["forwarder"] = Forwarder(client, registry, selector, settings.max_retries, metrics.retries.inc,
+                                       settings.migration_limit, metrics.count_migration)
         for info in settings.static_instances:
             registry.register(info, static=True)
         task = asyncio.create_task(checker.run())

@@ -5,11 +5,13 @@ address and the transport the router chose. D's answer is what the client gets. 
 request right after its first token, before D can have a token of its own, so D's bytes are held
 until P has answered: if P failed, D's request is cancelled and nothing has reached the client.
 
-Until the first byte goes to the client (for a non-streamed answer: until the whole answer is in),
-a failed instance (unreachable, lost from the pool, 5xx, 429) is excluded and the request is tried
-again on another route, at most `max_retries` times. After that, a streamed answer that breaks ends
-with an error event. Every exchange is tied to its instance: when the registry loses the instance
-(failed probes, a connection error seen by another request, expiry), the exchange ends at once.
+Until the first event goes to the client (for a non-streamed answer: until the whole answer is in),
+a failed instance (unreachable, lost from the pool, 5xx, 429, a 5xx error event) is excluded and the
+request is tried again on another route, at most `max_retries` times. After that, a streamed answer
+that breaks is resumed on another route where it stopped (migration.py), at most `migration_limit`
+times, and then ends with an error event. Streams are relayed event by event (sse.py). Every exchange
+is tied to its instance: when the registry loses the instance (failed probes, a connection error seen
+by another request, expiry), the exchange ends at once.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -26,10 +29,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.http.errors import PD_ERROR, error_body
 from pdserve.http.wire import PDRequest
-from pdserve.router.exchange import BROKEN, Exchange, cancel_response, close_late_response, drain, next_chunk, pump
+from pdserve.router.exchange import BROKEN, Exchange, cancel_response, close_late_response, drain, pump
+from pdserve.router.migration import AnswerSoFar, can_migrate
 from pdserve.router.policies import RoutedRequest
 from pdserve.router.registry import Instance, Registry
 from pdserve.router.selector import Route, Selector
+from pdserve.router.sse import DONE, error_event, server_error, take_token_ids, whole_events
 
 log = logging.getLogger("pdserve.router")
 
@@ -43,21 +48,57 @@ def error_response(message: str, status: int, err_type: str = "service_unavailab
 
 @dataclass
 class Retry:
-    """This route failed before the client saw anything; try another without `failed`."""
+    """This route failed before the client saw anything; try another without `failed` (None: the
+    instance answered, with an error event of its own, and stays a candidate)."""
 
-    failed: Instance
+    failed: Instance | None
     response: Response
+
+
+@dataclass
+class Opened:
+    """A streamed answer whose first event is in hand; `close` ends the exchange."""
+
+    ex: Exchange
+    upstream: aiohttp.ClientResponse
+    reader: asyncio.Task
+    first: bytes
+    rest: AsyncIterator[bytes]
+
+    async def events(self) -> AsyncIterator[bytes]:
+        yield self.first
+        async for event in self.rest:
+            yield event
+
+    def close(self) -> None:
+        self.reader.cancel()
+        self.upstream.close()
+        self.ex.close()
 
 
 class Forwarder:
     def __init__(self, client: aiohttp.ClientSession, registry: Registry, selector: Selector, max_retries: int = 2,
-                 on_retry: Callable[[], None] = lambda: None) -> None:
+                 on_retry: Callable[[], None] = lambda: None, migration_limit: int = 3,
+                 on_migration: Callable[[bool, float], None] = lambda resumed, seconds: None) -> None:
         self.client, self.registry, self.selector = client, registry, selector
         self.max_retries = max_retries
         self.on_retry = on_retry
+        self.migration_limit, self.on_migration = migration_limit, on_migration
 
     async def forward(self, path: str, body: dict, request: RoutedRequest, headers: dict[str, str]) -> Response:
+        answer = AnswerSoFar(self.migration_limit if can_migrate(path, body, self.migration_limit) else 0)
+        if answer.limit:
+            body = {**body, "migration": {}}  # instances name each event's tokens
         excluded: set[str] = set()
+        outcome = await self._open(path, body, request, headers, excluded)
+        if isinstance(outcome, Opened):
+            return StreamingResponse(self._relay_stream(outcome, answer, path, body, request, headers, excluded),
+                                     media_type="text/event-stream")
+        return outcome
+
+    async def _open(self, path: str, body: dict, request: RoutedRequest, headers: dict[str, str],
+                    excluded: set[str]) -> Response | Opened:
+        """The request on the first route that works, trying others while nothing reached the client."""
         last: Response | None = None
         for attempt in range(self.max_retries + 1):
             route = self.selector.pick(request, excluded)
@@ -69,11 +110,12 @@ class Forwarder:
                 outcome = await self._pd(route, path, body, request, headers)
             if not isinstance(outcome, Retry):
                 return outcome
-            excluded.add(outcome.failed.url)
+            if outcome.failed is not None:
+                excluded.add(outcome.failed.url)
             last = outcome.response
             if attempt < self.max_retries:
-                log.warning("retrying a request without %s (%d of %d)", outcome.failed.url, attempt + 1,
-                            self.max_retries)
+                log.warning("retrying a request without %s (%d of %d)",
+                            outcome.failed.url if outcome.failed else "change", attempt + 1, self.max_retries)
                 self.on_retry()
         if last is not None:
             return last
@@ -188,8 +230,9 @@ class Forwarder:
                 upstream.close()
                 ex.close()
             return Response(content, status_code=200, media_type="application/json")
-        try:  # the first bytes decide: a failure before them can still be retried elsewhere
-            first = await next_chunk(queue)
+        rest = whole_events(queue)
+        try:  # the first event decides: a failure before it can still be retried elsewhere
+            first = await anext(rest, b"")
         except BaseException as e:
             reader.cancel()
             upstream.close()
@@ -199,23 +242,60 @@ class Forwarder:
             ex.broken(e)
             return Retry(ex.instance, error_response(f"PD error: the instance {ex.instance.url} failed: {e}", 502,
                                                      PD_ERROR))
+        if (message := server_error(take_token_ids(first)[0])) is not None:  # e.g. D lost its P mid-transfer
+            reader.cancel()
+            upstream.close()
+            ex.close()
+            return Retry(None, error_response(message, 502, PD_ERROR))
+        return Opened(ex, upstream, reader, first, rest)
 
-        async def events() -> AsyncIterator[bytes]:
-            try:
-                if first is not None:
-                    yield first
-                    async for chunk in drain(queue):
-                        yield chunk
-            except BROKEN as e:
-                ex.broken(e)
-                message = f"PD error: the {ex.instance.role} instance {ex.instance.url} failed mid-answer: {e}"
-                yield f"data: {json.dumps(error_body(message, 502, PD_ERROR))}\n\n".encode()
-            finally:
-                reader.cancel()
-                upstream.close()
-                ex.close()
-
-        return StreamingResponse(events(), media_type="text/event-stream")
+    async def _relay_stream(self, opened: Opened, answer: AnswerSoFar, path: str, body: dict,
+                            request: RoutedRequest, headers: dict[str, str], excluded: set[str]
+                            ) -> AsyncIterator[bytes]:
+        """The client's stream: events as they come; when the instance fails mid-answer, the rest from
+        another route (`answer` says where the client is), else an error event."""
+        current: Opened | None = opened
+        try:
+            while current is not None:
+                failure = None
+                try:
+                    async for raw_event in current.events():
+                        event, token_ids = take_token_ids(raw_event)
+                        if (failure := server_error(event)) is not None:
+                            break
+                        answer.saw(event, token_ids)
+                        yield event
+                except BROKEN as e:
+                    current.ex.broken(e)
+                    failure = f"the {current.ex.instance.role} instance {current.ex.instance.url} failed " \
+                              f"mid-answer: {e}"
+                finally:
+                    current.close()
+                if failure is None:
+                    return
+                instance = current.ex.instance
+                current = None
+                if answer.finished:  # only the usage chunk can be missing
+                    yield DONE
+                    return
+                if not answer.can_resume:
+                    yield error_event(error_body(f"PD error: {failure}", 502, PD_ERROR))
+                    return
+                excluded.add(instance.url)
+                log.warning("resuming a stream after %d tokens without %s: %s", len(answer.token_ids),
+                            instance.url, failure[:200])
+                began = time.monotonic()
+                outcome = await self._open(path, answer.resumed_body(body), answer.resumed_request(request),
+                                           headers, excluded)
+                self.on_migration(isinstance(outcome, Opened), time.monotonic() - began)
+                if not isinstance(outcome, Opened):
+                    yield error_event(error_body(f"PD error: {failure}; resuming it elsewhere failed: "
+                                                 f"{_message(outcome)}", 502, PD_ERROR))
+                    return
+                current = outcome
+        finally:
+            if current is not None:
+                current.close()
 
     async def _read_error(self, upstream: aiohttp.ClientResponse, ex: Exchange) -> Response:
         try:
@@ -225,6 +305,13 @@ class Forwarder:
         finally:
             upstream.close()
         return Response(content, status_code=upstream.status, media_type="application/json")
+
+
+def _message(response: Response) -> str:
+    try:
+        return str(json.loads(bytes(response.body))["error"]["message"])
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return f"HTTP {response.status_code}"
 
 
 @dataclass

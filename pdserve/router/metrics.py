@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from pdserve.router.prefill_decider import Decision
@@ -22,7 +22,18 @@ class RouterMetrics:
         self.prefill_decisions = Counter(
             "pdserve_router_prefill_decisions", "--pd-policy conditional: where PD requests' prompts were computed "
             "(remote: the prefill instance; local: the decode instance) and why", ["where", "reason"], registry=r)
+        self.migrations = Counter(
+            "pdserve_router_migrations", "streams that broke mid-answer and were resumed on another route "
+            "(outcome resumed) or could not be (failed)", ["outcome"], registry=r)
+        self.migration_seconds = Histogram(
+            "pdserve_router_migration_seconds", "from a stream's failure to its first event from the new route",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30), registry=r)
         r.register(_InstanceCollector(registry))
+
+    def count_migration(self, resumed: bool, seconds: float) -> None:
+        self.migrations.labels("resumed" if resumed else "failed").inc()
+        if resumed:
+            self.migration_seconds.observe(seconds)
 
     def count_decision(self, decision: Decision) -> None:
         self.prefill_decisions.labels("local" if decision.local else "remote", decision.reason).inc()

@@ -44,6 +44,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                         "(without prefill/decode instances at all, mixed ones always serve)")
     p.add_argument("--max-retries", type=int, default=2,
                    help="tries on other instances when one fails before the client has seen a byte")
+    p.add_argument("--migration-limit", type=int, default=3,
+                   help="times a stream whose instance fails mid-answer is resumed on another route where the "
+                        "client is (Dynamo's name; 0: the stream ends with an error event)")
     p.add_argument("--instances", type=Path, default=None,
                    help="YAML file with a static list of instances (each: role, url, and for PD the fields "
                         "instances register: pd_comm, transports, host_id, compatibility_key, block_size)")
@@ -75,7 +78,8 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
 def settings_from_args(args: argparse.Namespace) -> RouterSettings:
     return RouterSettings(
         prefill_policy=args.prefill_policy, decode_policy=args.decode_policy, mixed_fallback=args.mixed_fallback,
-        max_retries=args.max_retries, request_timeout=args.request_timeout, instance_expiry=args.instance_expiry,
+        max_retries=args.max_retries, migration_limit=args.migration_limit, request_timeout=args.request_timeout,
+        instance_expiry=args.instance_expiry,
         health_interval=args.health_interval, health_timeout=args.health_timeout,
         fail_threshold=args.health_failure_threshold, success_threshold=args.health_success_threshold,
         api_key=args.api_key, cluster_secret=(args.cluster_secret or "").encode(),

@@ -13,14 +13,16 @@ def check_stop(
     output_token_ids: Sequence[int],
     eos_token_ids: Sequence[int],
     max_model_len_left: int | None = None,
+    num_earlier: int = 0,
 ) -> str | None:
     """Finish reason after the last appended token: "stop", "length" or None.
 
     max_model_len_left is how many more tokens fit in the model's context after the
     current output (max_model_len - prompt_len - len(output)); <= 0 ends with "length".
+    num_earlier counts output tokens generated before these (a migrated answer's, on another instance).
     """
-    num_out = len(output_token_ids)
-    if num_out and num_out >= params.min_tokens:
+    num_out = len(output_token_ids) + num_earlier
+    if output_token_ids and num_out >= params.min_tokens:
         last = output_token_ids[-1]
         if not params.ignore_eos and last in eos_token_ids:
             return "stop"

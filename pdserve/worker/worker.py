@@ -161,17 +161,19 @@ class Worker:
         return StepResult(sampled=sampled, prompt_logprobs=prompt_logprobs)
 
     def _row(self, new: NewRequest) -> SamplingRow:
-        row = SamplingRow(new.params, new.prompt_token_ids, list(new.output_token_ids), tuple(new.eos_token_ids),
+        split = len(new.prompt_token_ids) - new.num_resumed  # a migrated answer's output came in the prompt
+        outputs = new.prompt_token_ids[split:] + list(new.output_token_ids)
+        row = SamplingRow(new.params, new.prompt_token_ids[:split], outputs, tuple(new.eos_token_ids),
                           make_generator(new.params.seed, self.runner.device))
-        if row.generator is not None:  # tokens sampled before (by P, or before a preemption) drew already
-            skip_draws(row.generator, len(new.output_token_ids))
+        if row.generator is not None:  # tokens sampled before (by P, another instance, a preemption) drew
+            skip_draws(row.generator, len(outputs))
         device = self.runner.device
         if row.bias is not None:
             row.bias = (row.bias[0].to(device), row.bias[1].to(device))
         if row.allowed is not None:
             row.allowed = row.allowed.to(device)
         if new.params.structured is not None:  # compiled on the mask thread, at its first mask
-            row.grammar = SequenceGrammar(new.params.structured, new.eos_token_ids, new.output_token_ids)
+            row.grammar = SequenceGrammar(new.params.structured, new.eos_token_ids, outputs)
         return row
 
     def _wants_prompt_logprobs(self, chunk: Chunk) -> bool:
