@@ -4,15 +4,20 @@ every few seconds; what the clients saw, how fast the deployment healed, and wha
     .venv/bin/python bench/chaos.py [--duration 180] [--kill-every 20] [--clients 4] [--seed 0]
                                     [--out bench-results/chaos.md] [-- extra flags for every instance]
 
-Victims, drawn at random: an instance's server process, its engine, worker or cache service, or the
-router. Clients stream completions through the router; a connection the router refuses (it is
-restarting) or a 5xx before any token is retried up to 3 times with backoff, as the `openai` client
-does; the router itself retries a request on another route when an instance fails before answering.
+Victims, drawn at random: an instance's server process, its engine, worker or cache service, or one
+of the routers (`pdserve launch --routers`, 2 by default). Clients stream completions through the
+router; a connection the router refuses (it is restarting) or a 5xx before any token is retried up
+to 3 times with backoff, as the `openai` client does; the router itself retries a request on another
+route when an instance fails before answering, and resumes a stream elsewhere when one fails after.
 Reported: requests sent / succeeded / failed (and how many of those had started streaming), client
 and router retries, latency percentiles, each kill with the time until the victim's instance (or the
 router) served again, restarts, and at the end: KV blocks not given back, shared-memory segments and
 IPC folders left.
-Goal (issue 13): >= 99% succeed, every victim back within 30 s, nothing leaks.
+Also: streams the routers migrated to another pair mid-answer (and how long each took), failures
+that were streams cut by their own router's death, and the deployment's processes still running
+after Ctrl-C.
+Goals (issue 26): >= 99.5% succeed, every failure a stream cut by its own router's death, every
+victim back within 15 s, nothing leaks.
 """
 
 from __future__ import annotations
@@ -134,14 +139,20 @@ class Deployment:
         except (httpx.HTTPError, ValueError, KeyError):
             return []
 
-    def router_pid(self) -> int:
-        (router,) = [p for p in psutil.Process(self.proc.pid).children()
-                     if "router" in p.cmdline()[3:5]]
-        return router.pid
+    def routers(self) -> list[tuple[str, int]]:
+        """(the router's own url, pid) of each router process (`pdserve launch --routers N`)."""
+        out = []
+        for p in psutil.Process(self.proc.pid).children():
+            cmd = p.cmdline()
+            if "router" in cmd[3:5]:
+                own = cmd[cmd.index("--own-port") + 1] if "--own-port" in cmd else str(self.port)
+                out.append((f"http://127.0.0.1:{own}", p.pid))
+        return out
 
     def pick(self, victim: str, rng: random.Random) -> tuple[str, int] | None:
         if victim == "router":
-            return "router", self.router_pid()
+            url, pid = rng.choice(self.routers())
+            return f"router {url}", pid
         live = [i for i in self.instances() if i["healthy"]]
         if not live:
             return None
@@ -154,9 +165,13 @@ class Deployment:
         return (inst["url"], found[0].pid) if found else None
 
     def serving_again(self, kill: Kill, restarts_before: dict[str, int]) -> bool:
+        if kill.target.startswith("router "):  # that router's own port: the others answer the shared one
+            try:
+                found = httpx.get(f"{kill.target.split()[1]}/registered", timeout=3).json()["instances"]
+            except (httpx.HTTPError, ValueError, KeyError):
+                return False
+            return len([i for i in found if i["healthy"]]) == 4
         instances = self.instances()
-        if kill.target == "router":
-            return len([i for i in instances if i["healthy"]]) == 4
         return any(i["url"] == kill.target and i["healthy"] and i["restarts"] > restarts_before.get(i["url"], 0)
                    for i in instances)
 
@@ -224,10 +239,42 @@ def run(args: argparse.Namespace) -> str:
     restarts = {i["url"]: i["restarts"] for i in dep.instances()}
     launch_log = dep.log_path.read_text(errors="replace")
     code = dep.stop()
-    time.sleep(2)
+    time.sleep(5)
     left_segments = segments() - segments_before
     left_folders = [p.name for p in tmp.iterdir() if p.name.startswith("pdserve-")]
-    return report(args, load.outcomes, kills, leaked, restarts, launch_log, code, left_segments, left_folders)
+    left_processes = processes_of_session(dep.proc.pid)
+    return report(args, load.outcomes, kills, leaked, restarts, launch_log, code, left_segments, left_folders,
+                  left_processes)
+
+
+def processes_of_session(sid: int) -> list[str]:
+    """The deployment's processes still running (launch starts them all in its own session)."""
+    left = []
+    for p in psutil.process_iter(["pid", "cmdline", "status"]):
+        try:
+            if os.getsid(p.pid) == sid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                left.append(f"{p.pid} {' '.join(p.info['cmdline'][1:4])}")
+        except (ProcessLookupError, psutil.Error):
+            pass
+    return left
+
+
+def migrations(launch_log: str) -> list[float]:
+    """Seconds each resumed stream took to get going again, from the routers' log lines."""
+    out = []
+    for line in launch_log.splitlines():
+        if "resumed a stream after" in line and " in " in line:
+            try:
+                out.append(float(line.rsplit(" in ", 1)[1].split()[0]))
+            except ValueError:
+                pass
+    return out
+
+
+def cut_by_a_router(outcome: Outcome, kills: list[Kill]) -> bool:
+    """A stream that broke within a second of a router's death: that router was carrying it."""
+    end = outcome.start + outcome.latency
+    return outcome.streamed and any(k.target.startswith("router ") and abs(end - k.at) < 1.0 for k in kills)
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -236,18 +283,23 @@ def _pct(values: list[float], q: float) -> float:
 
 def report(args: argparse.Namespace, outcomes: list[Outcome], kills: list[Kill], leaked: dict[str, float],
            restarts: dict[str, int], launch_log: str, code: int, left_segments: set[str],
-           left_folders: list[str]) -> str:
+           left_folders: list[str], left_processes: list[str]) -> str:
     ok = [o for o in outcomes if o.ok]
     failed = [o for o in outcomes if not o.ok]
     lat = sorted(o.latency * 1000 for o in ok) or [0.0]
     router_retries = launch_log.count("retrying a request without")
+    moved = migrations(launch_log)
+    moved_text = (f"{len(moved)}, back streaming after p50 {statistics.median(moved):.2f} s / max {max(moved):.2f} s"
+                  if moved else "0")
+    by_router = sum(cut_by_a_router(o, kills) for o in failed)
     lines = [f"# Chaos: 2P2D, {args.duration:.0f} s, a SIGKILL every {args.kill_every:.0f} s, {args.clients} "
              f"streaming clients, {args.max_tokens} tokens each", "",
-             "| requests | succeeded | failed | failed after streaming began | client retries (refused "
-             "connections) | router retries | success | latency p50 / p90 / p99 ms |",
-             "|---|---|---|---|---|---|---|---|",
-             f"| {len(outcomes)} | {len(ok)} | {len(failed)} | {sum(o.streamed for o in failed)} | "
-             f"{sum(o.client_retries for o in outcomes)} | {router_retries} | "
+             "| requests | succeeded | failed | failed after streaming began | of those, cut by their router's "
+             "death | client retries (refused connections) | router retries | streams migrated | success | "
+             "latency p50 / p90 / p99 ms |",
+             "|---|---|---|---|---|---|---|---|---|---|",
+             f"| {len(outcomes)} | {len(ok)} | {len(failed)} | {sum(o.streamed for o in failed)} | {by_router} | "
+             f"{sum(o.client_retries for o in outcomes)} | {router_retries} | {moved_text} | "
              f"{100 * len(ok) / max(1, len(outcomes)):.1f}% | {_pct(lat, 50):.0f} / {_pct(lat, 90):.0f} / "
              f"{_pct(lat, 99):.0f} |", "", "| kill | victim | of | back in service after |", "|---|---|---|---|"]
     for i, k in enumerate(kills, 1):
@@ -257,7 +309,7 @@ def report(args: argparse.Namespace, outcomes: list[Outcome], kills: list[Kill],
               f"{launch_log.count(' restarted (restart ')}",
               f"KV blocks still held 45 s after the load stopped (D's lease is 30 s): {json.dumps(leaked)}",
               f"after Ctrl-C (launch exit code {code}): shared-memory segments left {sorted(left_segments) or 'none'}, "
-              f"IPC folders left {left_folders or 'none'}"]
+              f"IPC folders left {left_folders or 'none'}, processes left {left_processes or 'none'}"]
     if failed:
         kinds = collections.Counter(o.error[:90] for o in failed)
         lines += ["", "failures by kind:"] + [f"- {n} x {kind}" for kind, n in kinds.most_common(10)]

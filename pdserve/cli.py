@@ -81,8 +81,22 @@ def main(argv: list[str] | None = None) -> int:
             print(f"pdserve: error: {line}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        return 130
+        _stopped(args.command, "SIGINT")
+        return EXIT_SIGINT
+    except SystemExit as e:  # SIGTERM, as exit_on_sigterm turns it into
+        if e.code == EXIT_SIGTERM:
+            _stopped(args.command, "SIGTERM")
+        raise
     return 0
+
+
+# Exit codes (docs/operations in README): 0 stopped by itself, 1 its engine died (restart it), 2 a
+# bad flag, model or port (do not), 130 SIGINT (Ctrl-C), 143 SIGTERM.
+EXIT_SIGINT, EXIT_SIGTERM = 130, 143
+
+
+def _stopped(command: str, signal_name: str) -> None:
+    print(f"pdserve {command}: stopped ({signal_name})", file=sys.stderr, flush=True)
 
 
 def _generate(args: argparse.Namespace) -> int:

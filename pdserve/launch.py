@@ -42,6 +42,10 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="where the router listens")
     p.add_argument("--port", type=int, default=8000, help="the router's port: the deployment's OpenAI endpoint")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for every instance")
+    p.add_argument("--routers", type=int, default=default_routers(),
+                   help="router processes sharing --port (SO_REUSEPORT), each with its own port that instances "
+                        "register at: one that dies refuses no connection and cuts only its own streams "
+                        "(default: 2 with 2 or more cores)")
     p.add_argument("--cpu-binding", choices=["auto", "lend", "pin", "none"], default="auto",
                    help="on a CPU-only machine: pin gives each instance its own cores and as many torch threads; "
                         "lend (what auto does) also lets each decode instance compute on a prefill instance's "
@@ -80,6 +84,32 @@ class InstanceSpec:
         return [sys.executable, "-m", "pdserve.cli", "serve", "--splitwise-role", self.role, "--host", self.host,
                 "--port", str(self.port), "--metrics-port", str(self.metrics_port), *pd_port,
                 "--router", router_url, *host_id, *extra]
+
+
+def default_routers() -> int:
+    return 2 if (os.cpu_count() or 1) >= 2 else 1
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    name: str
+    own_port: int | None  # None: the only router, on --port alone
+
+    def flags(self) -> list[str]:
+        return [] if self.own_port is None else ["--reuse-port", "--own-port", str(self.own_port)]
+
+
+def plan_routers(host: str, n: int) -> list[RouterSpec]:
+    if n < 1:
+        raise ValueError("--routers must be at least 1")
+    if n == 1:
+        return [RouterSpec("router", None)]
+    return [RouterSpec(f"router-{i}", free_port(host)) for i in range(n)]
+
+
+def registration_urls(host: str, port: int, routers: list[RouterSpec]) -> list[str]:
+    """Where instances register: every router's own port (the shared one reaches only one of them)."""
+    return [f"http://{host}:{r.own_port if r.own_port is not None else port}" for r in routers]
 
 
 def instance_hosts(router_host: str, n: int) -> list[str]:
@@ -164,8 +194,10 @@ def launch(args: argparse.Namespace) -> int:
     router_url = f"http://{args.host}:{args.port}"
     deployment = Supervisor({ENV: os.environ.get(ENV) or secrets.token_hex(16)})
     stop = threading.Event()
+    stopped_by: list[int] = []
 
     def on_signal(signum: int, frame: object) -> None:
+        stopped_by.append(signum)
         stop.set()
 
     signal.signal(signal.SIGTERM, on_signal)
@@ -179,8 +211,11 @@ def launch(args: argparse.Namespace) -> int:
                                               ("--migration-limit", args.migration_limit),
                                               ("--api-key", args.api_key))
                         if value for f in (flag, value)]
-        deployment.start("router", [sys.executable, "-m", "pdserve.cli", "router", "--host", args.host,
-                                    "--port", str(args.port), *router_flags])
+        routers = plan_routers(args.host, args.routers)
+        for r in routers:
+            deployment.start(r.name, [sys.executable, "-m", "pdserve.cli", "router", "--host", args.host,
+                                      "--port", str(args.port), *r.flags(), *router_flags])
+        registrations = registration_urls(args.host, args.port, routers)
         pinned = args.cpu_binding != "none" and _cpu_only()
         cpu_sets = split_cpus(len(specs)) if pinned else [None] * len(specs)
         envs: list[dict[str, str]] = [{} for _ in specs]
@@ -193,47 +228,58 @@ def launch(args: argparse.Namespace) -> int:
             extra = list(args.instance_args)
             if spec.role == "decode" and args.splitwise_cache_buffer_size:
                 extra += ["--splitwise-cache-buffer-size", str(args.splitwise_cache_buffer_size)]
-            deployment.start(spec.name, spec.command(router_url, extra), cpus, env)
-        error = _wait_ready(deployment, router_url, len(specs), args.ready_timeout, stop)
+            deployment.start(spec.name, spec.command(",".join(registrations), extra), cpus, env)
+        error = _wait_ready(deployment, registrations, len(specs), args.ready_timeout, stop)
         if error:
             print(f"pdserve launch: {error}", file=sys.stderr, flush=True)
             return 1
         if stop.is_set():
-            return 130
+            return _stopped(stopped_by)
         roles = ", ".join(f"{n} {r}" for r, n in (("prefill", args.prefill), ("decode", args.decode),
                                                     ("mixed", args.mixed)) if n)
-        print(f"pdserve launch: ready on {router_url} ({roles}); Ctrl-C stops everything", flush=True)
+        shared = f", {len(routers)} routers" if len(routers) > 1 else ""
+        print(f"pdserve launch: ready on {router_url} ({roles}{shared}); Ctrl-C stops everything", flush=True)
         print(f"  curl {router_url}/v1/chat/completions -H 'Content-Type: application/json' "
               f"-d '{DEMO_REQUEST}'", flush=True)
         while not stop.wait(0.5):
             if crash_loop := deployment.tend():
                 print(f"pdserve launch: {crash_loop}", file=sys.stderr, flush=True)
                 return 1
-        return 0
+        return _stopped(stopped_by)
     finally:
         deployment.stop()
         if flags_dir is not None:
             shutil.rmtree(flags_dir, ignore_errors=True)
 
 
-def _wait_ready(deployment: Supervisor, router_url: str, expected: int, timeout: float,
+def _stopped(signals: list[int]) -> int:
+    """The exit code of a deployment stopped by a signal (130 SIGINT, 143 SIGTERM), said once."""
+    signum = signals[0] if signals else signal.SIGINT
+    print(f"pdserve launch: stopped ({signal.Signals(signum).name}); stopping every process", file=sys.stderr,
+          flush=True)
+    return 128 + signum
+
+
+def _wait_ready(deployment: Supervisor, router_urls: list[str], expected: int, timeout: float,
                 stop: threading.Event) -> str | None:
+    """Until every router has every instance in its pool and can serve."""
     deadline = time.monotonic() + timeout
-    registered: list = []
+    fewest = 0
     with httpx.Client(timeout=2.0) as client:
         while not stop.is_set():
             if dead := deployment.dead():
                 name, code = dead[0]
                 return f"{name} exited (code {code}) before the deployment was ready (its output is above)"
             try:
-                registered = [i for i in client.get(f"{router_url}/registered").json()["instances"] if i["healthy"]]
-                if len(registered) >= expected and client.get(f"{router_url}/health").status_code == 200:
+                fewest = min(sum(i["healthy"] for i in client.get(f"{url}/registered").json()["instances"])
+                             for url in router_urls)
+                if fewest >= expected and all(client.get(f"{url}/health").status_code == 200 for url in router_urls):
                     return None
             except (httpx.HTTPError, ValueError, KeyError):
                 pass
             if time.monotonic() > deadline:
-                names = sorted(n for n in deployment.procs if n != "router")
-                return (f"not ready within {timeout:.0f} s: {len(registered)} of {expected} instances in the pool "
+                names = sorted(n for n in deployment.procs if not n.startswith("router"))
+                return (f"not ready within {timeout:.0f} s: {fewest} of {expected} instances in the pool "
                         f"({', '.join(names)} were started)")
             stop.wait(0.5)
     return None

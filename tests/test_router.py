@@ -4,6 +4,8 @@ security and failover against a real router process and stand-in instances (test
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -280,3 +282,32 @@ def test_a_stream_cut_mid_answer_resumes_on_another_instance_and_limit_0_ends_it
             r.stop()
         alpha.close()
         beta.close()
+
+
+@pytest.mark.e2e
+def test_a_cut_stream_with_no_other_route_waits_for_the_instance_to_come_back(router: Router) -> None:
+    """1P1D or one mixed instance: the stream resumes on the restarted process (a new pid), not the dead one."""
+    alone = StubInstance("alone")
+    alone.story, alone.cut_after = ["Once", " upon", " a", " time"], 2
+    try:
+        assert register(router.url, alone.registration(pid=1), SECRET.encode()).status_code == 200
+        wait_for(lambda: alone.url in router.healthy_urls(), 10, "the stand-in did not join the pool")
+        restarted = threading.Event()
+
+        def die_and_restart() -> None:
+            wait_for(lambda: len(alone.requests) == 1, 10, "no request came")
+            time.sleep(0.5)  # the cut (0.3 s after two words)
+            alone.health_status, alone.cut_after = 503, None  # down ...
+            time.sleep(1.0)
+            alone.health_status = 200  # ... and back, a new process
+            register(router.url, alone.registration(pid=2), SECRET.encode())
+            restarted.set()
+
+        threading.Thread(target=die_and_restart, daemon=True).start()
+        chunks = list(_client(router).completions.create(model="stub", prompt="hi", max_tokens=4, stream=True))
+        assert restarted.is_set()
+        assert "".join(c.choices[0].text for c in chunks) == "Once upon a time"
+        assert alone.requests[1]["migration"]["token_ids"] == [100, 101]
+    finally:
+        register(router.url, {"url": alone.url}, SECRET.encode(), path="/unregister")
+        alone.close()

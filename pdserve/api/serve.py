@@ -38,8 +38,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (default: a free port, logged)")
     g.add_argument("--served-model-name", default=None, help="the model name clients send (default: from the path)")
     g.add_argument("--max-concurrency", type=int, default=256, help="requests in flight before answering 429")
-    g.add_argument("--router", type=router_url, default=None,
-                   help="router URL to register with, e.g. http://127.0.0.1:8000 (host:port means http://host:port)")
+    g.add_argument("--router", type=router_urls, default=None,
+                   help="router URL to register with, e.g. http://127.0.0.1:8000 (host:port means http://host:port); "
+                        "a comma-separated list registers with each (several routers of one deployment)")
     g.add_argument("--advertise-host", default=None,
                    help="the address the router and peers should use for this instance (default: --host, or "
                         "this machine's address when --host is 0.0.0.0)")
@@ -63,6 +64,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 def router_url(text: str) -> str:
     return text if "://" in text else f"http://{text}"
+
+
+def router_urls(text: str) -> list[str]:
+    return [router_url(t.strip()) for t in text.split(",") if t.strip()]
 
 
 # The ready-to-paste request: a low temperature, since a small model at temperature 1 rambles.
@@ -118,7 +123,7 @@ def serve(args: argparse.Namespace) -> int:
         ready = client.ready
         metrics_port = args.metrics_port or free_port(args.host)
         if args.router:
-            state.router_url = args.router
+            state.router_urls = args.router
             state.instance = Registration(
                 role=ready.role, url=f"http://{advertise}:{args.port}", host=advertise, host_id=host_id(),
                 pid=os.getpid(), metrics_port=metrics_port, model=name,

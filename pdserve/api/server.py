@@ -54,8 +54,8 @@ def build_app(state: ServerState) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.engine.start()
         tasks = [asyncio.create_task(_refresh_metrics(state)), asyncio.create_task(_exit_when_engine_dies(state))]
-        if state.router_url and state.instance:
-            tasks.append(asyncio.create_task(register_forever(state.router_url, state.instance)))
+        if state.instance:
+            tasks += [asyncio.create_task(register_forever(url, state.instance)) for url in state.router_urls]
         yield
         for task in tasks:
             task.cancel()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.api.async_engine import AsyncEngine
 from pdserve.api.metrics import ServerMetrics
@@ -27,7 +27,7 @@ class ServerState:
     metrics: ServerMetrics
     in_flight: int = 0
     weights_cleared: bool = False
-    router_url: str | None = None  # --router: register there every few seconds
+    router_urls: list[str] = field(default_factory=list)  # --router: register with each every few seconds
     instance: dict | None = None  # what to register: role, url, control-plane address, transports
     api_key: str | None = None  # --api-key: /v1 requests must carry it as a Bearer token
     sampling_defaults: dict | None = None  # the model's generation_config values for omitted fields

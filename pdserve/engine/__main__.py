@@ -17,7 +17,7 @@ import msgspec
 import zmq
 
 from pdserve.engine.messages import EngineDead, EngineReady
-from pdserve.utils.process import child_entry
+from pdserve.utils.process import child_entry, parent_gone
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
         outputs.send(encoder.encode(EngineDead(error=str(e))))
         return 1
     finally:
+        if parent_gone():  # its client was killed: nobody else removes the client's IPC folder
+            outputs.setsockopt(zmq.LINGER, 0)
+            shutil.rmtree(sockdir.parent, ignore_errors=True)
         if core is not None:
             core.connector.close()
         if started is not None:

@@ -90,6 +90,7 @@ def build_router_app(settings: RouterSettings, reader: PromptReader) -> FastAPI:
         await client.close()
 
     app = FastAPI(title="pdserve router", lifespan=lifespan)
+    app.state.can_serve = selector.can_serve  # serve.py: when a router sharing its port may take connections
     if settings.api_key:
         app.middleware("http")(bearer_auth(settings.api_key))
 

@@ -40,6 +40,7 @@ log = logging.getLogger("pdserve.router")
 
 RETRYABLE_STATUS = (429, 500, 502, 503, 504)
 BLAME_WINDOW = 1.0  # seconds to wait for P's answer when D fails, to tell which of the two failed
+MIGRATION_WAIT_S = 30.0  # how long a broken stream waits for a route to resume on
 
 
 def error_response(message: str, status: int, err_type: str = "service_unavailable") -> JSONResponse:
@@ -92,7 +93,7 @@ class Forwarder:
         excluded: set[str] = set()
         outcome = await self._open(path, body, request, headers, excluded)
         if isinstance(outcome, Opened):
-            return StreamingResponse(self._relay_stream(outcome, answer, path, body, request, headers, excluded),
+            return StreamingResponse(self._relay_stream(outcome, answer, path, body, request, headers),
                                      media_type="text/event-stream")
         return outcome
 
@@ -196,6 +197,18 @@ class Forwarder:
                 d_ex.close()
                 await cancel_response(d_task)
 
+    async def _resume(self, path: str, body: dict, request: RoutedRequest, headers: dict[str, str],
+                      answer: AnswerSoFar) -> Response | Opened:
+        """The rest of the answer from another route; with none in the pool (1P1D, its D died), from
+        the first that joins within MIGRATION_WAIT_S (the supervisor restarts the dead one in seconds)."""
+        deadline = time.monotonic() + MIGRATION_WAIT_S
+        while True:
+            excluded = answer.excluded(self.registry)
+            if self.selector.can_serve_without(excluded) or time.monotonic() > deadline:
+                return await self._open(path, answer.resumed_body(body), answer.resumed_request(request),
+                                        headers, excluded)
+            await asyncio.sleep(0.25)
+
     async def _blame(self, p_ex: Exchange, p_task: asyncio.Task, d_failure: Retry) -> Retry:
         """D failed; if P fails too (D may only be reporting P's failure), P is the one to avoid."""
         if not p_task.done():
@@ -250,8 +263,7 @@ class Forwarder:
         return Opened(ex, upstream, reader, first, rest)
 
     async def _relay_stream(self, opened: Opened, answer: AnswerSoFar, path: str, body: dict,
-                            request: RoutedRequest, headers: dict[str, str], excluded: set[str]
-                            ) -> AsyncIterator[bytes]:
+                            request: RoutedRequest, headers: dict[str, str]) -> AsyncIterator[bytes]:
         """The client's stream: events as they come; when the instance fails mid-answer, the rest from
         another route (`answer` says where the client is), else an error event."""
         current: Opened | None = opened
@@ -281,17 +293,19 @@ class Forwarder:
                 if not answer.can_resume:
                     yield error_event(error_body(f"PD error: {failure}", 502, PD_ERROR))
                     return
-                excluded.add(instance.url)
+                answer.failed_on(instance)
                 log.warning("resuming a stream after %d tokens without %s: %s", len(answer.token_ids),
                             instance.url, failure[:200])
                 began = time.monotonic()
-                outcome = await self._open(path, answer.resumed_body(body), answer.resumed_request(request),
-                                           headers, excluded)
-                self.on_migration(isinstance(outcome, Opened), time.monotonic() - began)
+                outcome = await self._resume(path, body, request, headers, answer)
+                took = time.monotonic() - began
+                self.on_migration(isinstance(outcome, Opened), took)
                 if not isinstance(outcome, Opened):
                     yield error_event(error_body(f"PD error: {failure}; resuming it elsewhere failed: "
                                                  f"{_message(outcome)}", 502, PD_ERROR))
                     return
+                log.info("resumed a stream after %d tokens on %s in %.3f s", len(answer.token_ids),
+                         outcome.ex.instance.url, took)
                 current = outcome
         finally:
             if current is not None:

@@ -15,6 +15,7 @@ import json
 from dataclasses import dataclass, field, replace
 
 from pdserve.router.policies import RoutedRequest
+from pdserve.router.registry import Instance, Registry
 
 MIGRATING_PATHS = ("/v1/completions", "/v1/chat/completions")
 
@@ -33,6 +34,15 @@ class AnswerSoFar:
     created: int | None = None
     finished: bool = False  # a choice's finish reason went out: only usage and [DONE] may follow
     migrations: int = 0
+    failed: dict[str, int | None] = field(default_factory=dict)  # url -> pid of the process that failed it
+
+    def failed_on(self, instance: Instance) -> None:
+        self.failed[instance.url] = instance.info.pid
+
+    def excluded(self, registry: Registry) -> set[str]:
+        """Instances not to resume on: those that failed this answer, unless restarted since (a new pid)."""
+        pids = {i.url: i.info.pid for i in registry.all()}
+        return {url for url, pid in self.failed.items() if pids.get(url, pid) == pid}
 
     def saw(self, event: bytes, token_ids: list[int] | None) -> None:
         if token_ids:

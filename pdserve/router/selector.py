@@ -68,10 +68,16 @@ class Selector:
 
     def can_serve(self) -> bool:
         """pick() would find a route (asked without moving any policy's state)."""
-        decode = self.registry.healthy("decode")
-        if any(compatible(p, d) for p in self.registry.healthy("prefill") for d in decode):
+        return self.can_serve_without(set())
+
+    def can_serve_without(self, excluded: set[str]) -> bool:
+        """can_serve(), the `excluded` urls left out."""
+        prefill = [i for i in self.registry.healthy("prefill") if i.url not in excluded]
+        decode = [i for i in self.registry.healthy("decode") if i.url not in excluded]
+        if any(compatible(p, d) for p in prefill for d in decode):
             return True
-        return bool(self.registry.healthy("mixed")) and (self.mixed_fallback or not self.registry.has_pd())
+        mixed = [i for i in self.registry.healthy("mixed") if i.url not in excluded]
+        return bool(mixed) and (self.mixed_fallback or not self.registry.has_pd())
 
     def why_not(self) -> str:
         prefill, decode = self.registry.healthy("prefill"), self.registry.healthy("decode")

@@ -8,7 +8,6 @@ import logging
 import os
 from pathlib import Path
 
-import uvicorn
 import yaml
 from pydantic import ValidationError
 
@@ -19,7 +18,7 @@ from pdserve.router.policies import POLICIES
 from pdserve.router.prefill_decider import PD_POLICIES
 from pdserve.router.prompt import PromptReader
 from pdserve.utils.process import exit_on_sigterm
-from pdserve.utils.uvicorn_run import serve_and_announce, server_config
+from pdserve.utils.uvicorn_run import LateListeningServer, listening_socket, serve_and_announce, server_config
 
 log = logging.getLogger("pdserve.router")
 
@@ -27,6 +26,12 @@ log = logging.getLogger("pdserve.router")
 def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all interfaces)")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--reuse-port", action="store_true",
+                   help="share --port with other routers of the deployment (SO_REUSEPORT): the kernel spreads "
+                        "connections among them, so one router's death refuses no connection")
+    p.add_argument("--own-port", type=int, default=None,
+                   help="a second port only this router listens on, for registrations and /metrics when several "
+                        "routers share --port (instances list every router's own port in their --router)")
     p.add_argument("--prefill-policy", choices=POLICIES, default="least_tokens")
     p.add_argument("--decode-policy", choices=POLICIES, default="least_requests",
                    help="also picks among mixed instances")
@@ -73,6 +78,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help=f"instances must sign registrations with it (default: ${ENV})")
     p.add_argument("--max-request-bytes", type=int, default=16 << 20, help="larger request bodies get 413")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds an instance may take to answer")
+
+
+JOIN_TIMEOUT_S = 10.0  # a router sharing its port waits at most this long for a route before it joins
 
 
 def settings_from_args(args: argparse.Namespace) -> RouterSettings:
@@ -122,8 +130,21 @@ def serve_router(args: argparse.Namespace) -> int:
     if not settings.cluster_secret and args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("no --cluster-secret: anyone who reaches %s:%d can register an instance", args.host, args.port)
     app = build_router_app(settings, prompt_reader(args.tokenizer, (args.prefill_policy, args.decode_policy)))
-    server = uvicorn.Server(server_config(app, args.host, args.port))
-    asyncio.run(serve_and_announce(
-        server, f"pdserve: router on http://{args.host}:{args.port} (instances register at /register; "
-                f"policies: prefill {args.prefill_policy}, decode {args.decode_policy}, pd {args.pd_policy})"))
+    server = LateListeningServer(server_config(app, args.host, args.port))
+    shared = listening_socket(args.host, args.port, args.reuse_port)
+    announcement = (f"pdserve: router on http://{args.host}:{args.port} (instances register at /register; "
+                    f"policies: prefill {args.prefill_policy}, decode {args.decode_policy}, pd {args.pd_policy})")
+    if args.own_port is None:
+        asyncio.run(serve_and_announce(server, announcement, [shared]))
+        return 0
+
+    async def both() -> None:
+        # Its own port at once (instances register there); the shared one once it can route, so that
+        # a restarted router takes no connection it would answer with 503 (at most JOIN_TIMEOUT_S later).
+        late = asyncio.create_task(server.listen_when(shared, app.state.can_serve, JOIN_TIMEOUT_S))
+        await serve_and_announce(server, announcement.replace(" (", f", its own port {args.own_port} (", 1),
+                                 [listening_socket(args.host, args.own_port)])
+        late.cancel()
+
+    asyncio.run(both())
     return 0

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from types import FrameType
 from typing import TYPE_CHECKING
@@ -23,6 +24,7 @@ _PR_SET_PDEATHSIG = 1
 _parent_pid: int | None = None  # set by die_with_parent: the process we must not outlive
 _stop_signal: int | None = None  # set by exit_on_sigterm's handler
 STOP_CHECK_MS = 500  # how long a blocking wait may go before it calls raise_if_stopping()
+PARENT_GONE_GRACE_S = 4.0  # a process whose parent is gone gets this long to stop in order
 
 
 def die_with_parent() -> None:
@@ -43,6 +45,24 @@ def die_with_parent() -> None:
         _parent_pid = int(expected)
         if _parent_pid != os.getppid():  # checked after prctl: no gap
             sys.exit(1)
+        _watch_parent(_parent_pid)
+
+
+def _watch_parent(parent: int, period: float = 0.5, grace: float = PARENT_GONE_GRACE_S) -> None:
+    """The backstop of die_with_parent: a process can miss or ignore its SIGTERM (it arrived while the
+    interpreter was already exiting, or a cleanup hangs), and then outlived its parent by 43 minutes
+    once (issue 26). When the parent is gone, this thread asks for the orderly stop, and `grace`
+    seconds later ends the process; its own children then get their parent-death signal."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(period)
+        if _stop_signal is None:  # a second SIGTERM would cut the orderly stop short
+            os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace)
+        os._exit(128 + signal.SIGTERM)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def child_env() -> dict[str, str]:
@@ -75,12 +95,17 @@ def exit_on_sigterm() -> None:
     threading._register_atexit(signal.signal, signal.SIGTERM, signal.SIG_IGN)
 
 
+def parent_gone() -> bool:
+    """The parent this process must not outlive (die_with_parent) has exited."""
+    return _parent_pid is not None and os.getppid() != _parent_pid
+
+
 def raise_if_stopping() -> None:
     """Raise the SystemExit of a stop signal that could not be raised where it arrived, or of a parent
     (see die_with_parent) that is gone."""
     if _stop_signal is not None:
         raise SystemExit(128 + _stop_signal)
-    if _parent_pid is not None and os.getppid() != _parent_pid:
+    if parent_gone():
         raise SystemExit(128 + signal.SIGTERM)  # what PR_SET_PDEATHSIG would have made of it
 
 
@@ -121,11 +146,15 @@ def stop_process(proc: subprocess.Popen, ask: Callable[[], None], timeout: float
 def child_entry(name: str, parser: argparse.ArgumentParser, argv: list[str] | None
                 ) -> tuple[argparse.Namespace, EngineConfig]:
     """The common start of an engine-side child process: parse `--config B64` (plus the parser's own
-    flags), die with the parent, turn SIGTERM into SystemExit, log as `name`. Returns (args, EngineConfig)."""
+    flags), ignore SIGINT, die with the parent, turn SIGTERM into SystemExit, log as `name`. Returns
+    (args, EngineConfig)."""
     from pdserve.config import EngineConfig
 
     parser.add_argument("--config", required=True)
     args = parser.parse_args(argv)
+    # Ctrl-C reaches the whole process group; the instance's server stops its children in order
+    # (and their parent-death signal covers a server that is gone), so here it would only print tracebacks.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent()
     exit_on_sigterm()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s {name}: %(message)s")
