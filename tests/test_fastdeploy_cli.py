@@ -76,5 +76,8 @@ def test_router_without_a_scheme_means_http():
     from pdserve.cli import build_parser
 
     args = build_parser().parse_args(["serve", "--router", "10.0.0.5:8000"])
-    assert args.router == "http://10.0.0.5:8000"
-    assert build_parser().parse_args(["serve", "--router", "https://r:1"]).router == "https://r:1"
+    assert args.router == ["http://10.0.0.5:8000"]
+    assert build_parser().parse_args(["serve", "--router", "https://r:1"]).router == ["https://r:1"]
+    # several routers of one deployment (pdserve launch --routers): register with each
+    both = build_parser().parse_args(["serve", "--router", "10.0.0.5:8001,http://10.0.0.5:8002"]).router
+    assert both == ["http://10.0.0.5:8001", "http://10.0.0.5:8002"]
