@@ -164,7 +164,9 @@ class Deployment:
         found = [p for p in psutil.Process(inst["pid"]).children(recursive=True) if module in p.cmdline()]
         return (inst["url"], found[0].pid) if found else None
 
-    def serving_again(self, kill: Kill, restarts_before: dict[str, int]) -> bool:
+    def serving_again(self, kill: Kill, pids_before: dict[str, int]) -> bool:
+        """The victim's instance serves again as a new process (a router's restart count starts over
+        when that router is restarted, so pids tell, not counts)."""
         if kill.target.startswith("router "):  # that router's own port: the others answer the shared one
             try:
                 found = httpx.get(f"{kill.target.split()[1]}/registered", timeout=3).json()["instances"]
@@ -172,7 +174,7 @@ class Deployment:
                 return False
             return len([i for i in found if i["healthy"]]) == 4
         instances = self.instances()
-        return any(i["url"] == kill.target and i["healthy"] and i["restarts"] > restarts_before.get(i["url"], 0)
+        return any(i["url"] == kill.target and i["healthy"] and i["pid"] != pids_before.get(i["url"])
                    for i in instances)
 
     def leaked_blocks(self) -> dict[str, float]:
@@ -216,15 +218,15 @@ def run(args: argparse.Namespace) -> str:
             picked = dep.pick(victim, rng)
             if picked is None:
                 continue
-            restarts = {i["url"]: i["restarts"] for i in dep.instances()}
+            pids = {i["url"]: i["pid"] for i in dep.instances()}
             kill = Kill(time.monotonic(), victim, *picked)
             psutil.Process(kill.pid).kill()
             kills.append(kill)
             print(f"  t={kill.at - end + args.duration:5.0f} s  SIGKILL {victim} of {kill.target} (pid {kill.pid})",
                   flush=True)
-            while time.monotonic() < kill.at + 120 and not dep.serving_again(kill, restarts):
+            while time.monotonic() < kill.at + 120 and not dep.serving_again(kill, pids):
                 time.sleep(0.25)
-            if dep.serving_again(kill, restarts):
+            if dep.serving_again(kill, pids):
                 kill.back_after = time.monotonic() - kill.at
     finally:
         load.stop.set()

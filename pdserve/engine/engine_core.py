@@ -33,6 +33,7 @@ from pdserve.engine.request_output import error_output, final_output
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 from pdserve.engine.worker_client import WorkerClient
 from pdserve.kv_layout import KVLayout
+from pdserve.utils.child_process import ChildDied
 from pdserve.utils.process import raise_if_stopping
 
 log = logging.getLogger("pdserve.engine")
@@ -92,14 +93,23 @@ class EngineCore:
                     pending.extend(self._handle(msg))
             if not self.worker.alive():
                 raise RuntimeError(f"the worker process exited (code {self.worker.proc.returncode})")
-            if not self.cache_service.alive():
-                raise RuntimeError(f"the cache service process exited (code {self.cache_service.exit_code()})")
+            self._check_cache_service()
             self._poll_host_tier()
             pending.extend(self._poll_connector())
             if self.scheduler.has_work:
                 pending.extend(self.step())
             if pending:
                 outputs.send(encoder.encode(EngineOutputs(pending)))
+
+    def _check_cache_service(self) -> None:
+        if not self.cache_service.alive():
+            raise ChildDied(f"the cache service process exited (code {self.cache_service.exit_code()})")
+
+    def _during_step(self) -> None:
+        """While the worker computes: lease renewals, and a cache service that died (a prefill worker
+        would wait for its messager forever; chaos runs saw 25 s before the instance noticed)."""
+        self.connector.during_step()
+        self._check_cache_service()
 
     def _peer_sockets(self) -> list[zmq.Socket]:
         sockets = list(self.connector.sockets)
@@ -187,7 +197,9 @@ class EngineCore:
         step = ExecuteStep(new_requests, self._finished_on_worker, chunks, transfers)
         self._finished_on_worker = []
         try:
-            result = self.worker.execute(step, while_waiting=self.connector.during_step)
+            result = self.worker.execute(step, while_waiting=self._during_step)
+        except ChildDied:  # the worker or the cache service is gone: so is this engine
+            raise
         except RuntimeError as e:
             if not self.worker.alive():
                 raise

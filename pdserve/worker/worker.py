@@ -84,6 +84,7 @@ class Worker:
             assert self.ctx is not None
             self._messager = self.ctx.socket(zmq.PUSH)
             self._messager.setsockopt(zmq.LINGER, 0)
+            self._messager.setsockopt(zmq.SNDTIMEO, 2000)  # a dead messager fails the step, not hangs it
             self._messager.connect(command.messager_address)
         layout = self.layout
         per_request = -(-self.runner.max_model_len // self.config.block_size)
