@@ -40,7 +40,9 @@ NEEDS_NIXL = pytest.mark.skipif(not rdma_available(), reason="NIXL is not instal
 
 MODEL = "SmolLM2-135M-Instruct"
 CHUNK = 128  # --max-num-batched-tokens: prompts longer than this are prefilled in chunks
-COMMON = ["--max-model-len", "1024", "--max-num-batched-tokens", str(CHUNK), "--max-num-seqs", "32"]
+# A 10 s lease (30 by default): blocks of an aborted transfer come back 11 s later, not 31.
+COMMON = ["--max-model-len", "1024", "--max-num-batched-tokens", str(CHUNK), "--max-num-seqs", "32",
+          "--pd-transfer-timeout", "10"]
 MAX_TOKENS = 12
 NIXL = rdma_available()
 RDMA_PORT = free_port()
@@ -246,7 +248,7 @@ def test_prefill_that_breaks_mid_request_is_retried_and_leaves_the_pool(pd: dict
     finally:
         register(router.url, {"url": broken.url}, path="/unregister")
         broken.close()
-    _assert_all_blocks_free(pd, timeout=45)  # the aborted D request's blocks: quarantined for the (30 s) lease
+    _assert_all_blocks_free(pd, timeout=25)  # the aborted D request's blocks: quarantined for the (10 s) lease
 
 
 def _assert_all_blocks_free(pd: dict, timeout: float = 15) -> None:
@@ -314,7 +316,7 @@ def _stream_error(url: str, prompt: list[int]) -> tuple[str, float]:
     return text, time.monotonic() - start
 
 
-@pytest.mark.parametrize("protocol", ["ipc", pytest.param("rdma", marks=NEEDS_NIXL)])
+@pytest.mark.parametrize("protocol", ["ipc"])  # queueing is the engine's; rdma's failures: killed_decode below
 def test_small_decode_cache_queues_then_serves_and_killed_prefill_frees_decode_blocks(tmp_path: Path, tokenizer,
                                                                                          protocol: str) -> None:
     before = segments()

@@ -26,7 +26,7 @@ from tests.servers import Router, Server, metrics, segments, stop_all, wait_for
 pytestmark = pytest.mark.e2e  # starts pdserve processes
 
 COMMON = ["--max-model-len", "256", "--max-num-batched-tokens", "256", "--max-num-seqs", "16"]
-PROMPT_LEN, NEW_TOKENS, REQUESTS = 128, 96, 7  # 7 x 8 buffer blocks, one request at a time in D's 16
+PROMPT_LEN, NEW_TOKENS, REQUESTS = 128, 48, 5  # 5 x 8 buffer blocks, one request at a time in D's 16
 PARAGRAPH = ("The river runs past the old mill, where the miller keeps a ledger of every sack of grain. "
              "In spring the water rises, and the wheel turns faster than in any other season of the year. ")
 
@@ -55,9 +55,9 @@ def test_decode_buffer_releases_prefill_early_and_decodes_like_mixed(tmp_path: P
     before = segments()
     router = Router(tmp_path / "router")
     reg = ["--router", router.url, "--cache-transfer-protocol", "ipc"]
-    # D's cache: 16 blocks of 16 tokens = one 224-token request at a time; the buffer takes all seven prompts
+    # D's cache: 16 blocks of 16 tokens = one 176-token request at a time; the buffer takes all five prompts
     p = Server(tmp_path / "p", "--splitwise-role", "prefill", "--num-gpu-blocks-override", "200", *reg, *COMMON,
-               "--max-num-batched-tokens", "1280", wait=False)  # all seven prompts in a step or two
+               "--max-num-batched-tokens", "1280", wait=False)  # all five prompts in one step
     d = Server(tmp_path / "d", "--splitwise-role", "decode", "--num-gpu-blocks-override", "16",
                "--splitwise-cache-buffer-size", "0.25", *reg, *COMMON, wait=False)
     mixed = Server(tmp_path / "mixed", "--num-gpu-blocks-override", "200", *COMMON, wait=False)

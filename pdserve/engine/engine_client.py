@@ -71,7 +71,7 @@ class EngineClient:
             if not isinstance(msg, EngineReady):
                 raise EngineError(f"unexpected first message from the engine: {type(msg).__name__}")
         except BaseException:
-            self.close()
+            self.close(ask=False)  # a starting engine reads no Shutdown message yet: SIGTERM now
             raise
         self.ready: EngineReady = msg
 
@@ -121,12 +121,13 @@ class EngineClient:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def close(self, timeout: float = 15.0) -> None:
+    def close(self, timeout: float = 15.0, ask: bool = True) -> None:
         if self._closed:
             return
         self._closed = True
-        stop_process(self.proc, lambda: self.inputs.send(self._encoder.encode(Shutdown()), flags=zmq.NOBLOCK),
-                     timeout)
+        shutdown = (lambda: self.inputs.send(self._encoder.encode(Shutdown()), flags=zmq.NOBLOCK)) if ask \
+            else self.proc.terminate
+        stop_process(self.proc, shutdown, timeout)
         self.inputs.close()
         self.outputs.close()
         self.ctx.term()
