@@ -247,9 +247,12 @@ def launch(args: argparse.Namespace) -> int:
                 return 1
         return _stopped(stopped_by)
     finally:
-        deployment.stop()
+        deployment.stop(grace=SIGINT_GRACE_S if stopped_by[:1] == [signal.SIGINT] else 0.0)
         if flags_dir is not None:
             shutil.rmtree(flags_dir, ignore_errors=True)
+
+
+SIGINT_GRACE_S = 5.0  # after Ctrl-C, the deployment's processes (which got it too) stop on their own first
 
 
 def _stopped(signals: list[int]) -> int:

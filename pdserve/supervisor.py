@@ -79,8 +79,14 @@ class Supervisor:
                 _say(f"{m.name} restarted (restart {m.restarts}, pid {m.proc.pid})")
         return None
 
-    def stop(self, timeout: float = 20.0) -> None:
+    def stop(self, timeout: float = 20.0, grace: float = 0.0) -> None:
+        """SIGTERM to every process, then SIGKILL past `timeout`; after `grace` seconds in which they may
+        stop on their own (Ctrl-C in a terminal reaches each of them: a second signal would cut their
+        orderly stop short)."""
         procs = list(self.procs.values())
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+            time.sleep(0.05)
         for proc in procs:
             if proc.poll() is None:
                 proc.terminate()

@@ -17,7 +17,7 @@ import msgspec
 import zmq
 
 from pdserve.engine.messages import EngineDead, EngineReady
-from pdserve.utils.process import child_entry, parent_gone
+from pdserve.utils.process import child_entry, parent_gone, when_parent_gone
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     started = core = None
     sockdir = Path(args.sockdir)
     sockdir.mkdir(mode=0o700, exist_ok=True)
+    # its client was killed: nobody else removes the client's IPC folder
+    when_parent_gone(lambda: shutil.rmtree(sockdir.parent, ignore_errors=True))
     try:
         from pdserve.disagg.decode_connector import DecodeConnector
         from pdserve.disagg.prefill_connector import PrefillConnector
@@ -77,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         outputs.send(encoder.encode(EngineDead(error=str(e))))
         return 1
     finally:
-        if parent_gone():  # its client was killed: nobody else removes the client's IPC folder
+        if parent_gone():  # nobody reads what is left to send
             outputs.setsockopt(zmq.LINGER, 0)
             shutil.rmtree(sockdir.parent, ignore_errors=True)
         if core is not None:

@@ -24,7 +24,8 @@ _PR_SET_PDEATHSIG = 1
 _parent_pid: int | None = None  # set by die_with_parent: the process we must not outlive
 _stop_signal: int | None = None  # set by exit_on_sigterm's handler
 STOP_CHECK_MS = 500  # how long a blocking wait may go before it calls raise_if_stopping()
-PARENT_GONE_GRACE_S = 4.0  # a process whose parent is gone gets this long to stop in order
+PARENT_GONE_GRACE_S = 4.0
+_parent_gone_hooks: list[Callable[[], None]] = []  # a process whose parent is gone gets this long to stop in order
 
 
 def die_with_parent() -> None:
@@ -57,6 +58,11 @@ def _watch_parent(parent: int, period: float = 0.5, grace: float = PARENT_GONE_G
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(period)
+        for hook in _parent_gone_hooks:
+            try:
+                hook()
+            except Exception:  # noqa: BLE001 - a cleanup that fails must not keep the process alive
+                pass
         if _stop_signal is None:  # a second SIGTERM would cut the orderly stop short
             os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(grace)
@@ -95,9 +101,26 @@ def exit_on_sigterm() -> None:
     threading._register_atexit(signal.signal, signal.SIGTERM, signal.SIG_IGN)
 
 
+def when_parent_gone(hook: Callable[[], None]) -> None:
+    """Run `hook` (in the parent-watch thread) as soon as the parent is seen gone: cleanup that must
+    happen even if this process never reaches its `finally` blocks."""
+    _parent_gone_hooks.append(hook)
+
+
 def parent_gone() -> bool:
-    """The parent this process must not outlive (die_with_parent) has exited."""
-    return _parent_pid is not None and os.getppid() != _parent_pid
+    """The parent this process must not outlive (die_with_parent) has exited. Its death signal can
+    arrive while getppid() still names it (seen here), so a parent that is a zombie counts as gone."""
+    return _parent_pid is not None and (os.getppid() != _parent_pid or _is_zombie(_parent_pid))
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+    except OSError:  # with /proc, no entry means no such process any more; without one, cannot tell
+        return os.path.exists("/proc/self")
+    except IndexError:
+        return False
 
 
 def raise_if_stopping() -> None:
@@ -105,7 +128,7 @@ def raise_if_stopping() -> None:
     (see die_with_parent) that is gone."""
     if _stop_signal is not None:
         raise SystemExit(128 + _stop_signal)
-    if parent_gone():
+    if _parent_pid is not None and os.getppid() != _parent_pid:  # cheap: this runs every step
         raise SystemExit(128 + signal.SIGTERM)  # what PR_SET_PDEATHSIG would have made of it
 
 
