@@ -34,6 +34,12 @@ class Launch:
                  "the deployment was not ready")
         assert self.proc.poll() is None, self.log()
 
+    def kill(self) -> None:
+        """A test that failed half-way: its own session would outlive it (SIGKILL to the whole group)."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
@@ -97,6 +103,13 @@ def test_launch_restarts_killed_instances_and_ctrl_c_stops_all(tmp_path: Path):
     before = segments()
     launch = Launch(tmp_path, "--prefill", "1", "--decode", "2", "--num-gpu-blocks-override", "200",
                     "--max-model-len", "1024")
+    try:
+        _restarts_and_ctrl_c(launch, tmp_path, before)
+    finally:
+        launch.kill()
+
+
+def _restarts_and_ctrl_c(launch: Launch, tmp_path: Path, before: set[str]) -> None:
     pids = {p.pid for p in psutil.Process(launch.proc.pid).children(recursive=True)}
     # Only the workers compute, so only they load torch: launch, the router, the API servers, engines
     # and cache services stay small.
