@@ -15,6 +15,10 @@ Every rate uses its own seed (the same prompts again would hit the prefix cache)
 gets --warmup-prompts requests that are not reported. vLLM runs as ../shared/reference/anchors-cpu.md
 says, in the dtype pdserve's `auto` picks here unless told. Writes OUT.md (the table, goodput and
 latency ratios against vLLM), OUT.png (goodput against rate) and the raw results beside them.
+
+With --find-rate, each deployment instead gets `pdserve bench serve --find-rate` (pdserve's client: the
+highest Poisson rate at which --slo-attainment of the requests meet the --goodput SLOs, DistServe's
+measure), one search per temperature, and OUT.md compares the rates found.
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ from pdserve.api.serve import free_port
 FLAGS = ["--kv-cache-memory", "2G", "--max-model-len", "2048"]
 NAMES = {"vllm": "vLLM CPU 0.32", "mixed": "pdserve mixed", "1p1d": "pdserve 1P1D (a core each)",
          "conditional": "pdserve 1P1D conditional", "lend": "pdserve 1P1D lending",
-         "lend_conditional": "pdserve 1P1D lending + conditional"}
+         "lend_conditional": "pdserve 1P1D lending + conditional",
+         "lend_idle": "pdserve 1P1D lending + conditional + local when D is idle"}
 VLLM_CLIENT = """
 import argparse, sys
 from vllm.benchmarks.serve import add_cli_args, main
@@ -47,8 +52,11 @@ main(p.parse_args(sys.argv[1:]))
 def commands(args: argparse.Namespace, folder: Path) -> dict[str, tuple[list[str], dict[str, str]]]:
     vllm_env = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     pdserve = [sys.executable, "-m", "pdserve.cli"]
-    launch = [*pdserve, "launch", "--prefill", "1", "--decode", "1", "--port", "{port}", *FLAGS]
+    # launch's own default is conditional: the plain 1P1D deployments ask for always
+    launch = [*pdserve, "launch", "--prefill", "1", "--decode", "1", "--port", "{port}", "--pd-policy", "always",
+              *FLAGS]
     conditional = ["--pd-policy", "conditional", "--max-local-prefill-length", str(args.max_local_prefill_length)]
+    idle = ["--local-prefill-decode-requests", str(args.local_prefill_decode_requests)]
     return {
         "vllm": ([args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
                   "--served-model-name", "SmolLM2-135M-Instruct", "--dtype", args.vllm_dtype, "--max-model-len",
@@ -58,6 +66,7 @@ def commands(args: argparse.Namespace, folder: Path) -> dict[str, tuple[list[str
         "conditional": ([*launch, "--cpu-binding", "pin", *conditional], {}),
         "lend": ([*launch, "--cpu-binding", "lend"], {}),
         "lend_conditional": ([*launch, "--cpu-binding", "lend", *conditional], {}),
+        "lend_idle": ([*launch, "--cpu-binding", "lend", *conditional, *idle], {}),
     }
 
 
@@ -92,6 +101,21 @@ def vllm_client(url: str, args: argparse.Namespace, rate: float, temperature: st
             "failed": num - s["completed"]}
 
 
+def find_rate_client(url: str, args: argparse.Namespace, temperature: str, result: Path) -> dict:
+    cmd = [sys.executable, "-m", "pdserve.cli", "bench", "serve", "--base-url", url, "--seed", "0",
+           "--num-prompts", str(args.num_prompts), "--save-result", str(result), "--no-progress",
+           "--goodput", *args.goodput, "--find-rate", "--find-rate-start", str(args.rates[0]),
+           "--find-rate-steps", str(args.find_rate_steps), "--slo-attainment", str(args.slo_attainment),
+           "--plot", str(result.with_suffix(".png"))]
+    cmd += _dataset(args, "pdserve")
+    if temperature != "none":
+        cmd += ["--temperature", temperature]
+    subprocess.run(cmd, stdout=subprocess.DEVNULL)  # exits 1 when no rate met the target: still a result
+    saved = json.loads(result.read_text())
+    return {"found": saved["found_rate"],
+            "probes": [(p["rate"], p["summary"]["slo_attainment"]) for p in saved["probes"]]}
+
+
 def _dataset(args: argparse.Namespace, client: str) -> list[str]:
     if args.dataset == "sharegpt":
         return (["--dataset", "sharegpt", str(args.sharegpt_file)] if client == "pdserve"
@@ -113,6 +137,10 @@ def measure(key: str, command: list[str], env: dict[str, str], args: argparse.Na
         client(url, args, 4.0, "none", 1000, args.warmup_prompts, args.out.with_name(f"{args.out.name}-{key}-w.json"))
         out = {}
         for t in args.temperatures:
+            if args.find_rate:
+                out[t] = find_rate_client(url, args, t, args.out.with_name(f"{args.out.name}-{key}-t{t}-find.json"))
+                print(f"{_name(key)}, temperature {t}: {out[t]}", flush=True)
+                continue
             for i, rate in enumerate(args.rates):
                 result = args.out.with_name(f"{args.out.name}-{key}-t{t}-r{rate}.json")
                 out[(t, rate)] = client(url, args, rate, t, i, args.num_prompts, result)
@@ -142,6 +170,21 @@ def table(results: dict[str, dict], args: argparse.Namespace) -> str:
                 lines.append(f"| {t} | {rate:g} | {_name(key)} | {s['goodput']:.3f} | {s['ttft_p50']:.0f} | "
                              f"{s['ttft_p99']:.0f} | {s['tpot_p50']:.1f} | {s['itl_p99']:.0f} | {s['out_tok_s']:.0f} | "
                              f"{s['failed']} | " + " | ".join(ratios) + " |")
+    return "\n".join(lines)
+
+
+def find_rate_table(results: dict[str, dict], args: argparse.Namespace) -> str:
+    ref = "vllm" if "vllm" in results else next(iter(results))
+    lines = [f"Highest Poisson rate at which {args.slo_attainment:.0%} of the requests met {' '.join(args.goodput)} "
+             f"(pdserve bench serve --find-rate, {args.num_prompts} requests a probe, from {args.rates[0]} req/s, "
+             f"{args.find_rate_steps} bisections); ratios against {_name(ref)}", "",
+             "| temperature | deployment | rate found req/s | / ref | probes (rate: share met) |", "|---" * 5 + "|"]
+    for t in args.temperatures:
+        for key, by in results.items():
+            probes = ", ".join(f"{r:.3g}: {a:.0%}" for r, a in sorted(by[t]["probes"]))
+            found = by[t]["found"]
+            lines.append(f"| {t} | {_name(key)} | {'none' if found is None else f'{found:.3f}'} | "
+                         f"{_ratio(found, results[ref][t]['found'])} | {probes} |")
     return "\n".join(lines)
 
 
@@ -204,6 +247,12 @@ def main() -> None:
     parser.add_argument("--deployments", type=lambda s: s.split(","),
                         default=["vllm", "mixed", "1p1d", "lend", "lend_conditional"])
     parser.add_argument("--max-local-prefill-length", type=int, default=256, help="for the conditional deployment")
+    parser.add_argument("--local-prefill-decode-requests", type=int, default=0,
+                        help="for lend_idle: D computes any prompt itself with at most this many requests in flight")
+    parser.add_argument("--find-rate", action="store_true",
+                        help="search each deployment's highest rate meeting the SLOs (from the first of --rates)")
+    parser.add_argument("--find-rate-steps", type=int, default=2)
+    parser.add_argument("--slo-attainment", type=float, default=0.9)
     args = parser.parse_args()
     if ("vllm" in args.deployments or args.client == "vllm") and not args.vllm_python:
         parser.error("--vllm-python is needed for vLLM's server or client")
@@ -215,9 +264,10 @@ def main() -> None:
     prepare(args)
     cmds = commands(args, args.folder)
     results = {key: measure(key, *cmds[key], args) for key in args.deployments}
-    text = table(results, args)
+    text = find_rate_table(results, args) if args.find_rate else table(results, args)
     args.out.with_suffix(".md").write_text(text + "\n")
-    plot(results, args, args.out.with_suffix(".png"))
+    if not args.find_rate:  # each search plots itself (OUT-KEY-tT-find.png)
+        plot(results, args, args.out.with_suffix(".png"))
     print(text)
 
 

@@ -61,6 +61,7 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-local-prefill-length", default="512",
                    help="the router's (see pdserve router --help); launch's default 512 won on ShareGPT here")
     p.add_argument("--max-prefill-queue-tokens", default=None, help="the router's (see pdserve router --help)")
+    p.add_argument("--local-prefill-decode-requests", default=None, help="the router's (see pdserve router --help)")
     p.add_argument("--migration-limit", default=None, help="the router's (see pdserve router --help)")
     p.add_argument("--api-key", default=None, help="clients of the router must send it as a Bearer token")
     p.add_argument("--splitwise-cache-buffer-size", type=float, default=0.0,
@@ -208,6 +209,8 @@ def launch(args: argparse.Namespace) -> int:
                                               ("--decode-policy", args.decode_policy), ("--pd-policy", args.pd_policy),
                                               ("--max-local-prefill-length", args.max_local_prefill_length),
                                               ("--max-prefill-queue-tokens", args.max_prefill_queue_tokens),
+                                              ("--local-prefill-decode-requests",
+                                               args.local_prefill_decode_requests),
                                               ("--migration-limit", args.migration_limit),
                                               ("--api-key", args.api_key))
                         if value for f in (flag, value)]

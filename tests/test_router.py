@@ -105,6 +105,23 @@ def test_conditional_pd_decides_by_uncached_length_and_prefill_backlog() -> None
         (True, "short", 8), (False, "long", 40), (True, "cached", 6), (True, "prefill_busy", 40)]
 
 
+def test_conditional_pd_leaves_long_prompts_to_an_idle_decode_instance_when_asked() -> None:
+    p = _instance("p", transports=["tcp"], compatibility_key=KEY)
+    d = _instance("d", "decode", transports=["tcp"], compatibility_key=KEY)
+    registry = Registry()
+    for i in (p, d):
+        registry._instances[i.url] = i
+    seen = []
+    selector = Selector(registry, LeastTokens(), LeastRequests(),
+                        decider=PrefillDecider(max_local_prefill_length=8, local_prefill_decode_requests=1),
+                        on_decision=seen.append)
+    d.in_flight_requests = 1
+    assert selector.pick(RoutedRequest(list(range(100, 140)), 40)).first is d  # D has one request: it computes
+    d.in_flight_requests = 2
+    assert selector.pick(RoutedRequest(list(range(200, 240)), 40)).decode is d  # two: P computes, D decodes
+    assert [(x.local, x.reason) for x in seen] == [(True, "decode_idle"), (False, "long")]
+
+
 def test_health_thresholds_and_lost_requests() -> None:
     registry = Registry(fail_threshold=3, success_threshold=2)
     instance, probe = registry.register(Registration(role="decode", url="http://d", pid=1))

@@ -51,6 +51,7 @@ class RouterSettings:
     pd_policy: str = "always"  # or "conditional": short or cached prompts are prefilled on the decode instance
     max_local_prefill_length: int = 256
     max_prefill_queue_tokens: int = 4096
+    local_prefill_decode_requests: int = -1
     static_instances: list[Registration] = field(default_factory=list)
 
 
@@ -63,7 +64,8 @@ class Unregistration(BaseModel):
 def build_router_app(settings: RouterSettings, reader: PromptReader) -> FastAPI:
     registry = Registry(settings.instance_expiry, settings.fail_threshold, settings.success_threshold)
     metrics = RouterMetrics(registry)
-    decider = (PrefillDecider(settings.max_local_prefill_length, settings.max_prefill_queue_tokens)
+    decider = (PrefillDecider(settings.max_local_prefill_length, settings.max_prefill_queue_tokens,
+                              settings.local_prefill_decode_requests)
                if settings.pd_policy == "conditional" else None)
     selector = Selector(registry, make_policy(settings.prefill_policy, **settings.cache_aware),
                         make_policy(settings.decode_policy, **settings.cache_aware), settings.mixed_fallback,

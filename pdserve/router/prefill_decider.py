@@ -7,7 +7,10 @@ than `max_local_prefill_length` tokens and the prefill side is not backed up. pd
 backlog in prompt tokens: the prefill instance's in-flight prompt tokens (its queue and the chunk it
 computes: the router ends a prefill exchange when P answers, right after the first token). At
 `max_prefill_queue_tokens` or more, the wait there would cost more than D computing the prompt
-itself. What D lacks is estimated from the blocks the router sent it before (every PD prompt, local or
+itself. And a D with at most `local_prefill_decode_requests` requests in flight computes any prompt
+itself: it has few decodes to hold back, and on a box where it borrows P's cores while P is idle
+(`pdserve launch --cpu-binding lend`) it computes the prompt on the whole box, where P has its own
+cores only. What D lacks is estimated from the blocks the router sent it before (every PD prompt, local or
 remote, ends in D's prefix cache). The answer is the same either way: a local prefill is a mixed
 instance's request, on D.
 """
@@ -21,7 +24,7 @@ from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.registry import Instance
 
 PD_POLICIES = ("always", "conditional")
-REASONS = ("short", "cached", "prefill_busy", "long")  # the first three are local
+REASONS = ("short", "cached", "prefill_busy", "decode_idle", "long")  # all but long are local
 
 
 @dataclass(frozen=True)
@@ -32,9 +35,11 @@ class Decision:
 
 
 class PrefillDecider:
-    def __init__(self, max_local_prefill_length: int = 256, max_prefill_queue_tokens: int = 4096) -> None:
+    def __init__(self, max_local_prefill_length: int = 256, max_prefill_queue_tokens: int = 4096,
+                 local_prefill_decode_requests: int = -1) -> None:
         self.max_local_prefill_length = max_local_prefill_length
         self.max_prefill_queue_tokens = max_prefill_queue_tokens
+        self.local_prefill_decode_requests = local_prefill_decode_requests  # -1: never for that reason
         self.index = PrefixIndex()
 
     def decide(self, request: RoutedRequest, prefill: Instance, decode: Instance) -> Decision:
@@ -47,6 +52,8 @@ class PrefillDecider:
                                 uncached)
         elif prefill.in_flight_tokens >= self.max_prefill_queue_tokens:
             decision = Decision(True, "prefill_busy", uncached)
+        elif decode.in_flight_requests <= self.local_prefill_decode_requests:
+            decision = Decision(True, "decode_idle", uncached)
         else:
             decision = Decision(False, "long", uncached)
         self.index.remember(decode.url, hashes)

@@ -44,6 +44,10 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prefill-queue-tokens", type=int, default=4096,
                    help="conditional: the prefill instance's in-flight prompt tokens from which prompts are "
                         "computed on the decode instance instead")
+    p.add_argument("--local-prefill-decode-requests", type=int, default=-1,
+                   help="conditional: a decode instance with at most this many requests in flight computes any "
+                        "prompt itself (-1: never for this reason; pdserve launch, whose decode instance borrows "
+                        "the prefill instance's cores while it is idle, sets it)")
     p.add_argument("--mixed-fallback", action="store_true",
                    help="send requests to mixed instances when no complete prefill/decode pair is healthy "
                         "(without prefill/decode instances at all, mixed ones always serve)")
@@ -96,6 +100,7 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
                      "min_match": args.cache_min_match},
         pd_policy=args.pd_policy, max_local_prefill_length=args.max_local_prefill_length,
         max_prefill_queue_tokens=args.max_prefill_queue_tokens,
+        local_prefill_decode_requests=args.local_prefill_decode_requests,
         static_instances=load_static_instances(args.instances) if args.instances else [])
 
 
