@@ -84,16 +84,19 @@ def test_pairs_need_equal_compatibility_keys_and_ipc_needs_one_host() -> None:
     assert route.decode is d_other and route.transport == "tcp"
 
 
-def test_conditional_pd_decides_by_uncached_length_and_prefill_backlog() -> None:
+def _conditional_pair(decider: PrefillDecider) -> tuple[Instance, Instance, Selector, list]:
+    """A prefill and a decode instance, and a selector that records its decisions."""
     p = _instance("p", transports=["tcp"], compatibility_key=KEY)
     d = _instance("d", "decode", transports=["tcp"], compatibility_key=KEY)
     registry = Registry()
     for i in (p, d):
         registry._instances[i.url] = i
-    seen = []
-    selector = Selector(registry, LeastTokens(), LeastRequests(),
-                        decider=PrefillDecider(max_local_prefill_length=8, max_prefill_queue_tokens=100),
-                        on_decision=seen.append)
+    seen: list = []
+    return p, d, Selector(registry, LeastTokens(), LeastRequests(), decider=decider, on_decision=seen.append), seen
+
+
+def test_conditional_pd_decides_by_uncached_length_and_prefill_backlog() -> None:
+    p, d, selector, seen = _conditional_pair(PrefillDecider(max_local_prefill_length=8, max_prefill_queue_tokens=100))
     route = selector.pick(RoutedRequest(list(range(8)), 8))
     assert route.first is d and route.decode is None  # D alone, no pair
     long = list(range(100, 140))
@@ -106,15 +109,7 @@ def test_conditional_pd_decides_by_uncached_length_and_prefill_backlog() -> None
 
 
 def test_conditional_pd_leaves_long_prompts_to_an_idle_decode_instance_when_asked() -> None:
-    p = _instance("p", transports=["tcp"], compatibility_key=KEY)
-    d = _instance("d", "decode", transports=["tcp"], compatibility_key=KEY)
-    registry = Registry()
-    for i in (p, d):
-        registry._instances[i.url] = i
-    seen = []
-    selector = Selector(registry, LeastTokens(), LeastRequests(),
-                        decider=PrefillDecider(max_local_prefill_length=8, local_prefill_decode_requests=1),
-                        on_decision=seen.append)
+    _, d, selector, seen = _conditional_pair(PrefillDecider(max_local_prefill_length=8, local_prefill_decode_requests=1))
     d.in_flight_requests = 1
     assert selector.pick(RoutedRequest(list(range(100, 140)), 40)).first is d  # D has one request: it computes
     d.in_flight_requests = 2
