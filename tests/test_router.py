@@ -109,7 +109,8 @@ def test_conditional_pd_decides_by_uncached_length_and_prefill_backlog() -> None
 
 
 def test_conditional_pd_leaves_long_prompts_to_an_idle_decode_instance_when_asked() -> None:
-    _, d, selector, seen = _conditional_pair(PrefillDecider(max_local_prefill_length=8, local_prefill_decode_requests=1))
+    decider = PrefillDecider(max_local_prefill_length=8, local_prefill_decode_requests=1)
+    _, d, selector, seen = _conditional_pair(decider)
     d.in_flight_requests = 1
     assert selector.pick(RoutedRequest(list(range(100, 140)), 40)).first is d  # D has one request: it computes
     d.in_flight_requests = 2
