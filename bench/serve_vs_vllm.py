@@ -55,8 +55,9 @@ def commands(args: argparse.Namespace, folder: Path) -> dict[str, tuple[list[str
     # launch's own default is conditional: the plain 1P1D deployments ask for always
     launch = [*pdserve, "launch", "--prefill", "1", "--decode", "1", "--port", "{port}", "--pd-policy", "always",
               *FLAGS]
-    conditional = ["--pd-policy", "conditional", "--max-local-prefill-length", str(args.max_local_prefill_length)]
-    idle = ["--local-prefill-decode-requests", str(args.local_prefill_decode_requests)]
+    conditional = ["--pd-policy", "conditional", "--max-local-prefill-length", str(args.max_local_prefill_length),
+                   "--local-prefill-decode-requests", "-1"]  # Dynamo's rule alone: no decode_idle
+    idle = ["--local-prefill-decode-requests", str(args.local_prefill_decode_requests)]  # the later flag wins
     return {
         "vllm": ([args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
                   "--served-model-name", "SmolLM2-135M-Instruct", "--dtype", args.vllm_dtype, "--max-model-len",
