@@ -61,8 +61,8 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-local-prefill-length", default="512",
                    help="the router's (see pdserve router --help); launch's default 512 won on ShareGPT here")
     p.add_argument("--max-prefill-queue-tokens", default=None, help="the router's (see pdserve router --help)")
-    p.add_argument("--local-prefill-decode-requests", default="2",
-                   help="the router's (see pdserve router --help); launch's 2: a decode instance with few streams "
+    p.add_argument("--local-prefill-decode-requests", default="4",
+                   help="the router's (see pdserve router --help); launch's 4: a decode instance with few streams "
                         "borrows the prefill instance's core and computes a long prompt faster than P alone")
     p.add_argument("--migration-limit", default=None, help="the router's (see pdserve router --help)")
     p.add_argument("--api-key", default=None, help="clients of the router must send it as a Bearer token")
