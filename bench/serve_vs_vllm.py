@@ -73,12 +73,8 @@ def commands(args: argparse.Namespace, folder: Path) -> dict[str, tuple[list[str
 
 def pdserve_client(url: str, args: argparse.Namespace, rate: float, temperature: str, seed: int, num: int,
                    result: Path) -> dict:
-    cmd = [sys.executable, "-m", "pdserve.cli", "bench", "serve", "--base-url", url, "--seed", str(seed),
-           "--num-prompts", str(num), "--request-rate", str(rate), "--save-result", str(result), "--no-progress",
-           "--goodput", *args.goodput, "--metric-percentiles", "50,99"]
-    cmd += _dataset(args, "pdserve")
-    if temperature != "none":
-        cmd += ["--temperature", temperature]
+    cmd = [*_pdserve_bench(url, args, temperature, seed, num, result), "--request-rate", str(rate),
+           "--metric-percentiles", "50,99"]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     s = json.loads(result.read_text())["summary"]
     return {"goodput": s["goodput"], "ttft_p50": s["ttft"]["median"], "ttft_p99": s["ttft"]["percentiles"]["P99"],
@@ -103,18 +99,22 @@ def vllm_client(url: str, args: argparse.Namespace, rate: float, temperature: st
 
 
 def find_rate_client(url: str, args: argparse.Namespace, temperature: str, result: Path) -> dict:
-    cmd = [sys.executable, "-m", "pdserve.cli", "bench", "serve", "--base-url", url, "--seed", "0",
-           "--num-prompts", str(args.num_prompts), "--save-result", str(result), "--no-progress",
-           "--goodput", *args.goodput, "--find-rate", "--find-rate-start", str(args.rates[0]),
-           "--find-rate-steps", str(args.find_rate_steps), "--slo-attainment", str(args.slo_attainment),
-           "--plot", str(result.with_suffix(".png"))]
-    cmd += _dataset(args, "pdserve")
-    if temperature != "none":
-        cmd += ["--temperature", temperature]
+    cmd = [*_pdserve_bench(url, args, temperature, 0, args.num_prompts, result), "--find-rate",
+           "--find-rate-start", str(args.rates[0]), "--find-rate-steps", str(args.find_rate_steps),
+           "--slo-attainment", str(args.slo_attainment), "--plot", str(result.with_suffix(".png"))]
     subprocess.run(cmd, stdout=subprocess.DEVNULL)  # exits 1 when no rate met the target: still a result
     saved = json.loads(result.read_text())
     return {"found": saved["found_rate"],
             "probes": [(p["rate"], p["summary"]["slo_attainment"]) for p in saved["probes"]]}
+
+
+def _pdserve_bench(url: str, args: argparse.Namespace, temperature: str, seed: int, num: int,
+                   result: Path) -> list[str]:
+    """`pdserve bench serve` on this workload, saving its result; the caller adds the rate or the search."""
+    cmd = [sys.executable, "-m", "pdserve.cli", "bench", "serve", "--base-url", url, "--seed", str(seed),
+           "--num-prompts", str(num), "--save-result", str(result), "--no-progress", "--goodput", *args.goodput,
+           *_dataset(args, "pdserve")]
+    return cmd if temperature == "none" else [*cmd, "--temperature", temperature]
 
 
 def _dataset(args: argparse.Namespace, client: str) -> list[str]:

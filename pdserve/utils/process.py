@@ -24,8 +24,8 @@ _PR_SET_PDEATHSIG = 1
 _parent_pid: int | None = None  # set by die_with_parent: the process we must not outlive
 _stop_signal: int | None = None  # set by exit_on_sigterm's handler
 STOP_CHECK_MS = 500  # how long a blocking wait may go before it calls raise_if_stopping()
-PARENT_GONE_GRACE_S = 4.0
-_parent_gone_hooks: list[Callable[[], None]] = []  # a process whose parent is gone gets this long to stop in order
+PARENT_GONE_GRACE_S = 4.0  # a process whose parent is gone gets this long to stop in order
+_parent_gone_hooks: list[Callable[[], None]] = []  # set by when_parent_gone: run by the parent-watch thread
 
 
 def die_with_parent() -> None:
