@@ -9,6 +9,8 @@ import base64
 
 import msgspec
 
+from pdserve.spec_decode.config import SpeculativeConfig, speculative_config
+
 
 class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     model: str | None = None  # None: the embedded default model
@@ -37,8 +39,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     swap_space: float = 0.0  # GB of host memory for the prefix cache's evicted blocks (0: no host tier)
     startup_timeout: float = 600.0
     startup_log: str | None = None  # JSON-lines file recording the startup order
+    speculative_config: SpeculativeConfig | None = None  # n-gram speculative decoding (vLLM's JSON)
 
     def __post_init__(self) -> None:
+        if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
+            msgspec.structs.force_setattr(self, "speculative_config", speculative_config(self.speculative_config))
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"--block-size must be a power of two, got {self.block_size}")
         if not 0 < self.gpu_memory_utilization <= 1:

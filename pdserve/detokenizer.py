@@ -15,6 +15,7 @@ class IncrementalDetokenizer:
         self.text = ""  # settled text: safe to show, never part of a stop string
         self.stopped = False  # a stop string was found; `text` ends right before it
         self._emitted = 0
+        self.num_used = 0  # of the tokens the last add() got, how many the answer keeps (a stop ends it)
         # Decoding only a window keeps each step O(new tokens), not O(all tokens) (as vLLM does):
         # _decoded is the text of token_ids[:_read]; _prefix starts the window that re-decodes context.
         self._decoded = ""
@@ -36,9 +37,26 @@ class IncrementalDetokenizer:
         return self._decoded
 
     def add(self, token_ids: list[int]) -> str:
-        """Append tokens; return the newly settled text (held back while it may start a stop string)."""
+        """Append tokens; return the newly settled text (held back while it may start a stop string).
+
+        Several tokens at once (speculative decoding accepts a few per step) go in one at a time when
+        there are stop strings, so that the answer ends with the token that completed one, as it does
+        when tokens come singly; `num_used` says how many were kept."""
         if self.stopped:
+            self.num_used = 0
             return ""
+        if len(token_ids) > 1 and self.stops:
+            deltas = []
+            for token in token_ids:
+                deltas.append(self._add([token]))
+                if self.stopped:
+                    break
+            self.num_used = len(deltas)
+            return "".join(deltas)
+        self.num_used = len(token_ids)
+        return self._add(token_ids)
+
+    def _add(self, token_ids: list[int]) -> str:
         self.token_ids.extend(token_ids)
         full = self._full_text()  # without a multi-byte character that is not complete yet
         hold = 0

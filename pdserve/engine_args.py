@@ -6,6 +6,7 @@ import argparse
 
 from pdserve.config import EngineConfig, parse_size
 from pdserve.fastdeploy_flags import first_port
+from pdserve.spec_decode.config import DEFAULT_DISABLE_BY_BATCH_SIZE, speculative_config
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -40,6 +41,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--swap-space", type=float, default=d.swap_space,
                    help="GB of host memory for KV blocks evicted from the prefix cache; a later prefix hit there "
                         "is copied back instead of recomputed (0: off)")
+    g.add_argument("--speculative-config", type=speculative_config, default=None,
+                   help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (optional "disable_by_batch_size": '
+                        f'speculate only while at most this many sequences decode; default '
+                        f'{DEFAULT_DISABLE_BY_BATCH_SIZE})')
     g.add_argument("--startup-log", default=None, help="write the startup order (JSON lines) to this file")
     pd = p.add_argument_group("prefill/decode disaggregation")
     pd.add_argument("--splitwise-role", choices=["mixed", "prefill", "decode"], default=d.splitwise_role,
@@ -76,4 +82,4 @@ def engine_config_from_args(args: argparse.Namespace, **extra: object) -> Engine
         splitwise_role=args.splitwise_role, pd_comm_port=args.pd_comm_port, rdma_comm_port=args.rdma_comm_ports,
         cache_transfer_protocol=args.cache_transfer_protocol, pd_transfer_timeout=args.pd_transfer_timeout,
         splitwise_cache_buffer_size=args.splitwise_cache_buffer_size, swap_space=args.swap_space,
-        startup_log=args.startup_log, **extra)
+        startup_log=args.startup_log, speculative_config=args.speculative_config, **extra)

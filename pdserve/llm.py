@@ -150,15 +150,16 @@ class LLM:
         if eo.error is not None:
             self.engine.abort([f"{state.output.request_id}-{i}" for i in range(len(state.output.outputs))])
             raise ValueError(eo.error)
-        c.token_ids.extend(eo.new_token_ids)
+        state.detokenizer.add(eo.new_token_ids)
+        used = state.detokenizer.num_used  # a stop string may end the answer before the last of them
+        c.token_ids.extend(eo.new_token_ids[:used])
         if state.want_logprobs and eo.new_logprobs:
-            for token, lp in zip(eo.new_token_ids, eo.new_logprobs, strict=True):
+            for token, lp in zip(eo.new_token_ids[:used], eo.new_logprobs[:used], strict=True):
                 entry = {token: Logprob(lp.logprob, self.tokenizer.token_text(token))}
                 for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True):
                     entry.setdefault(t, Logprob(v, self.tokenizer.token_text(t)))
                 c.logprobs.append(entry)
                 c.cumulative_logprob += lp.logprob
-        state.detokenizer.add(eo.new_token_ids)
         c.text = state.detokenizer.text
         if state.detokenizer.stopped and eo.finish_reason is None:
             self.engine.abort([f"{state.output.request_id}-{c.index}"])

@@ -76,22 +76,26 @@ class ModelRunner:
         return self._forward(chunks, is_dummy_or_profile_run, on_layer_done, ())
 
     def logits_with_prompt(self, chunks: list[SequenceChunk], full_logits: Sequence[int],
-                           on_layer_done: Callable[[int], None] | None = None
+                           on_layer_done: Callable[[int], None] | None = None, all_positions: Sequence[int] = ()
                            ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """As `logits`, plus {chunk index: [chunk tokens, hidden]} for the chunks in `full_logits`: the
-        final hidden states of every token, for `project` to turn into logits a slice at a time."""
+        final hidden states of every token, for `project` to turn into logits a slice at a time.
+
+        The chunks in `all_positions` (speculative proposals to verify) get a logits row for every token,
+        in chunk order: the first tensor then has sum(len) rows for them and one row for the others."""
         if not full_logits:
-            return self._forward(chunks, False, on_layer_done, ()), {}
-        hidden = self._forward(chunks, False, on_layer_done, full_logits, return_hidden=True)
-        full, last, offset = set(full_logits), [], 0
+            return self._forward(chunks, False, on_layer_done, all_positions), {}
+        every = set(all_positions)
+        hidden = self._forward(chunks, False, on_layer_done, sorted(set(full_logits) | every), return_hidden=True)
+        full, rows, offset = set(full_logits), [], 0
         per_chunk: dict[int, torch.Tensor] = {}
         for i, chunk in enumerate(chunks):
-            n = len(chunk.token_ids) if i in full else 1
+            n = len(chunk.token_ids) if i in full or i in every else 1
             if i in full:
                 per_chunk[i] = hidden[offset:offset + n]
-            last.append(offset + n - 1)
+            rows.extend(range(offset, offset + n) if i in every else [offset + n - 1])
             offset += n
-        return self.project(hidden[torch.tensor(last, device=hidden.device)]), per_chunk
+        return self.project(hidden[torch.tensor(rows, device=hidden.device)]), per_chunk
 
     @torch.inference_mode()
     def project(self, hidden: torch.Tensor) -> torch.Tensor:

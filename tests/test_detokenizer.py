@@ -32,3 +32,23 @@ def test_stop_string_is_cut_and_never_emitted(embedded_tokenizer, stop):
             break
     full = embedded_tokenizer.decode(ids)
     assert detok.stopped and "".join(deltas) == detok.text == full[:full.index(stop)]
+
+
+@pytest.mark.parametrize("stop", ["日本", "world", "🔥"])
+def test_tokens_that_arrive_together_end_at_the_stop_as_single_ones_do(embedded_tokenizer, stop):
+    """Speculative decoding hands the detokenizer several tokens at once: the answer keeps those up to
+    the one that completed the stop string (num_used), as when they come one by one."""
+    ids = embedded_tokenizer.encode(TEXTS[0])
+    single = IncrementalDetokenizer(embedded_tokenizer, SamplingParams(stop=[stop]))
+    kept = 0
+    while not single.stopped:
+        single.add([ids[kept]])
+        kept += 1
+    grouped = IncrementalDetokenizer(embedded_tokenizer, SamplingParams(stop=[stop]))
+    used, deltas = 0, []
+    for start in range(0, len(ids), 5):
+        deltas.append(grouped.add(ids[start:start + 5]))
+        used += grouped.num_used
+        if grouped.stopped:
+            break
+    assert used == kept and "".join(deltas) == grouped.text == single.text

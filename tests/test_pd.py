@@ -52,6 +52,9 @@ PARAGRAPH = ("The river runs past the old mill, where the miller keeps a ledger 
              "In spring the water rises, and the wheel turns faster than in any other season of the year. ")
 
 
+SPECULATIVE = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+
+
 @pytest.fixture(scope="module")
 def tokenizer():
     from pdserve.loader import resolve_model_folder
@@ -69,10 +72,11 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     specs = {
         "prefill": ["--splitwise-role", "prefill", "--cache-transfer-protocol", "ipc,tcp,rdma" if NIXL else "ipc,tcp",
                     "--num-gpu-blocks-override", "400", *reg],
+        # these two decode instances speculate on their own (n-gram): their answers must still be mixed's
         "decode_ipc": ["--splitwise-role", "decode", "--cache-transfer-protocol", "ipc",
-                       "--num-gpu-blocks-override", "300", *reg],
+                       "--num-gpu-blocks-override", "300", "--speculative-config", SPECULATIVE, *reg],
         "decode_tcp": ["--splitwise-role", "decode", "--cache-transfer-protocol", "tcp",
-                       "--num-gpu-blocks-override", "200", *reg],
+                       "--num-gpu-blocks-override", "200", "--speculative-config", SPECULATIVE, *reg],
         "mixed": ["--num-gpu-blocks-override", "400"],
     }
     env = {}
@@ -131,6 +135,8 @@ def test_pd_output_equals_mixed_for_20_concurrent_prompts(pd: dict, tokenizer) -
     got = {n: metrics(pd[n].metrics_port)["pdserve_kv_transfer_bytes_received"] for n in DECODES}
     assert all(v > 0 for v in got.values()), got
     assert sent == sum(got.values())
+    drafts = sum(metrics(pd[n].metrics_port)["pdserve_spec_decode_num_drafts"] for n in ("decode_ipc", "decode_tcp"))
+    assert drafts > 0, "the speculating decode instances proposed nothing"
     _assert_all_blocks_free(pd)
 
 

@@ -136,7 +136,7 @@ def prefill_step(p: Side, rp: Request | None = None, token: int = 42) -> None:
     assert len(plans) == len(out.chunks)
     done = [c.request for c in out.chunks if rp is None or c.request is rp]
     assert done, "the request was not scheduled"
-    p.scheduler.update(out, {r.request_id: token for r in done})
+    p.scheduler.update(out, {r.request_id: [token] for r in done})
     for r in done:
         p.conn.on_prefilled(r, token, None)
 
@@ -448,7 +448,7 @@ def test_d_asks_p_only_for_the_blocks_its_prefix_cache_lacks(buffer_blocks):
         if not buffer_blocks:
             assert plan.dst_blocks == [rd2.blocks[2].block_id]
         assert d.conn.stats_dict()["pd_kv_blocks_skipped"] == 2
-        p.scheduler.update(out, {rp2.request_id: 42})
+        p.scheduler.update(out, {rp2.request_id: [42]})
         p.conn.on_prefilled(rp2, 42, None)
         p.service.reports.append(TransferDone(tid2, ok=True, nbytes=10))
         pump(p, d, lambda: p.conn.phase_of(tid2) is None)
@@ -485,6 +485,6 @@ def test_p_renews_the_lease_from_inside_a_step_that_outlasts_it(pd):
             time.sleep(0.002)
     assert d.conn.phase_of(tid) is DecodePhase.PREALLOCATED and d.free_blocks == d.num_blocks - 3
     assert [deadline for t, deadline in p.service.extended if t == tid][-1] > p.clock.now + LEASE / 2
-    p.scheduler.update(out, {rp.request_id: 42})  # the step ends: the transfer is still alive on both sides
+    p.scheduler.update(out, {rp.request_id: [42]})  # the step ends: the transfer is still alive on both sides
     p.conn.on_prefilled(rp, 42, None)
     assert p.conn.poll() == [] and p.conn.phase_of(tid) is PrefillPhase.PREFILLED

@@ -36,9 +36,9 @@ def step(sched: Scheduler, token: Callable[[Request], int] = lambda r: TOKEN) ->
     out = sched.schedule()
     assert out.num_batched_tokens <= sched.config.max_num_batched_tokens
     assert all(c.num_new_tokens > 0 for c in out.chunks)
-    sampled = {c.request.request_id: token(c.request) for c in out.chunks if c.completes_known_tokens}
+    sampled = {c.request.request_id: [token(c.request)] for c in out.chunks if c.completes_known_tokens}
     changed = sched.update(out, sampled)
-    assert {r.request_id for r in changed} == set(sampled)
+    assert {r.request_id for r, _ in changed} == set(sampled)
     return out
 
 
@@ -281,10 +281,10 @@ def test_abort_while_the_step_runs() -> None:
     sched.add_request(a)
     sched.add_request(b)
     out = sched.schedule()
-    sampled = {c.request.request_id: TOKEN for c in out.chunks if c.completes_known_tokens}
+    sampled = {c.request.request_id: [TOKEN] for c in out.chunks if c.completes_known_tokens}
     sched.abort("a")
     changed = sched.update(out, sampled)
-    assert changed == [b]
+    assert changed == [(b, 1)]
     assert a.output_token_ids == [] and a.blocks == []
     run_until_idle(sched)
 
@@ -424,7 +424,7 @@ def test_shared_prefix_computed_count_starts_after_the_hit() -> None:
     out = sched.schedule()
     assert b.num_computed_tokens == 3 * BS  # before this step's chunk is computed
     assert out.chunks[0].num_new_tokens == 1 and out.chunks[0].completes_known_tokens
-    sched.update(out, {"b": TOKEN})
+    sched.update(out, {"b": [TOKEN]})
     assert b.output_token_ids == [TOKEN]
     run_until_idle(sched)
 

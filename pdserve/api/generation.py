@@ -106,8 +106,9 @@ async def generate_choices(engine: AsyncEngine, tokenizer: Tokenizer, gen: Gener
                 if out.error is not None:  # 400s are the request's fault; the rest the engine's
                     raise (ValueError(out.error) if out.error_status == 400
                            else EngineError(out.error, out.error_type or "internal_server_error"))
-                gen.completion_tokens += len(out.new_token_ids)
                 text = detok.add(out.new_token_ids)
+                used = detok.num_used  # a stop string may end the answer before the last of them
+                gen.completion_tokens += used
                 finish = out.finish_reason
                 if detok.stopped:
                     finish = "stop"
@@ -117,8 +118,8 @@ async def generate_choices(engine: AsyncEngine, tokenizer: Tokenizer, gen: Gener
                     gen.times[index] = out.times
                     if index == 0:
                         gen.num_cached_tokens = out.num_cached_tokens
-                await queue.put(ChoiceDelta(index, text, out.new_token_ids, out.new_logprobs or [], finish,
-                                            out.prompt_logprobs))
+                await queue.put(ChoiceDelta(index, text, out.new_token_ids[:used], (out.new_logprobs or [])[:used],
+                                            finish, out.prompt_logprobs))
                 if finish is not None:
                     gen.finish_reasons[index] = finish
                     return

@@ -85,6 +85,14 @@ class ServerMetrics:
                                     registry=r)
         self.host_swap_in_seconds = Gauge("pdserve_host_cache_swap_in_seconds",
                                           "engine time spent waiting for host tier -> cache copies", registry=r)
+        # --speculative-config (vLLM's spec_decode names)
+        self.spec_drafts = Gauge("pdserve_spec_decode_num_drafts", "sequence steps that carried proposals",
+                                 registry=r)
+        self.spec_draft_tokens = Gauge("pdserve_spec_decode_num_draft_tokens", "tokens proposed", registry=r)
+        self.spec_accepted = Gauge("pdserve_spec_decode_num_accepted_tokens", "proposed tokens accepted", registry=r)
+        self.spec_accepted_per_pos = Gauge("pdserve_spec_decode_num_accepted_tokens_per_pos",
+                                           "proposals accepted at each position of a proposal", ["position"],
+                                           registry=r)
         self._last_bytes = 0
 
     def request_started(self) -> None:
@@ -134,6 +142,15 @@ class ServerMetrics:
                 self._refresh_host_tier(stats)
             if "kv_bytes_sent" in stats:
                 self._refresh_pd(stats)
+            if "spec_decode_num_drafts" in stats:
+                self._refresh_spec_decode(stats)
+
+    def _refresh_spec_decode(self, stats: dict) -> None:
+        self.spec_drafts.set(stats["spec_decode_num_drafts"])
+        self.spec_draft_tokens.set(stats["spec_decode_num_draft_tokens"])
+        self.spec_accepted.set(stats["spec_decode_num_accepted_tokens"])
+        for pos, n in enumerate(stats["spec_decode_num_accepted_tokens_per_pos"]):
+            self.spec_accepted_per_pos.labels(position=str(pos)).set(n)
 
     def _refresh_host_tier(self, stats: dict) -> None:
         self.host_blocks.set(stats["host_blocks"])

@@ -57,6 +57,7 @@ class EngineCore:
             vocab_size=vocab_size,
             enable_chunked_prefill=config.enable_chunked_prefill,
             role=config.splitwise_role,
+            speculative=config.speculative_config,
         ), self.kv)
         self._on_worker: set[str] = set()  # request ids whose sampling state the worker holds
         self._finished_on_worker: list[str] = []
@@ -190,9 +191,10 @@ class EngineCore:
                 self._on_worker.add(r.request_id)
                 new_requests.append(NewRequest(r.request_id, r.prompt_token_ids, r.params, list(r.eos_token_ids),
                                                list(r.output_token_ids), r.num_resumed))
-            start = r.num_computed_tokens
-            chunks.append(Chunk(r.request_id, r.token_ids[start:start + c.num_new_tokens], start,
-                                [b.block_id for b in r.blocks], c.completes_known_tokens))
+            start, drafts = r.num_computed_tokens, c.draft_token_ids
+            tokens = r.token_ids[start:start + c.num_new_tokens - len(drafts)] + drafts
+            chunks.append(Chunk(r.request_id, tokens, start, [b.block_id for b in r.blocks], c.completes_known_tokens,
+                                len(drafts)))
         transfers = self.connector.transfers(out.chunks)
         step = ExecuteStep(new_requests, self._finished_on_worker, chunks, transfers)
         self._finished_on_worker = []
@@ -214,18 +216,18 @@ class EngineCore:
             if s.error is not None and (request := self.scheduler.requests.get(s.request_id)) is not None:
                 outputs.extend(o for o in [self._fail(request, s.error, 400)] if o is not None)
         sampled = {s.request_id: s for s in result.sampled if s.error is None}
-        changed = self.scheduler.update(out, {rid: s.token_id for rid, s in sampled.items()})
-        for r in changed:
+        changed = self.scheduler.update(out, {rid: s.token_ids for rid, s in sampled.items()})
+        for r, n in changed:
             s = sampled[r.request_id]
             output = final_output(r) if r.is_finished else RequestOutput(r.request_id, [])
-            output.new_token_ids = [s.token_id]
-            output.new_logprobs = [s.logprobs] if s.logprobs is not None else None
+            output.new_token_ids = s.token_ids[:n]
+            output.new_logprobs = s.logprobs[:n] if s.logprobs is not None else None
             if r.params.prompt_logprobs is not None and not r.prompt_logprobs_sent:
                 output.prompt_logprobs, r.prompt_logprobs_sent = r.prompt_logprobs, True
             if r.is_finished:
                 self.forget(r.request_id)
                 if r.kv_producer:
-                    self.connector.on_prefilled(r, s.token_id, s.logprobs)
+                    self.connector.on_prefilled(r, s.token_ids[0], s.logprobs[0] if s.logprobs else None)
             outputs.append(output)
         return outputs
 
@@ -255,6 +257,7 @@ class EngineCore:
             "prefix_cache_requests": prefix.requests, "prefix_cache_hit_requests": prefix.hit_requests,
             "prefix_cache_queried_tokens": prefix.queried_tokens, "prefix_cache_hit_tokens": prefix.hit_tokens,
             **self._host_tier_stats(),
+            **(self.scheduler.spec_stats.as_dict() if self.scheduler.proposer is not None else {}),
             **self.connector.stats_dict(),
         }
 

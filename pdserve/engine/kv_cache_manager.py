@@ -125,6 +125,14 @@ class KVCacheManager:
             self.pool.cache_full_block(request.blocks[i], request.block_hashes[i])
         request.num_committed_blocks = max(request.num_committed_blocks, full)
 
+    def trim(self, request: Request) -> None:
+        """Give back the blocks past the request's tokens (those taken for rejected proposals; never
+        indexed in the prefix cache: only blocks full of computed tokens are)."""
+        keep = self.blocks_needed(request.num_tokens)
+        if len(request.blocks) > keep:
+            extra, request.blocks = request.blocks[keep:], request.blocks[:keep]
+            self.release(reversed(extra))
+
     def free(self, request: Request) -> None:
         self.release(reversed(request.blocks))
         request.blocks = []

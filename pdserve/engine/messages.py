@@ -148,6 +148,7 @@ class Chunk(msgspec.Struct, array_like=True):
     num_computed: int
     block_table: list[int]
     sample: bool  # this chunk reaches the request's last known token: sample the next one
+    num_draft: int = 0  # the last num_draft tokens are speculative proposals, to verify (spec_decode)
 
 
 class ExecuteStep(msgspec.Struct, tag=True):
@@ -182,8 +183,8 @@ WorkerInput = ExecuteStep | WeightsCommand | CacheCommand | WorkerShutdown
 
 class Sampled(msgspec.Struct, array_like=True):
     request_id: str
-    token_id: int
-    logprobs: TokenLogprobs | None = None
+    token_ids: list[int]  # one, or with speculation the accepted proposals and the token after them
+    logprobs: list[TokenLogprobs] | None = None  # one per token
     error: str | None = None  # the request cannot go on (its output constraint failed): the engine ends it
 
 

@@ -24,6 +24,9 @@ from pdserve.engine.block_pool import Block
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.sampling import check_stop
+from pdserve.spec_decode.config import SpeculativeConfig
+from pdserve.spec_decode.ngram_proposer import NgramProposer
+from pdserve.spec_decode.stats import SpecDecodeStats
 
 ROLES = ("mixed", "prefill", "decode")
 
@@ -36,6 +39,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     role: str = "mixed"
     vocab_size: int | None = None  # when known, prompt ids are checked against it at admission
+    speculative: SpeculativeConfig | None = None  # n-gram speculation for decoding requests
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -50,12 +54,14 @@ class SchedulerConfig:
 @dataclass
 class ScheduledChunk:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # known tokens + proposals
+    draft_token_ids: list[int] = field(default_factory=list)  # proposals after the last known token
 
     @property
     def completes_known_tokens(self) -> bool:
         """True when this chunk reaches the request's last known token, so its logits give a new token."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        known = self.num_new_tokens - len(self.draft_token_ids)
+        return self.request.num_computed_tokens + known == self.request.num_tokens
 
 
 @dataclass
@@ -77,6 +83,10 @@ class Scheduler:
         self.preallocated: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        spec = config.speculative if config.role != "prefill" else None  # P stops after one token
+        self.proposer = NgramProposer(spec) if spec is not None else None
+        self.max_speculating = spec.disable_by_batch_size if spec is not None else 0
+        self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens if spec is not None else 0)
 
     # ---- admission and removal -------------------------------------------------------------
 
@@ -164,7 +174,8 @@ class Scheduler:
         self.kv.commit_computed(request)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
-        self._append_token(request, first_token)
+        if reason := self._append_tokens(request, [first_token])[0]:
+            self._finish(request, reason)
         return request
 
     # ---- one step ----------------------------------------------------------------------------
@@ -179,15 +190,18 @@ class Scheduler:
             if request not in self.running:  # preempted below to make room for an older request
                 continue
             n = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.kv.allocate(request, n):
+            drafts, request.spec_token_ids = request.spec_token_ids[:budget - n], []
+            if drafts and not self.kv.allocate(request, n + len(drafts)):
+                drafts = []  # no blocks for the proposals: decode plainly rather than preempt anyone
+            while not self.kv.allocate(request, n + len(drafts)):
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is request:
                     break
             else:
-                out.chunks.append(ScheduledChunk(request, n))
-                budget -= n
+                out.chunks.append(ScheduledChunk(request, n + len(drafts), drafts))
+                budget -= n + len(drafts)
 
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
@@ -211,43 +225,71 @@ class Scheduler:
             budget -= n
         return out
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[tuple[Request, int]]:
         """Apply a finished step: advance computed tokens, append sampled tokens, finish requests.
 
-        `sampled` maps request id -> token for the chunks that completed their known tokens.
-        Returns the requests that got a new token (finished ones included).
+        `sampled` maps request id -> tokens for the chunks that completed their known tokens: one, or
+        with proposals the accepted ones and the token after them. Returns the requests that got new
+        tokens (finished ones included), with how many (fewer than sampled when a stop came first).
         """
         changed = []
         for chunk in out.chunks:
             request = chunk.request
             if request.is_finished:  # aborted while the step ran
                 continue
-            request.num_computed_tokens += chunk.num_new_tokens
-            self.kv.commit_computed(request)
-            token = sampled.get(request.request_id)
-            if token is None:
+            num_draft = len(chunk.draft_token_ids)
+            request.num_computed_tokens += chunk.num_new_tokens - num_draft
+            tokens = sampled.get(request.request_id)
+            if tokens is None:
+                self.kv.commit_computed(request)
                 continue
-            self._append_token(request, token)
-            changed.append(request)
+            reason, n = self._append_tokens(request, tokens)
+            if num_draft:
+                self.spec_stats.record(num_draft, len(tokens) - 1)
+                # the KV of accepted proposals is valid; a rejected one's is overwritten later, its blocks go
+                request.num_computed_tokens = request.num_tokens - 1
+                self.kv.trim(request)
+            self.kv.commit_computed(request)
+            if reason is not None:
+                self._finish(request, reason)
+            changed.append((request, n))
+        if self.proposer is not None:
+            self._propose()
         return changed
+
+    def _propose(self) -> None:
+        """N-gram proposals for the next step, unless more sequences decode than speculation pays for."""
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1 and not r.kv_producer]
+        if len(decoding) > self.max_speculating:
+            return
+        for r in decoding:
+            left = [self.config.max_model_len - r.num_tokens]
+            if r.params.max_tokens is not None:  # the last emitted token is never a proposal
+                left.append(r.params.max_tokens - len(r.output_token_ids) - r.num_resumed - 1)
+            r.spec_token_ids = self.proposer.propose(r.token_ids, min(left))
 
     # ---- internals -------------------------------------------------------------------------
 
-    def _append_token(self, request: Request, token: int) -> None:
+    def _append_tokens(self, request: Request, tokens: list[int]) -> tuple[str | None, int]:
+        """Append until a stop: (the finish reason or None, how many were appended)."""
         now = time.time()
-        request.append_output(token)
         if request.times.first_token is None:
             request.times.first_token = now
         request.times.last_token = now
-        reason = check_stop(request.params, request.output_token_ids, request.eos_token_ids,
-                            self.config.max_model_len - request.num_tokens, request.num_resumed)
-        if reason is None and request.kv_producer:
-            reason = "prefilled"  # the prefill instance's part ends with the first token
-        if reason is not None:
-            self.running.remove(request)
-            self._finish(request, reason)
+        reason = None
+        for n, token in enumerate(tokens, 1):
+            request.append_output(token)
+            reason = check_stop(request.params, request.output_token_ids, request.eos_token_ids,
+                                self.config.max_model_len - request.num_tokens, request.num_resumed)
+            if reason is None and request.kv_producer:
+                reason = "prefilled"  # the prefill instance's part ends with the first token
+            if reason is not None:
+                return reason, n
+        return None, len(tokens)
 
     def _finish(self, request: Request, reason: str) -> None:
+        if request in self.running:
+            self.running.remove(request)
         request.mark_finished(reason)
         if not request.kv_producer or reason in ("abort", "error"):
             self.kv.free(request)  # a finished producer's blocks are the PD connector's to free
@@ -256,6 +298,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
         self.num_preemptions += 1

@@ -84,23 +84,39 @@ class GrammarCompiler:
             self._templates.move_to_end(key)
         return template.deep_copy()
 
-    def fill_async(self, grammars: list[SequenceGrammar | None]) -> Future[torch.Tensor | None]:
-        """Start filling the masks of `grammars` (one row each; None rows allow everything)."""
-        return self._pool.submit(self._fill, grammars)
+    def fill_async(self, grammars: list[SequenceGrammar | None],
+                   drafts: list[list[int]] | None = None) -> Future[torch.Tensor | None]:
+        """Start filling the masks of `grammars` (None rows allow everything): one row each, or with
+        speculative `drafts` 1 + len(drafts[i]) rows for sequence i, row j being the mask after its
+        first j proposals (the matcher goes back to where it was after)."""
+        return self._pool.submit(self._fill, grammars, drafts or [[] for _ in grammars])
 
-    def _fill(self, grammars: list[SequenceGrammar | None]) -> torch.Tensor | None:
+    def _fill(self, grammars: list[SequenceGrammar | None], drafts: list[list[int]]) -> torch.Tensor | None:
         # Straight into the tensor's memory: llguidance.torch's helper would import torch.compile (~3.5 s).
         for g in grammars:
             if g is not None:
                 g.catch_up(self)
-        rows = [(i, g) for i, g in enumerate(grammars) if g is not None and g.error is None]
-        if not rows:
+        if not any(g is not None and g.error is None for g in grammars):
             return None
-        bits = torch.full((len(grammars), self.words), -1, dtype=torch.int32)
-        row_bytes = self.words * 4
-        for i, g in rows:
-            g.matcher.unsafe_compute_mask_ptr(bits.data_ptr() + i * row_bytes, row_bytes)
+        bits = torch.full((sum(1 + len(d) for d in drafts), self.words), -1, dtype=torch.int32)
+        row_bytes, row = self.words * 4, 0
+        for g, proposed in zip(grammars, drafts, strict=True):
+            if g is not None and g.error is None:
+                self._fill_positions(g.matcher, proposed, bits.data_ptr() + row * row_bytes, row_bytes)
+            row += 1 + len(proposed)
         return bits
+
+    @staticmethod
+    def _fill_positions(matcher: object, proposed: list[int], address: int, row_bytes: int) -> None:
+        """The mask now, then after each proposal the grammar accepts (rows after a refused one stay
+        all-allowed: the verifier stops at the refused proposal, which its mask rules out)."""
+        matcher.unsafe_compute_mask_ptr(address, row_bytes)
+        valid = proposed[:matcher.validate_tokens(proposed)] if proposed else []  # a refused token would break it
+        for consumed, token in enumerate(valid, 1):
+            matcher.consume_token(token)
+            matcher.unsafe_compute_mask_ptr(address + consumed * row_bytes, row_bytes)
+        if valid:
+            matcher.rollback(len(valid))
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -30,7 +30,8 @@ from pdserve.kv_cache import KVCache
 from pdserve.kv_layout import KVLayout
 from pdserve.model import SequenceChunk
 from pdserve.model_runner import ModelRunner
-from pdserve.sampling import SamplingRow, make_generator, skip_draws
+from pdserve.sampling import SamplerOutput, SamplingRow, make_generator, skip_draws
+from pdserve.spec_decode.verifier import GeneratorRewind, accepted_tokens, position_rows
 from pdserve.structured.matcher import GrammarCompiler, SequenceGrammar, allowed_tokens
 from pdserve.transfer_plan import LayerDone, StepTransfers
 from pdserve.worker.profile_run import profile_num_blocks
@@ -130,36 +131,57 @@ class Worker:
             return StepResult(sampled=[])
         chunks = [SequenceChunk(c.token_ids, c.num_computed, c.block_table) for c in step.chunks]
         to_sample = [i for i, c in enumerate(step.chunks) if c.sample]
+        speculating = [i for i in to_sample if step.chunks[i].num_draft]
         ids = [step.chunks[i].request_id for i in to_sample]
         rows = [self.rows[rid] for rid in ids]
+        drafts = [step.chunks[i].token_ids[len(step.chunks[i].token_ids) - step.chunks[i].num_draft:]
+                  for i in to_sample]
         grammars = [r.grammar for r in rows]
-        masks = self.grammar_compiler.fill_async(grammars) if any(g is not None for g in grammars) else None
+        masks = (self.grammar_compiler.fill_async(grammars, drafts if speculating else None)
+                 if any(g is not None for g in grammars) else None)
         scored = [i for i, c in enumerate(step.chunks) if self._wants_prompt_logprobs(c)]
-        logits, prompt_logits = self.runner.logits_with_prompt(chunks, scored, self._stream_layers(step))
+        logits, prompt_logits = self.runner.logits_with_prompt(chunks, scored, self._stream_layers(step), speculating)
         prompt_logprobs = [self._prompt_logprobs(step.chunks[i], prompt_logits[i]) for i in scored]
         if not to_sample:
             return StepResult(sampled=[], prompt_logprobs=prompt_logprobs)
         if len(to_sample) < len(chunks):
-            logits = logits[torch.tensor(to_sample, device=logits.device)]
+            logits = logits[torch.tensor(_sampled_rows(step.chunks, to_sample), device=logits.device)]
         bits = masks.result() if masks is not None else None
         grammar_mask = allowed_tokens(bits, logits.shape[1], logits.device) if bits is not None else None
-        out = self.runner.sampler(logits, rows, grammar_mask)
+        rewind = GeneratorRewind()
+        flat_rows = []
+        for row, proposed in zip(rows, drafts, strict=True):
+            if proposed:
+                rewind.save(row.generator)
+            flat_rows.extend(position_rows(row, proposed) if proposed else [row])
+        out = self.runner.sampler(logits, flat_rows, grammar_mask)
+        return StepResult(sampled=self._accept(ids, rows, drafts, out, rewind), prompt_logprobs=prompt_logprobs)
+
+    def _accept(self, ids: list[str], rows: list[SamplingRow], drafts: list[list[int]], out: SamplerOutput,
+                rewind: GeneratorRewind) -> list[Sampled]:
+        """Per sequence, the tokens it emits (with proposals: accepted_tokens), into its sampling state."""
         tokens = out.token_ids.tolist()
         logprobs = out.logprobs.tolist() if out.logprobs is not None else None
         top_ids = out.top_token_ids.tolist() if out.top_token_ids is not None else None
         top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
-        sampled = []
-        for j, (rid, row, token) in enumerate(zip(ids, rows, tokens, strict=True)):
-            row.output_token_ids.append(token)
+        sampled, offset = [], 0
+        for rid, row, proposed in zip(ids, rows, drafts, strict=True):
+            emitted = accepted_tokens(tokens[offset:offset + 1 + len(proposed)], proposed)
+            if proposed:
+                rewind.rewind(row.generator, len(emitted))
+            row.output_token_ids.extend(emitted)
             if row.grammar is not None:
-                row.grammar.advance(token)
-            lp = None
+                for token in emitted:
+                    row.grammar.advance(token)
+            lps = None
             if row.params.logprobs is not None and logprobs is not None:
                 k = row.params.logprobs
-                lp = TokenLogprobs(logprobs[j], top_ids[j][:k] if top_ids else [], top_lps[j][:k] if top_lps else [])
+                lps = [TokenLogprobs(logprobs[j], top_ids[j][:k] if top_ids else [], top_lps[j][:k] if top_lps else [])
+                       for j in range(offset, offset + len(emitted))]
             error = row.grammar.error if row.grammar is not None else None
-            sampled.append(Sampled(rid, token, lp, error))
-        return StepResult(sampled=sampled, prompt_logprobs=prompt_logprobs)
+            sampled.append(Sampled(rid, emitted, lps, error))
+            offset += 1 + len(proposed)
+        return sampled
 
     def _row(self, new: NewRequest) -> SamplingRow:
         split = len(new.prompt_token_ids) - new.num_resumed  # a migrated answer's output came in the prompt
@@ -229,3 +251,12 @@ class Worker:
                 f"but one request of --max-model-len {self.runner.max_model_len} needs {needed} blocks; "
                 "raise --kv-cache-memory or --gpu-memory-utilization (or --num-gpu-blocks-override), "
                 "or lower --max-model-len or --max-num-batched-tokens")
+
+
+def _sampled_rows(chunks: list[Chunk], to_sample: list[int]) -> list[int]:
+    """Rows of the step's logits (one per chunk, 1 + num_draft for a speculating one) that are sampled."""
+    starts, row = [], 0
+    for c in chunks:
+        starts.append(row)
+        row += 1 + c.num_draft if c.num_draft and c.sample else 1
+    return [r for i in to_sample for r in range(starts[i], starts[i] + 1 + chunks[i].num_draft)]

@@ -1,0 +1,60 @@
+"""`--speculative-config`: vLLM's JSON, the n-gram method only (no draft model is built yet)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import msgspec
+
+# With more decoding sequences than this in a step, no sequence speculates (vLLM's key). Measured on 2
+# cores (bench/spec_decode.py): verifying 1 + K tokens of every sequence stops paying once the step is
+# compute-bound; docs/architecture.md has the figures.
+DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+KNOWN_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size")
+
+
+class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+
+    def __post_init__(self) -> None:
+        if self.method != "ngram":
+            raise ValueError(f"method {self.method!r} is not served; pdserve speculates "
+                             "with \"ngram\" (prompt lookup) only")
+        if self.num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be at least 1")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if self.disable_by_batch_size < 1:
+            raise ValueError("disable_by_batch_size must be at least 1")
+
+
+def speculative_config(value: str | dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
+    """From the flag's JSON text, a dict (LLM(speculative_config=...)) or a config; unknown keys are an
+    error, not ignored."""
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--speculative-config is not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError("--speculative-config must be a JSON object")
+    unknown = sorted(set(value) - set(KNOWN_KEYS))
+    if unknown:
+        raise ValueError(f"--speculative-config: {', '.join(unknown)} not supported (pdserve takes "
+                         f"{', '.join(KNOWN_KEYS)})")
+    if "prompt_lookup_max" in value and "prompt_lookup_min" not in value:
+        value = {**value, "prompt_lookup_min": min(value["prompt_lookup_max"], 2)}
+    if "prompt_lookup_min" in value and "prompt_lookup_max" not in value:
+        value = {**value, "prompt_lookup_max": max(value["prompt_lookup_min"], 4)}
+    try:
+        return msgspec.convert(value, SpeculativeConfig)
+    except msgspec.ValidationError as e:
+        raise ValueError(f"--speculative-config: {e}") from None
