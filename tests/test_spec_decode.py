@@ -55,8 +55,9 @@ def test_ngram_proposer_takes_the_longest_then_earliest_match() -> None:
 BS = 4
 
 
-def _speculating_scheduler(num_blocks: int = 16) -> Scheduler:
-    spec = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=2, prompt_lookup_min=1)
+def _speculating_scheduler(num_blocks: int = 16, up_to: int | None = 64) -> Scheduler:
+    spec = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=2, prompt_lookup_min=1,
+                             disable_by_batch_size=up_to)
     return Scheduler(SchedulerConfig(max_model_len=num_blocks * BS, speculative=spec),
                      KVCacheManager(num_blocks, BS, enable_prefix_caching=True))
 
@@ -115,12 +116,45 @@ def test_proposals_stop_at_max_tokens_and_at_large_batches() -> None:
     sched.add_request(request)
     sched.update(sched.schedule(), {"r": [3]})
     assert request.spec_token_ids == [1]  # 3 tokens at most: the last is never a proposal
-    busy = _speculating_scheduler(num_blocks=64)
-    for i in range(SpeculativeConfig().disable_by_batch_size + 1):
+    busy = _speculating_scheduler(num_blocks=64, up_to=3)
+    for i in range(4):
         busy.add_request(Request(f"r{i}", [1, 2, 3, 1, 2], SamplingParams(max_tokens=10), eos_token_ids=(0,)))
     out = busy.schedule()
     busy.update(out, {c.request.request_id: [3] for c in out.chunks})
     assert all(not r.spec_token_ids for r in busy.running)
+
+
+def test_the_controller_speculates_where_it_measured_a_gain() -> None:
+    """Per batch-size bucket: one speculating step emits 3 tokens a sequence in 1.1 plain steps' time at
+    batch 1, and at batch 16 one token more in 2 steps' time; the controller keeps the faster kind of
+    step in each bucket, trying the other on one step in EXPLORE_EVERY."""
+    from pdserve.spec_decode.controller import EXPLORE_EVERY, SpeculationController
+
+    controller = SpeculationController()
+    step = {1: 0.020, 16: 0.030}
+    for _ in range(200):
+        for b in (1, 16):
+            if controller.decide(b):
+                tokens, seconds = (3 * b, 1.1 * step[b]) if b == 1 else (b + 1, 2 * step[b])
+                controller.observe(b, True, tokens, seconds)
+            controller.observe(b, False, b, step[b])  # steps without proposals come anyway
+    decisions = {b: [controller.decide(b) for _ in range(4 * EXPLORE_EVERY)] for b in (1, 16)}
+    assert sum(decisions[1]) == len(decisions[1]) - 4 and sum(decisions[16]) == 4
+
+
+def test_a_scheduler_without_a_fixed_limit_drops_proposals_the_controller_refuses() -> None:
+    sched = _speculating_scheduler(up_to=None)
+    for _ in range(10):  # plain steps at batch 1 emit 100 tokens/s, speculative ones 50
+        sched.controller.observe(1, False, 1, 0.01)
+        sched.controller.observe(1, True, 1, 0.02)
+    request = Request("r", [10, 11, 12, 13, 10, 11], SamplingParams(max_tokens=40), eos_token_ids=(2,))
+    sched.add_request(request)
+    speculated = []
+    for _ in range(20):  # the answer goes on repeating 12, 13, 10, 11: every step has proposals
+        out = sched.schedule()
+        speculated.append(bool(out.chunks[0].draft_token_ids))
+        sched.update(out, {"r": [request.token_ids[-4]]})
+    assert sum(speculated) == 1  # the one exploring step among the controller's decisions
 
 
 # ---- the worker's verification ------------------------------------------------------------------

@@ -198,6 +198,7 @@ class EngineCore:
         transfers = self.connector.transfers(out.chunks)
         step = ExecuteStep(new_requests, self._finished_on_worker, chunks, transfers)
         self._finished_on_worker = []
+        started = time.perf_counter()
         try:
             result = self.worker.execute(step, while_waiting=self._during_step)
         except ChildDied:  # the worker or the cache service is gone: so is this engine
@@ -217,6 +218,7 @@ class EngineCore:
                 outputs.extend(o for o in [self._fail(request, s.error, 400)] if o is not None)
         sampled = {s.request_id: s for s in result.sampled if s.error is None}
         changed = self.scheduler.update(out, {rid: s.token_ids for rid, s in sampled.items()})
+        self.scheduler.observe_step(out, sum(n for _, n in changed), time.perf_counter() - started)
         for r, n in changed:
             s = sampled[r.request_id]
             output = final_output(r) if r.is_finished else RequestOutput(r.request_id, [])
@@ -257,9 +259,16 @@ class EngineCore:
             "prefix_cache_requests": prefix.requests, "prefix_cache_hit_requests": prefix.hit_requests,
             "prefix_cache_queried_tokens": prefix.queried_tokens, "prefix_cache_hit_tokens": prefix.hit_tokens,
             **self._host_tier_stats(),
-            **(self.scheduler.spec_stats.as_dict() if self.scheduler.proposer is not None else {}),
+            **self._spec_decode_stats(),
             **self.connector.stats_dict(),
         }
+
+    def _spec_decode_stats(self) -> dict:
+        scheduler = self.scheduler
+        if scheduler.proposer is None:
+            return {}
+        rates = scheduler.controller.as_dict() if scheduler.controller is not None else {}
+        return {**scheduler.spec_stats.as_dict(), "spec_decode_rates": rates}
 
     def _host_tier_stats(self) -> dict:
         host = self.kv.host

@@ -25,6 +25,7 @@ from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.sampling import check_stop
 from pdserve.spec_decode.config import SpeculativeConfig
+from pdserve.spec_decode.controller import SpeculationController
 from pdserve.spec_decode.ngram_proposer import NgramProposer
 from pdserve.spec_decode.stats import SpecDecodeStats
 
@@ -85,7 +86,8 @@ class Scheduler:
         self.num_preemptions = 0
         spec = config.speculative if config.role != "prefill" else None  # P stops after one token
         self.proposer = NgramProposer(spec) if spec is not None else None
-        self.max_speculating = spec.disable_by_batch_size if spec is not None else 0
+        self.max_speculating = spec.disable_by_batch_size if spec is not None else None
+        self.controller = SpeculationController() if spec is not None and self.max_speculating is None else None
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens if spec is not None else 0)
 
     # ---- admission and removal -------------------------------------------------------------
@@ -258,15 +260,25 @@ class Scheduler:
         return changed
 
     def _propose(self) -> None:
-        """N-gram proposals for the next step, unless more sequences decode than speculation pays for."""
+        """N-gram proposals for the next step, if speculation pays at this batch size (the fixed
+        disable_by_batch_size, or the controller's measurements)."""
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1 and not r.kv_producer]
-        if len(decoding) > self.max_speculating:
+        if not decoding or (self.max_speculating is not None and len(decoding) > self.max_speculating):
             return
+        if self.controller is not None and not self.controller.decide(len(decoding)):
+            return  # decided before proposing: a large batch does not pay for the search either
         for r in decoding:
             left = [self.config.max_model_len - r.num_tokens]
             if r.params.max_tokens is not None:  # the last emitted token is never a proposal
                 left.append(r.params.max_tokens - len(r.output_token_ids) - r.num_resumed - 1)
             r.spec_token_ids = self.proposer.propose(r.token_ids, min(left))
+
+    def observe_step(self, out: SchedulerOutput, num_emitted: int, seconds: float) -> None:
+        """A finished step's time, for the speculation controller (decode-only steps tell it something)."""
+        if self.controller is None or not out.chunks or out.preempted:
+            return
+        if all(c.num_new_tokens - len(c.draft_token_ids) == 1 and c.completes_known_tokens for c in out.chunks):
+            self.controller.observe(len(out.chunks), any(c.draft_token_ids for c in out.chunks), num_emitted, seconds)
 
     # ---- internals -------------------------------------------------------------------------
 

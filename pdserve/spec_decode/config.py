@@ -7,10 +7,6 @@ from typing import Any
 
 import msgspec
 
-# With more decoding sequences than this in a step, no sequence speculates (vLLM's key). Measured on 2
-# cores (bench/spec_decode.py): verifying 1 + K tokens of every sequence stops paying once the step is
-# compute-bound; docs/architecture.md has the figures.
-DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 KNOWN_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size")
 
 
@@ -19,7 +15,9 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
-    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    # vLLM's key: with more decoding sequences than this, no step speculates, and up to it every step does.
+    # None: each step decides from measurement (spec_decode/controller.py).
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method != "ngram":
@@ -30,7 +28,7 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
-        if self.disable_by_batch_size < 1:
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
             raise ValueError("disable_by_batch_size must be at least 1")
 
 
