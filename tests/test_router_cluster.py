@@ -42,10 +42,14 @@ STORY = ("A lighthouse keeper on a northern island writes down the ships that pa
          "of the sea each morning, and in winter he reads the old logs of the keepers before him. ")
 
 
+# d1 speculates (n-gram): answers that move to or from it mid-stream still read as one unbroken answer
+SPECULATIVE = ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']
+
+
 def _instance_flags(name: str, router: Router) -> list[str]:
     role, _, host_id = INSTANCES[name]
     return ["--splitwise-role", role, "--host-id", host_id, "--cache-transfer-protocol", "ipc,tcp",
-            "--router", router.url, "--cluster-secret", SECRET, *COMMON]
+            "--router", router.url, "--cluster-secret", SECRET, *COMMON, *(SPECULATIVE if name == "d1" else [])]
 
 
 def _start(tmp: Path, name: str, router: Router, wait: bool, port: int | None = None,
