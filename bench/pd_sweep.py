@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -45,6 +48,22 @@ def wait_healthy(url: str, proc: subprocess.Popen, name: str, timeout: float = 3
         if proc.poll() is not None or time.monotonic() > deadline:
             raise SystemExit(f"{name} did not come up")
         time.sleep(1)
+
+
+@contextmanager
+def served(key: str, command: list[str], env: dict[str, str], log_path: Path) -> Iterator[str]:
+    """A server started from `command` ("{port}" filled in) until healthy; its URL; stopped after."""
+    port = free_port()
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([c.replace("{port}", str(port)) for c in command], stdout=log,
+                                stderr=subprocess.STDOUT, env={**os.environ, **env}, start_new_session=True)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_healthy(url, proc, key, timeout=900)
+            yield url
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(120)
 
 
 def bench_serve(url: str, args: argparse.Namespace, rate: float, result: Path, seed: int = 0) -> dict:

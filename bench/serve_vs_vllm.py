@@ -25,15 +25,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
-from pd_sweep import wait_healthy
-
-from pdserve.api.serve import free_port
+from pd_sweep import served
 
 FLAGS = ["--kv-cache-memory", "2G", "--max-model-len", "2048"]
 NAMES = {"vllm": "vLLM CPU 0.32", "mixed": "pdserve mixed", "1p1d": "pdserve 1P1D (a core each)",
@@ -132,14 +128,8 @@ def _dataset(args: argparse.Namespace, client: str) -> list[str]:
 
 
 def measure(key: str, command: list[str], env: dict[str, str], args: argparse.Namespace) -> dict:
-    port = free_port()
-    log = open(args.out.with_name(f"{args.out.name}-{key}.log"), "wb")  # noqa: SIM115
-    proc = subprocess.Popen([c.replace("{port}", str(port)) for c in command], stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, **env}, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
     client = vllm_client if args.client == "vllm" else pdserve_client
-    try:
-        wait_healthy(url, proc, key, timeout=900)
+    with served(key, command, env, args.out.with_name(f"{args.out.name}-{key}.log")) as url:
         # Warm-up, not reported: first requests pay one-time costs (oneDNN primitives, lazy imports).
         client(url, args, 4.0, "none", 1000, args.warmup_prompts, args.out.with_name(f"{args.out.name}-{key}-w.json"))
         out = {}
@@ -153,10 +143,6 @@ def measure(key: str, command: list[str], env: dict[str, str], args: argparse.Na
                 out[(t, rate)] = client(url, args, rate, t, i, args.num_prompts, result)
                 print(f"{_name(key)}, temperature {t}, {rate} req/s: {out[(t, rate)]}", flush=True)
         return out
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(120)
-        log.close()
 
 
 def table(results: dict[str, dict], args: argparse.Namespace) -> str:

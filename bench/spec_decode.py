@@ -19,18 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import openai
-from pd_sweep import wait_healthy
-
-from pdserve.api.serve import free_port
+from pd_sweep import served
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
 MODEL = "SmolLM2-135M-Instruct"
@@ -102,23 +97,13 @@ def one(client: openai.OpenAI, prompt: str, max_tokens: int) -> dict:
 
 
 def measure(key: str, command: list[str], env: dict[str, str], args: argparse.Namespace) -> list[dict]:
-    port = free_port()
-    log = open(args.out.with_name(f"{args.out.name}-{key}.log"), "wb")  # noqa: SIM115
-    proc = subprocess.Popen([c.replace("{port}", str(port)) for c in command], stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, **env}, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, proc, key, timeout=900)
+    with served(key, command, env, args.out.with_name(f"{args.out.name}-{key}.log")) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=600)
         for prompt in PROMPTS[:2]:  # warm-up, not reported
             one(client, prompt, 32)
         results = [one(client, prompt, args.max_tokens) for prompt in PROMPTS]
-        print(f"{key}: mean TPOT {statistics.mean(r['tpot'] for r in results) * 1000:.1f} ms", flush=True)
-        return results
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(120)
-        log.close()
+    print(f"{key}: mean TPOT {statistics.mean(r['tpot'] for r in results) * 1000:.1f} ms", flush=True)
+    return results
 
 
 def table(results: dict[str, list[dict]], args: argparse.Namespace) -> str:
