@@ -16,7 +16,7 @@ from pdserve.sampling import SamplingParams
 from pdserve.sampling.sampler import Sampler, SamplingRow, make_generator, skip_draws
 from pdserve.spec_decode.config import SpeculativeConfig, speculative_config
 from pdserve.spec_decode.ngram_proposer import NgramProposer
-from pdserve.spec_decode.verifier import GeneratorRewind, accepted_tokens, position_rows
+from pdserve.spec_decode.verifier import accepted_tokens, position_rows, rewind
 from tests.greedy import assert_same_greedy
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
@@ -27,6 +27,8 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
 def test_speculative_config_takes_vllms_json_and_names_what_it_refuses() -> None:
     config = speculative_config(json.dumps(NGRAM))
     assert (config.num_speculative_tokens, config.prompt_lookup_max, config.prompt_lookup_min) == (4, 4, 2)
+    one = speculative_config({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
+    assert (one.prompt_lookup_min, one.prompt_lookup_max) == (3, 3)  # vLLM's rule: the one given stands for both
     with pytest.raises(ValueError, match="eagle"):
         speculative_config({"method": "eagle", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="draft_tensor_parallel_size"):
@@ -190,11 +192,10 @@ def test_a_seeded_sequence_spends_one_draw_per_emitted_token() -> None:
     params = SamplingParams(temperature=1.0, seed=7)
     logits = torch.tensor([[0.0, 1.0, 2.0, 0.5]] * 3)
     row = SamplingRow(params, [0], [], generator=make_generator(7))
-    rewind = GeneratorRewind()
-    rewind.save(row.generator)
+    state = row.generator.get_state()
     drawn = Sampler()(logits, position_rows(row, [2, 2])).token_ids.tolist()
     emitted = accepted_tokens(drawn, [2, 2])
-    rewind.rewind(row.generator, len(emitted))
+    rewind(row.generator, state, len(emitted))
     plain = make_generator(7)
     skip_draws(plain, len(emitted))
     assert torch.equal(row.generator.get_state(), plain.get_state())

@@ -13,8 +13,8 @@ KNOWN_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_l
 class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
     method: str = "ngram"
     num_speculative_tokens: int = 4
-    prompt_lookup_max: int = 4
-    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5  # vLLM's defaults when neither is given
+    prompt_lookup_min: int = 5
     # vLLM's key: with more decoding sequences than this, no step speculates, and up to it every step does.
     # None: each step decides from measurement (spec_decode/controller.py).
     disable_by_batch_size: int | None = None
@@ -48,10 +48,9 @@ def speculative_config(value: str | dict[str, Any] | SpeculativeConfig | None) -
     if unknown:
         raise ValueError(f"--speculative-config: {', '.join(unknown)} not supported (pdserve takes "
                          f"{', '.join(KNOWN_KEYS)})")
-    if "prompt_lookup_max" in value and "prompt_lookup_min" not in value:
-        value = {**value, "prompt_lookup_min": min(value["prompt_lookup_max"], 2)}
-    if "prompt_lookup_min" in value and "prompt_lookup_max" not in value:
-        value = {**value, "prompt_lookup_max": max(value["prompt_lookup_min"], 4)}
+    for given, missing in (("prompt_lookup_max", "prompt_lookup_min"), ("prompt_lookup_min", "prompt_lookup_max")):
+        if given in value and missing not in value:  # vLLM's rule: the one given stands for both
+            value = {**value, missing: value[given]}
     try:
         return msgspec.convert(value, SpeculativeConfig)
     except msgspec.ValidationError as e:

@@ -3,11 +3,12 @@ that carried proposals against those that did not.
 
 Verifying 1 + K tokens per sequence is nearly free while a decode step is memory-bound (batch 1 on a
 CPU) and a loss once it is compute-bound; where that happens depends on the device, the dtype and how
-often proposals are accepted (on 2 Zen 4 cores, ShareGPT greedy: a gain up to ~8 sequences in fp32,
-a loss from 4 in bf16; docs/architecture.md). So the engine times its decode-only steps and, per batch
-size bucket (1, 2-3, 4-7, 8-15, ...), keeps a moving average of emitted tokens per second with and
-without proposals; a step uses its proposals when that bucket's speculative rate is the higher one. The
-losing side is still tried on one step in EXPLORE_EVERY, so a change (other prompts, other load) is seen.
+often proposals are accepted (on 2 Zen 4 cores, ShareGPT greedy: 2-3x at one sequence, 0.8-0.9x at
+32, anything from 0.74x to 1.16x between 4 and 16 from run to run; docs/architecture.md). So the
+engine times its decode-only steps and, per batch size bucket (1, 2-3, 4-7, 8-15, ...), keeps a moving
+average of emitted tokens per second with and without proposals; a step uses its proposals when that
+bucket's speculative rate is the higher one. The losing side is still tried on one step in
+EXPLORE_EVERY, so a change (other prompts, other load) is seen.
 """
 
 from __future__ import annotations

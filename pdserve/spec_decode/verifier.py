@@ -38,22 +38,8 @@ def accepted_tokens(drawn: list[int], drafts: list[int]) -> list[int]:
     return drawn[:n + 1]
 
 
-class GeneratorRewind:
-    """Seeded sequences draw 1 + K uniforms to score their positions but spend one per emitted token:
-    `rewind` puts each generator where plain decoding would have it."""
-
-    def __init__(self) -> None:
-        self._states: list[tuple[torch.Generator, torch.Tensor]] = []
-
-    def save(self, generator: torch.Generator | None) -> None:
-        if generator is not None:
-            self._states.append((generator, generator.get_state()))
-
-    def rewind(self, generator: torch.Generator | None, num_emitted: int) -> None:
-        if generator is None:
-            return
-        for saved, state in self._states:
-            if saved is generator:
-                saved.set_state(state)
-                skip_draws(saved, num_emitted)
-                return
+def rewind(generator: torch.Generator, state: torch.Tensor, num_emitted: int) -> None:
+    """A seeded sequence drew 1 + K uniforms from `state` to score its positions but spends one per
+    emitted token: its generator goes where plain decoding would have it."""
+    generator.set_state(state)
+    skip_draws(generator, num_emitted)

@@ -31,7 +31,7 @@ from pdserve.kv_layout import KVLayout
 from pdserve.model import SequenceChunk
 from pdserve.model_runner import ModelRunner
 from pdserve.sampling import SamplerOutput, SamplingRow, make_generator, skip_draws
-from pdserve.spec_decode.verifier import GeneratorRewind, accepted_tokens, position_rows
+from pdserve.spec_decode.verifier import accepted_tokens, position_rows, rewind
 from pdserve.structured.matcher import GrammarCompiler, SequenceGrammar, allowed_tokens
 from pdserve.transfer_plan import LayerDone, StepTransfers
 from pdserve.worker.profile_run import profile_num_blocks
@@ -134,8 +134,7 @@ class Worker:
         speculating = [i for i in to_sample if step.chunks[i].num_draft]
         ids = [step.chunks[i].request_id for i in to_sample]
         rows = [self.rows[rid] for rid in ids]
-        drafts = [step.chunks[i].token_ids[len(step.chunks[i].token_ids) - step.chunks[i].num_draft:]
-                  for i in to_sample]
+        drafts = [c.token_ids[-c.num_draft:] if c.num_draft else [] for c in (step.chunks[i] for i in to_sample)]
         grammars = [r.grammar for r in rows]
         masks = (self.grammar_compiler.fill_async(grammars, drafts if speculating else None)
                  if any(g is not None for g in grammars) else None)
@@ -148,27 +147,25 @@ class Worker:
             logits = logits[torch.tensor(_sampled_rows(step.chunks, to_sample), device=logits.device)]
         bits = masks.result() if masks is not None else None
         grammar_mask = allowed_tokens(bits, logits.shape[1], logits.device) if bits is not None else None
-        rewind = GeneratorRewind()
-        flat_rows = []
-        for row, proposed in zip(rows, drafts, strict=True):
-            if proposed:
-                rewind.save(row.generator)
-            flat_rows.extend(position_rows(row, proposed) if proposed else [row])
+        # a seeded speculating sequence draws for every position; its generator is put back after (rewind)
+        states = [r.generator.get_state() if d and r.generator is not None else None
+                  for r, d in zip(rows, drafts, strict=True)]
+        flat_rows = [p for row, proposed in zip(rows, drafts, strict=True) for p in position_rows(row, proposed)]
         out = self.runner.sampler(logits, flat_rows, grammar_mask)
-        return StepResult(sampled=self._accept(ids, rows, drafts, out, rewind), prompt_logprobs=prompt_logprobs)
+        return StepResult(sampled=self._accept(ids, rows, drafts, out, states), prompt_logprobs=prompt_logprobs)
 
     def _accept(self, ids: list[str], rows: list[SamplingRow], drafts: list[list[int]], out: SamplerOutput,
-                rewind: GeneratorRewind) -> list[Sampled]:
+                states: list[torch.Tensor | None]) -> list[Sampled]:
         """Per sequence, the tokens it emits (with proposals: accepted_tokens), into its sampling state."""
         tokens = out.token_ids.tolist()
         logprobs = out.logprobs.tolist() if out.logprobs is not None else None
         top_ids = out.top_token_ids.tolist() if out.top_token_ids is not None else None
         top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
         sampled, offset = [], 0
-        for rid, row, proposed in zip(ids, rows, drafts, strict=True):
+        for rid, row, proposed, state in zip(ids, rows, drafts, states, strict=True):
             emitted = accepted_tokens(tokens[offset:offset + 1 + len(proposed)], proposed)
-            if proposed:
-                rewind.rewind(row.generator, len(emitted))
+            if state is not None:
+                rewind(row.generator, state, len(emitted))
             row.output_token_ids.extend(emitted)
             if row.grammar is not None:
                 for token in emitted:
@@ -258,5 +255,5 @@ def _sampled_rows(chunks: list[Chunk], to_sample: list[int]) -> list[int]:
     starts, row = [], 0
     for c in chunks:
         starts.append(row)
-        row += 1 + c.num_draft if c.num_draft and c.sample else 1
+        row += 1 + c.num_draft  # a chunk with proposals always samples
     return [r for i in to_sample for r in range(starts[i], starts[i] + 1 + chunks[i].num_draft)]
