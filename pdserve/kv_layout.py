@@ -95,3 +95,15 @@ def coalesce(ranges: Iterable[ByteRange]) -> list[ByteRange]:
                 continue
         out.append((src, dst, n))
     return out
+
+
+def block_runs(src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(first source block, first destination block, count): pairs adjacent on both sides merged, so a
+    copy between two caches of this layout is one slice copy per run."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src_blocks, dst_blocks, strict=True):
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs

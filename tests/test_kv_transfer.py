@@ -185,22 +185,31 @@ def test_messager_reports_a_dead_receiver(caches: tuple[KVCache, KVCache]) -> No
 
 def test_truth_table_follows_the_design_rules() -> None:
     """DESIGN section 2's rules, checked on every row: one process creates the cache, after it started;
-    the other attaches after cache-ready; mixed rows: the worker owns it, alone without prefix caching;
-    PD rows: the cache service owns it and starts first exactly when there is no profile run."""
-    assert len(TRUTH_TABLE) == 8
-    for (profile, mixed, prefix), steps in TRUTH_TABLE.items():
+    the other attaches after cache-ready; a cache in shared memory: mixed rows, the worker owns it,
+    alone without prefix caching; PD rows, the cache service owns it and starts first exactly when there
+    is no profile run. A cache in device memory (section 4b): the worker owns it in every role, and
+    creates it only after the cache service made the host memory it maps."""
+    assert len(TRUTH_TABLE) == 16
+    for (profile, mixed, prefix, device), steps in TRUTH_TABLE.items():
         creates = [s for s in steps if s in (Step.WORKER_CREATES_CACHE, Step.SERVICE_CREATES_CACHE)]
         assert len(creates) == 1 and len(set(steps)) == len(steps)
         owner = WORKER if creates[0] is Step.WORKER_CREATES_CACHE else CACHE_SERVICE
         start = {WORKER: Step.START_WORKER, CACHE_SERVICE: Step.START_CACHE_SERVICE}
-        attach = {WORKER: Step.WORKER_ATTACHES, CACHE_SERVICE: Step.SERVICE_ATTACHES}
         assert steps.index(start[owner]) < steps.index(creates[0])
+        assert (Step.START_CACHE_SERVICE in steps) == (not mixed or prefix)
+        if device:
+            assert owner == WORKER and Step.WORKER_ATTACHES not in steps and Step.SERVICE_ATTACHES not in steps
+            if Step.START_CACHE_SERVICE in steps:
+                host = steps.index(Step.SERVICE_CREATES_HOST_MEMORY)
+                assert steps.index(Step.START_CACHE_SERVICE) < host < steps.index(creates[0])
+            continue
+        assert Step.SERVICE_CREATES_HOST_MEMORY not in steps
+        attach = {WORKER: Step.WORKER_ATTACHES, CACHE_SERVICE: Step.SERVICE_ATTACHES}
         others = [p for p in (WORKER, CACHE_SERVICE) if p != owner and start[p] in steps]
         for other in others:
             assert steps.index(creates[0]) < steps.index(attach[other]) and steps.index(start[other]) < steps.index(
                 attach[other])
         assert owner == (WORKER if mixed else CACHE_SERVICE)
-        assert (Step.START_CACHE_SERVICE in steps) == (not mixed or prefix)
         assert (steps[0] is Step.START_CACHE_SERVICE) == (not mixed and not profile)
 
 

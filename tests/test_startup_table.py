@@ -1,6 +1,8 @@
 """The startup truth table (DESIGN section 2), row by row, on real instances: each row starts in the
 order the table gives, the table's process creates the KV cache (the other attaches after cache-ready),
-and the instance then serves a request (PD rows: a prefill and a decode instance serve one together)."""
+and the instance then serves a request (PD rows: a prefill and a decode instance serve one together).
+The rows of a cache in device memory run on CPU under PDSERVE_PRIVATE_KV_CACHE=1: the worker creates
+its cache only after the cache service made the host memory it copies through, and nothing attaches."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pdserve.disagg.startup import TRUTH_TABLE, Step, cache_owner, processes
+from pdserve.disagg.startup import CACHE_SERVICE, PRIVATE_CACHE_ENV, TRUTH_TABLE, Step, cache_owner, processes
 from tests.servers import Server
 
 pytestmark = pytest.mark.e2e  # starts pdserve processes or loads the model: not in `make test-fast`
@@ -30,18 +32,27 @@ def _flags(profile: bool, prefix: bool, log: Path) -> list[str]:
     return [*(PROFILE if profile else NO_PROFILE), prefix_flag, "--startup-log", str(log)]
 
 
-def _check_log(path: Path, steps: tuple[Step, ...]) -> None:
+def _check_log(path: Path, steps: tuple[Step, ...], device: bool = False) -> None:
     """The instance ran its row's steps, in order, and each did what it says."""
     events = [json.loads(line) for line in path.read_text().splitlines()]
     assert [e["step"] for e in events if e["event"] == "step"] == [s.name for s in steps]
     assert [e["process"] for e in events if e["event"] == "cache_created"] == [cache_owner(steps)]
+    kinds = [e["event"] for e in events]
+    assert kinds[-1] == "ready"
+    if device:
+        assert "cache_attached" not in kinds
+        assert [e for e in events if e["event"] == "cache_created"][0]["segment"] is None  # private memory
+        host = [e["process"] for e in events if e["event"] == "host_memory_created"]
+        assert host == ([CACHE_SERVICE] if Step.START_CACHE_SERVICE in steps else [])
+        if host:  # the worker maps it as it creates the cache
+            assert kinds.index("host_memory_created") < kinds.index("cache_created")
+        return
     attached = [e["process"] for e in events if e["event"] == "cache_attached"]
     assert attached == [p for p in processes(steps) if p != cache_owner(steps)]
     kinds = [e["event"] for e in events]
     for i, e in enumerate(events):  # the other process attaches only after the cache exists
         if e["event"] == "cache_attached":
             assert "cache_created" in kinds[:i]
-    assert kinds[-1] == "ready"
 
 
 def _complete(server: Server, **extra: object) -> httpx.Response:
@@ -49,16 +60,21 @@ def _complete(server: Server, **extra: object) -> httpx.Response:
                       json={"prompt": PROMPT, "max_tokens": 4, "temperature": 0, **extra})
 
 
-ROW_IDS = ["".join(f"{c}{int(v)}" for c, v in zip("pmc", k, strict=True)) for k, _ in ROWS]  # p1m0c1: short paths
+ROW_IDS = ["".join(f"{c}{int(v)}" for c, v in zip("pmcd", k, strict=True)) for k, _ in ROWS]  # p1m0c1d0: short
 
 
 @pytest.mark.parametrize(("key", "steps"), ROWS, ids=ROW_IDS)
-def test_startup_row(tmp_path: Path, key: tuple[bool, bool, bool], steps: tuple[Step, ...]) -> None:
-    profile, mixed, prefix = key
+def test_startup_row(tmp_path: Path, key: tuple[bool, bool, bool, bool], steps: tuple[Step, ...]) -> None:
+    profile, mixed, prefix, device = key
+    env = {PRIVATE_CACHE_ENV: "1"} if device else None
     if mixed:
-        server = Server(tmp_path / "mixed", *_flags(profile, prefix, tmp_path / "mixed.jsonl"))
+        # a device cache's mixed instance starts its cache service only for a host tier
+        tier = ["--swap-space", "0.05"] if device and prefix else []
+        server = Server(tmp_path / "mixed", *_flags(profile, prefix, tmp_path / "mixed.jsonl"), *tier, env=env,
+                        wait=False)
         try:
-            _check_log(tmp_path / "mixed.jsonl", steps)
+            server.wait_ready(240)
+            _check_log(tmp_path / "mixed.jsonl", steps, device)
             r = _complete(server)
             assert r.status_code == 200 and r.json()["choices"][0]["text"].startswith(" Paris")
         finally:
@@ -67,11 +83,13 @@ def test_startup_row(tmp_path: Path, key: tuple[bool, bool, bool], steps: tuple[
     logs = {role: tmp_path / f"{role}.jsonl" for role in ("prefill", "decode")}
     with ThreadPoolExecutor(2) as pool:
         servers = dict(zip(logs, pool.map(
-            lambda role: Server(tmp_path / role, "--splitwise-role", role, *_flags(profile, prefix, logs[role])),
-            logs), strict=True))
+            lambda role: Server(tmp_path / role, "--splitwise-role", role, *_flags(profile, prefix, logs[role]),
+                                env=env, wait=False), logs), strict=True))
     try:
+        for s in servers.values():
+            s.wait_ready(240)
         for log in logs.values():
-            _check_log(log, steps)
+            _check_log(log, steps, device)
         p, d = servers["prefill"], servers["decode"]
         ready = json.loads(logs["prefill"].read_text().splitlines()[0])
         assert ready["event"] == "plan" and ready["mixed_role"] is False
@@ -103,14 +121,16 @@ def _pd_port(server: Server) -> int:
 
 def test_a_cache_without_a_segment_starts_a_mixed_instance_without_its_cache_service(tmp_path: Path) -> None:
     """A CUDA cache has no shared-memory segment for the cache service to attach to (issue 17: the
-    default CUDA config died on it). PDSERVE_PRIVATE_KV_CACHE=1 gives a CPU cache the same property."""
+    default CUDA config died on it); without a host tier the service has nothing to keep and is not
+    started. PDSERVE_PRIVATE_KV_CACHE=1 gives a CPU cache the same property."""
     log = tmp_path / "mixed.jsonl"
-    server = Server(tmp_path / "mixed", *_flags(False, True, log), wait=False, env={"PDSERVE_PRIVATE_KV_CACHE": "1"})
+    server = Server(tmp_path / "mixed", *_flags(False, True, log), wait=False, env={PRIVATE_CACHE_ENV: "1"})
     try:
         server.wait_ready(240)
         events = [json.loads(line) for line in log.read_text().splitlines()]
         assert [e["step"] for e in events if e["event"] == "step"] == [Step.START_WORKER.name,
                                                                         Step.WORKER_CREATES_CACHE.name]
+        assert [e for e in events if e["event"] == "plan"][0]["device_cache"] is True
         assert [e for e in events if e["event"] == "cache_created"][0]["segment"] is None
         assert any(e["event"] == "cache_service_not_started" for e in events)
         assert not server.children("pdserve.disagg.cache_service")

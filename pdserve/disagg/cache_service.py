@@ -2,8 +2,9 @@
 
 `python -m pdserve.disagg.cache_service --config B64 --address ipc://... --messager-address ipc://...`
 
-The engine first sends CreateCache (PD roles: this process owns the cache segment) or AttachCache
-(mixed role: the worker owns it). Then, by role:
+The engine first sends CreateCache (PD roles: this process owns the cache segment; with the cache in
+device memory it is the staging area the worker copies through, and a mixed instance gets only its
+host tier) or AttachCache (mixed role: the worker owns it). Then, by role:
 - prefill: the cache messager takes StepTransfers / LayerDone from the worker on `--messager-address`
   and writes the KV into decode instances; it reports TransferDone to the engine;
 - decode: receivers for the transports that need one run here (tcp), writing into this cache;
@@ -55,8 +56,10 @@ log = logging.getLogger("pdserve.cache_service")
 class CacheService:
     def __init__(self, config: EngineConfig, command: CreateCache | AttachCache, ctx: zmq.Context,
                  messager_address: str, report: object) -> None:
+        self.cache: KVSegment | None = None
         if isinstance(command, CreateCache):
-            self.cache = KVSegment.create(command.layout.nbytes)
+            if command.cache_segment:
+                self.cache = KVSegment.create(command.layout.nbytes)
         else:
             self.cache = KVSegment.attach(command.segment, command.layout.nbytes)
         self.created = isinstance(command, CreateCache)
@@ -77,10 +80,11 @@ class CacheService:
             port = config.rdma_comm_port  # UCX reads it when the NIXL agent is made (a free port is checked then)
             os.environ["UCX_TCP_PORT_RANGE"] = f"{port}-{port}"
         destination = self.buffer if self.buffer is not None else self.cache
-        buffer = CacheBuffer(destination.shm.buf, buffer_address(destination.shm.buf))
         self.receivers: list[KVReceiver] = []
         self.messager: CacheMessager | None = None
         self.inbox: zmq.Socket | None = None
+        if destination is not None:
+            buffer = CacheBuffer(destination.shm.buf, buffer_address(destination.shm.buf))
         if config.splitwise_role == "decode":
             self.receivers = [start_receiver(p, buffer, destination.name, config.pd_host,
                                              config.advertise_host or config.pd_host)
@@ -93,7 +97,8 @@ class CacheService:
         self.messager_address = messager_address if self.messager is not None else None
 
     def ready_message(self) -> CacheServiceReady:
-        return CacheServiceReady(self.cache.name, self.created, [r.endpoint for r in self.receivers],
+        name = self.cache.name if self.cache is not None else None
+        return CacheServiceReady(name, self.created, [r.endpoint for r in self.receivers],
                                  self.messager_address, self.buffer.name if self.buffer is not None else None,
                                  self.host.name if self.host is not None else None)
 
@@ -110,7 +115,8 @@ class CacheService:
         for segment in (self.buffer, self.host):
             if segment is not None:
                 segment.close()
-        self.cache.close()
+        if self.cache is not None:
+            self.cache.close()
 
     def swap_in(self, msg: SwapIn) -> SwapDone:
         """Buffer blocks -> cache blocks."""

@@ -5,8 +5,10 @@ D reserves blocks for a PD request's prompt (queueing in order while blocks are 
 decoding from P's first token. The blocks are D's own cache blocks, or with
 --splitwise-cache-buffer-size (seed 002) blocks of a host buffer in the cache service: then P is
 released as soon as its KV is complete, and D takes cache blocks only when the request can join
-the decode batch, after the cache service has copied buffer -> cache. The phases and lease rules
-are in lifecycle.py.
+the decode batch, after the cache service has copied buffer -> cache. With the cache in device memory
+(issue 28) P writes into the cache service's staging area (the cache's block ids) or the buffer, and
+the worker copies host -> device with its next step, before that step's forward pass (WorkerCopies).
+The phases and lease rules are in lifecycle.py.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from pdserve.engine.messages import PDParams, RequestOutput, TokenLogprobs
 from pdserve.engine.request import Request
 from pdserve.engine.request_output import final_output
 from pdserve.engine.scheduler import ScheduledChunk, Scheduler
+from pdserve.engine.worker_copies import WorkerCopies
 from pdserve.kv_layout import KVLayout
 from pdserve.transfer_plan import TransferPlan
 from pdserve.transport import Endpoint
@@ -74,8 +77,10 @@ class Incoming:
 class DecodeConnector(ConnectorBase):
     def __init__(self, config: EngineConfig, scheduler: Scheduler, layout: KVLayout, ctx: zmq.Context,
                  endpoints: list[Endpoint], service: CacheServiceClient,
-                 clock: Callable[[], float] = time.time, buffer_blocks: int = 0) -> None:
+                 clock: Callable[[], float] = time.time, buffer_blocks: int = 0,
+                 copies: WorkerCopies | None = None) -> None:
         super().__init__(config, scheduler, layout, clock)
+        self.copies = copies  # the cache in device memory: the worker copies P's KV in
         self.buffer = BlockPool(buffer_blocks, enable_caching=False) if buffer_blocks else None
         self._buffered: deque[Incoming] = deque()  # BUFFERED, in the order their KV completed
         self.swap_bytes = 0
@@ -126,6 +131,9 @@ class DecodeConnector(ConnectorBase):
         for report in self.service.transfer_reports():  # also takes the receivers' stats
             if isinstance(report, SwapDone):
                 outputs += self._on_swapped_in(report)
+        if self.copies is not None:
+            for transfer_id, nbytes, seconds in self.copies.swaps_done():
+                outputs += self._on_swapped_in(SwapDone(transfer_id, nbytes, seconds))
         for _addr, msg in self.control.receive():
             outputs += self._on_message(msg)
         now = self.clock()
@@ -273,6 +281,9 @@ class DecodeConnector(ConnectorBase):
             self._buffered.append(inc)
             self._swap_in()
             return []
+        if self.copies is not None:  # staging -> cache, before the step that decodes it
+            skip = r.num_cached_tokens // self.layout.block_size
+            self.copies.stage_in([b.block_id for b in r.blocks[skip:]])
         self._end(inc, Phase.DECODING)
         return self._start_decoding(inc, msg)
 
@@ -299,7 +310,8 @@ class DecodeConnector(ConnectorBase):
             if r.times.buffered is not None:
                 self._buffer_waits.append(r.times.swap_started - r.times.buffered)
             skip = r.num_cached_tokens // self.layout.block_size
-            self.service.swap_in(inc.transfer_id, [b.block_id for b in inc.buffer],
+            swapper = self.copies if self.copies is not None else self.service
+            swapper.swap_in(inc.transfer_id, [b.block_id for b in inc.buffer],
                                  [b.block_id for b in r.blocks[skip:skip + len(inc.buffer)]])
 
     def _on_swapped_in(self, report: SwapDone) -> list[RequestOutput]:

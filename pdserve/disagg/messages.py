@@ -19,9 +19,13 @@ from pdserve.transport import Endpoint
 
 
 class CreateCache(msgspec.Struct, tag=True):
+    """Create the cache's segment (a cache in device memory: the staging area that mirrors it) and the
+    host segments asked for."""
+
     layout: KVLayout
     buffer_blocks: int = 0  # decode role: a host buffer of this many blocks (same layout) receives P's KV
     host_blocks: int = 0  # --swap-space: the host prefix tier, this many blocks of the same layout
+    cache_segment: bool = True  # False: a mixed instance's device cache needs only the host tier
 
 
 class AttachCache(msgspec.Struct, tag=True):

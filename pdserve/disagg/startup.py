@@ -1,11 +1,15 @@
 """The startup truth table (DESIGN section 2, seeds 000/001) as steps, the loop that runs them, and the
 startup log.
 
-Which process starts first and who creates the KV cache depends on three things: whether the block
-count comes from a profile run (no --num-gpu-blocks-override), whether the role is mixed, and
-whether prefix caching is on. Each row of the table is the list of its steps in order; the creator
-allocates the cache and raises *cache-ready*; the other process attaches only after it. The startup
-log (`--startup-log`) records each step as it runs, so a test compares it with the row.
+Which process starts first and who creates the KV cache depends on four things: whether the block
+count comes from a profile run (no --num-gpu-blocks-override), whether the role is mixed, whether
+prefix caching is on, and whether the cache is in device memory (CUDA; on a CPU the test mode
+PDSERVE_PRIVATE_KV_CACHE=1). Each row of the table is the list of its steps in order; the creator
+allocates the cache and raises *cache-ready*; the other process attaches only after it. A cache in
+device memory is the worker's in every role (issue 28): the cache service creates the host memory the
+worker copies through (staging, decode buffer, host tier) first, and the worker maps it as it creates
+the cache. The startup log (`--startup-log`) records each step as it runs, so a test compares it with
+the row.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import enum
 import json
 import logging
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -30,6 +35,9 @@ if TYPE_CHECKING:
     from pdserve.transport import Endpoint
 
 WORKER, CACHE_SERVICE = "worker", "cache_service"
+# "1": a CPU worker keeps its cache in private memory, as a CUDA cache is, and every role takes the
+# device cache's staging path (a test mode: tests run that path daily without a GPU)
+PRIVATE_CACHE_ENV = "PDSERVE_PRIVATE_KV_CACHE"
 
 log = logging.getLogger("pdserve.startup")
 
@@ -43,6 +51,8 @@ class Step(enum.Enum):
     SERVICE_CREATES_CACHE = "the cache service creates the cache and raises cache-ready"
     WORKER_ATTACHES = "the worker attaches to the cache"
     SERVICE_ATTACHES = "the cache service attaches to the cache"
+    SERVICE_CREATES_HOST_MEMORY = ("the cache service creates the host memory a device cache is copied through "
+                                   "(PD: staging; the decode buffer; the host tier) and raises host-ready")
 
 
 _W, _C = Step.START_WORKER, Step.START_CACHE_SERVICE
@@ -50,25 +60,51 @@ WORKER_OWNS = (_W, Step.WORKER_CREATES_CACHE, _C, Step.SERVICE_ATTACHES)
 WORKER_ALONE = (_W, Step.WORKER_CREATES_CACHE)
 PROFILE_THEN_SERVICE = (_W, _C, Step.SERVICE_CREATES_CACHE, Step.WORKER_ATTACHES)
 SERVICE_FIRST = (_C, Step.SERVICE_CREATES_CACHE, _W, Step.WORKER_ATTACHES)
+DEVICE_CACHE = (_W, _C, Step.SERVICE_CREATES_HOST_MEMORY, Step.WORKER_CREATES_CACHE)
 
-#  (profile run, mixed role, prefix cache) -> steps. Mixed: the worker owns the cache (nothing is
-#  sent), and without prefix caching it runs alone. PD: the cache service owns it (it sends or
-#  receives KV), after the worker's profile run when there is one (the block count comes from it),
-#  else first.
-TRUTH_TABLE: dict[tuple[bool, bool, bool], tuple[Step, ...]] = {
-    (True, True, True): WORKER_OWNS,
-    (True, True, False): WORKER_ALONE,
-    (True, False, True): PROFILE_THEN_SERVICE,
-    (True, False, False): PROFILE_THEN_SERVICE,
-    (False, True, True): WORKER_OWNS,
-    (False, True, False): WORKER_ALONE,
-    (False, False, True): SERVICE_FIRST,
-    (False, False, False): SERVICE_FIRST,
+#  (profile run, mixed role, prefix cache, cache in device memory) -> steps. A cache in host shared
+#  memory: mixed, the worker owns it (nothing is sent), and without prefix caching it runs alone; PD,
+#  the cache service owns it (it sends or receives KV), after the worker's profile run when there is
+#  one (the block count comes from it), else first. A cache in device memory: the worker owns it in
+#  every role, after the cache service made the host memory it maps (a mixed instance without prefix
+#  caching has none and runs alone; with it, the service starts only for a host tier, --swap-space).
+TRUTH_TABLE: dict[tuple[bool, bool, bool, bool], tuple[Step, ...]] = {
+    (True, True, True, False): WORKER_OWNS,
+    (True, True, False, False): WORKER_ALONE,
+    (True, False, True, False): PROFILE_THEN_SERVICE,
+    (True, False, False, False): PROFILE_THEN_SERVICE,
+    (False, True, True, False): WORKER_OWNS,
+    (False, True, False, False): WORKER_ALONE,
+    (False, False, True, False): SERVICE_FIRST,
+    (False, False, False, False): SERVICE_FIRST,
+    (True, True, True, True): DEVICE_CACHE,
+    (True, True, False, True): WORKER_ALONE,
+    (True, False, True, True): DEVICE_CACHE,
+    (True, False, False, True): DEVICE_CACHE,
+    (False, True, True, True): DEVICE_CACHE,
+    (False, True, False, True): WORKER_ALONE,
+    (False, False, True, True): DEVICE_CACHE,
+    (False, False, False, True): DEVICE_CACHE,
 }
 
 
 def cache_owner(steps: tuple[Step, ...]) -> str:
     return WORKER if Step.WORKER_CREATES_CACHE in steps else CACHE_SERVICE
+
+
+def cache_in_device_memory(config: EngineConfig) -> bool:
+    """The worker's cache is private to it: CUDA, or the CPU test mode. Decided before any process
+    starts (the row depends on it); torch is imported only where an NVIDIA device exists and no
+    --device was given, and the worker refuses a plan that does not match its device."""
+    if os.environ.get(PRIVATE_CACHE_ENV) == "1":
+        return True
+    if config.device:
+        return not config.device.startswith("cpu")
+    if not Path("/proc/driver/nvidia/gpus").is_dir() and not Path("/dev/nvidia0").exists():
+        return False
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def processes(steps: tuple[Step, ...]) -> list[str]:
@@ -79,10 +115,10 @@ def processes(steps: tuple[Step, ...]) -> list[str]:
 class StartupLog:
     """What happened in which order, for people (the log) and tests (JSON lines in --startup-log)."""
 
-    def __init__(self, path: str | None, steps: tuple[Step, ...], key: tuple[bool, bool, bool]) -> None:
+    def __init__(self, path: str | None, steps: tuple[Step, ...], key: tuple[bool, bool, bool, bool]) -> None:
         self.path = path
         self.events: list[dict] = []
-        self.record("plan", profile_run=key[0], mixed_role=key[1], prefix_caching=key[2],
+        self.record("plan", profile_run=key[0], mixed_role=key[1], prefix_caching=key[2], device_cache=key[3],
                     steps=[step.name for step in steps])
 
     def record(self, event: str, process: str | None = None, **detail: object) -> None:
@@ -113,6 +149,7 @@ class StartedProcesses:
     buffer_segment: str | None = None
     host_blocks: int = 0  # --swap-space: blocks of the host prefix tier
     host_segment: str | None = None
+    device_cache: bool = False  # the worker's cache is private (CUDA, or the CPU test mode)
 
     def shutdown(self) -> None:
         for proc in (self.worker, self.cache_service):
@@ -166,12 +203,13 @@ def layout_without_profile(config: EngineConfig, num_blocks: int) -> KVLayout:
 def start_processes(config: EngineConfig, ctx: zmq.Context, sockdir: str) -> StartedProcesses:
     """Run the table's row for this config, step by step; every wait has config.startup_timeout and
     names the process. On failure, what was started is stopped and the segment removed."""
-    key = (config.num_gpu_blocks_override is None, config.splitwise_role == "mixed", config.enable_prefix_caching)
+    key = (config.num_gpu_blocks_override is None, config.splitwise_role == "mixed", config.enable_prefix_caching,
+           cache_in_device_memory(config))
     steps = TRUTH_TABLE[key]
-    start = _Startup(config, ctx, sockdir, StartupLog(config.startup_log, steps, key))
+    start = _Startup(config, ctx, sockdir, StartupLog(config.startup_log, steps, key), key[3])
     try:
         for step in steps:
-            if start.service_has_nothing_to_attach(steps, step):
+            if start.service_has_nothing_to_keep(step):
                 continue
             start.log.record("step", step=step.name)
             getattr(start, step.name.lower())()
@@ -190,24 +228,22 @@ def start_processes(config: EngineConfig, ctx: zmq.Context, sockdir: str) -> Sta
 class _Startup:
     """What the steps share; one method per Step, named after it."""
 
-    def service_has_nothing_to_attach(self, steps: tuple[Step, ...], step: Step) -> bool:
-        """A mixed instance's cache service attaches to the worker's cache through its shared-memory
-        segment. A cache in device memory (CUDA) has none, and the service has no work in a mixed
-        instance yet (the host prefix tier is not built), so it is not started; the log says so."""
-        if step not in (Step.START_CACHE_SERVICE, Step.SERVICE_ATTACHES) or cache_owner(steps) != WORKER:
+    def service_has_nothing_to_keep(self, step: Step) -> bool:
+        """A mixed instance whose cache is in device memory needs the cache service only for a host tier
+        (--swap-space); without one it is not started, and the log says so."""
+        mixed = self.config.splitwise_role == "mixed"
+        if not self.device_cache or not mixed or self.config.swap_space:
             return False
-        if self.segment is not None:
-            return False
-        if self.config.swap_space:
-            raise ValueError("--swap-space needs the KV cache in shared host memory (a CPU cache); the host "
-                             "tier of a device cache is not built yet")
         if step is Step.START_CACHE_SERVICE:
-            self.log.record("cache_service_not_started", reason="the worker's KV cache has no shared-memory "
-                            "segment (device memory); a mixed instance's cache service has nothing to attach to")
-        return True
+            self.log.record("cache_service_not_started", reason="the worker's KV cache is in device memory "
+                            "and there is no host tier (--swap-space): a mixed instance's cache service has "
+                            "nothing to keep")
+        return step in (Step.START_CACHE_SERVICE, Step.SERVICE_CREATES_HOST_MEMORY)
 
-    def __init__(self, config: EngineConfig, ctx: zmq.Context, sockdir: str, slog: StartupLog) -> None:
+    def __init__(self, config: EngineConfig, ctx: zmq.Context, sockdir: str, slog: StartupLog,
+                 device_cache: bool) -> None:
         self.config, self.ctx, self.sockdir, self.log = config, ctx, sockdir, slog
+        self.device_cache = device_cache
         self.timeout = config.startup_timeout
         self.worker: WorkerClient | None = None
         self.service: CacheServiceClient | None = None
@@ -232,6 +268,9 @@ class _Startup:
             raise RuntimeError(f"the worker's KV layout {self.loaded.layout} differs from the cache service's "
                                f"{self.layout}")
         self.layout = self.loaded.layout
+        if self.loaded.device != "cpu" and not self.device_cache:
+            raise RuntimeError(f"the worker runs on {self.loaded.device}, but startup planned a KV cache in shared "
+                               "host memory; pass --device")
 
     def start_cache_service(self) -> None:
         from pdserve.disagg.cache_service_client import CacheServiceClient
@@ -239,25 +278,45 @@ class _Startup:
         self.service = CacheServiceClient(self.config, self.ctx, f"ipc://{self.sockdir}/c", f"ipc://{self.sockdir}/m")
 
     def worker_creates_cache(self) -> None:
-        from pdserve.engine.messages import CacheCommand
+        from pdserve.engine.messages import CacheCommand, HostSegment
 
-        self.segment = self.worker.setup_cache(CacheCommand(create=True), self.timeout).kv_cache_name
-        self.log.record("cache_created", WORKER, segment=self.segment, num_blocks=self.layout.num_blocks)
+        if not self.device_cache:
+            self.segment = self.worker.setup_cache(CacheCommand(create=True), self.timeout).kv_cache_name
+            self.log.record("cache_created", WORKER, segment=self.segment, num_blocks=self.layout.num_blocks)
+            return
+        mine = [HostSegment(role, name, n) for role, name, n in (
+            ("staging", self.segment, self.layout.num_blocks), ("buffer", self.buffer_segment, self.buffer_blocks),
+            ("host", self.host_segment, self.host_blocks)) if name is not None]
+        command = CacheCommand(True, None, self.messager_address, private=True, host_segments=mine)
+        self.worker.setup_cache(command, self.timeout)
+        self.log.record("cache_created", WORKER, segment=None, num_blocks=self.layout.num_blocks,
+                        host_memory=[s.role for s in mine])
+
+    def service_creates_host_memory(self) -> None:
+        """The host memory of a device cache: PD roles get a staging segment of the cache's layout (the
+        cache's block ids; P sends from it, D receives into it), the decode buffer and the host tier."""
+        self._create_in_service(staging=self.config.splitwise_role != "mixed")
+        self.log.record("host_memory_created", CACHE_SERVICE, staging=self.segment,
+                        buffer_blocks=self.buffer_blocks, host_blocks=self.host_blocks)
 
     def service_creates_cache(self) -> None:
-        from pdserve.disagg.messages import CreateCache
-
         if self.layout is None:  # no worker yet: the layout from config.json
             self.layout = layout_without_profile(self.config, self.config.num_gpu_blocks_override)
-        self.buffer_blocks = gigabytes_in_blocks("--splitwise-cache-buffer-size",
-                                                 self.config.splitwise_cache_buffer_size, self.layout)
-        self.host_blocks = gigabytes_in_blocks("--swap-space", self.config.swap_space, self.layout)
-        ready = self.service.setup(CreateCache(self.layout, self.buffer_blocks, self.host_blocks), self.timeout)
-        self.segment, self.messager_address, self.endpoints = ready.segment, ready.messager_address, ready.endpoints
-        self.buffer_segment, self.host_segment = ready.buffer_segment, ready.host_segment
+        self._create_in_service(staging=True)
         self.log.record("cache_created", CACHE_SERVICE, segment=self.segment, num_blocks=self.layout.num_blocks,
                         **({"buffer_blocks": self.buffer_blocks} if self.buffer_blocks else {}),
                         **({"host_blocks": self.host_blocks} if self.host_blocks else {}))
+
+    def _create_in_service(self, staging: bool) -> None:
+        from pdserve.disagg.messages import CreateCache
+
+        self.buffer_blocks = gigabytes_in_blocks("--splitwise-cache-buffer-size",
+                                                 self.config.splitwise_cache_buffer_size, self.layout)
+        self.host_blocks = gigabytes_in_blocks("--swap-space", self.config.swap_space, self.layout)
+        command = CreateCache(self.layout, self.buffer_blocks, self.host_blocks, cache_segment=staging)
+        ready = self.service.setup(command, self.timeout)
+        self.segment, self.messager_address, self.endpoints = ready.segment, ready.messager_address, ready.endpoints
+        self.buffer_segment, self.host_segment = ready.buffer_segment, ready.host_segment
 
     def worker_attaches(self) -> None:
         from pdserve.engine.messages import CacheCommand
@@ -277,4 +336,5 @@ class _Startup:
     def result(self) -> StartedProcesses:
         return StartedProcesses(self.worker, self.service, self.layout, self.loaded.max_model_len,
                                 self.loaded.vocab_size, self.loaded.profile, self.endpoints, self.log, self.segment,
-                                self.buffer_blocks, self.buffer_segment, self.host_blocks, self.host_segment)
+                                self.buffer_blocks, self.buffer_segment, self.host_blocks, self.host_segment,
+                                self.device_cache)

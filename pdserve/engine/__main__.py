@@ -52,8 +52,12 @@ def main(argv: list[str] | None = None) -> int:
         core = EngineCore(config, started.worker, layout.num_blocks, started.max_model_len, started.vocab_size)
         if started.cache_service is not None:
             core.cache_service = started.cache_service
+        if started.device_cache:  # only the worker reaches the cache: it runs the copies
+            from pdserve.engine.worker_copies import WorkerCopies
+
+            core.copies = WorkerCopies(layout.block_bytes)
         if started.host_blocks:
-            core.kv.add_host_tier(started.host_blocks, started.cache_service)
+            core.kv.add_host_tier(started.host_blocks, core.copies or started.cache_service)
         core.layout = layout
         port = None
         if config.splitwise_role == "prefill":
@@ -61,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
             port = core.connector.port
         elif config.splitwise_role == "decode":
             core.connector = DecodeConnector(config, core.scheduler, layout, ctx, started.endpoints,
-                                             started.cache_service, buffer_blocks=started.buffer_blocks)
+                                             started.cache_service, buffer_blocks=started.buffer_blocks,
+                                             copies=core.copies)
         outputs.send(encoder.encode(EngineReady(
             layout.num_blocks, config.block_size, started.max_model_len, args.model_name, started.profile,
             config.splitwise_role, port, list(config.cache_transfer_protocol), started.log.events,

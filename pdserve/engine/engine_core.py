@@ -32,6 +32,7 @@ from pdserve.engine.request import Request
 from pdserve.engine.request_output import error_output, final_output
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 from pdserve.engine.worker_client import WorkerClient
+from pdserve.engine.worker_copies import WorkerCopies
 from pdserve.kv_layout import KVLayout
 from pdserve.utils.child_process import ChildDied
 from pdserve.utils.process import raise_if_stopping
@@ -49,6 +50,7 @@ class EngineCore:
         self.connector: KVConnector = NoConnector()  # PD roles: set by __main__
         self.cache_service: CacheService = NoCacheService()  # per the startup table: set by __main__
         self.layout: KVLayout | None = None
+        self.copies: WorkerCopies | None = None  # the cache in device memory: copies the worker runs
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
@@ -97,7 +99,7 @@ class EngineCore:
             self._check_cache_service()
             self._poll_host_tier()
             pending.extend(self._poll_connector())
-            if self.scheduler.has_work:
+            if self.scheduler.has_work or self._copies_pending():
                 pending.extend(self.step())
             if pending:
                 outputs.send(encoder.encode(EngineOutputs(pending)))
@@ -121,15 +123,29 @@ class EngineCore:
     def _poll_host_tier(self) -> None:
         """Saves to the host tier that completed give their device blocks back."""
         if self.kv.host is not None:
-            for save_id, host_blocks in self.cache_service.blocks_saved():
+            for save_id, host_blocks in self.kv.copier.blocks_saved():
                 self.kv.saved(save_id, host_blocks)
 
     def _wait_for_host_saves(self, timeout: float = 10.0) -> None:
         """Until no device block is held for a copy to the host tier (they are seconds at most)."""
         deadline = time.monotonic() + timeout
         while self.kv.saves_in_flight and time.monotonic() < deadline:
-            zmq.select(self.cache_service.sockets, [], [], 0.05)
+            if self._copies_pending():
+                self._run_copies_only()
+            else:
+                zmq.select(self.cache_service.sockets, [], [], 0.05)
             self._poll_host_tier()
+
+    def _copies_pending(self) -> bool:
+        return self.copies is not None and self.copies.pending
+
+    def _run_copies_only(self) -> None:
+        """A step with no chunks, for copies nothing scheduled would carry (a swap-in on an idle D,
+        host-tier saves after the last request)."""
+        step = ExecuteStep([], self._finished_on_worker, [], copies=self.copies.take())
+        self._finished_on_worker = []
+        result = self.worker.execute(step, while_waiting=self._during_step)
+        self.copies.done(result.copies_done)
 
     def _poll_connector(self) -> list[RequestOutput]:
         outputs = self.connector.poll()
@@ -182,7 +198,10 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
         if not out.chunks:
-            time.sleep(0.001)  # nothing fits now (blocks held elsewhere); do not spin hot
+            if self._copies_pending():
+                self._run_copies_only()
+            else:
+                time.sleep(0.001)  # nothing fits now (blocks held elsewhere); do not spin hot
             return []
         new_requests, chunks = [], []
         for c in out.chunks:
@@ -196,7 +215,8 @@ class EngineCore:
             chunks.append(Chunk(r.request_id, tokens, start, [b.block_id for b in r.blocks], c.completes_known_tokens,
                                 len(drafts)))
         transfers = self.connector.transfers(out.chunks)
-        step = ExecuteStep(new_requests, self._finished_on_worker, chunks, transfers)
+        copies = self.copies.take() if self.copies is not None else []
+        step = ExecuteStep(new_requests, self._finished_on_worker, chunks, transfers, copies)
         self._finished_on_worker = []
         started = time.perf_counter()
         try:
@@ -206,7 +226,11 @@ class EngineCore:
         except RuntimeError as e:
             if not self.worker.alive():
                 raise
+            if self.copies is not None:  # the worker runs them before the forward pass that failed
+                self.copies.done([c.copy_id for c in copies])
             return [o for c in out.chunks if (o := self._fail(c.request, f"the model step failed: {e}"))]
+        if self.copies is not None:
+            self.copies.done(result.copies_done)
         self.num_steps += 1
         self.num_computed_tokens += out.num_batched_tokens
         for pl in result.prompt_logprobs:

@@ -9,8 +9,9 @@ Saved when freed, not when evicted: eviction happens while a step is being sched
 block is overwritten, and a copy there would make the step wait for the cache service. A block being
 saved stays held in the device pool until the copy is reported done, so nothing overwrites it.
 
-This index lives in the engine; the bytes live in the cache service's host segment, which copies on
-the engine's orders (`HostCopier`). Host blocks are reused least recently used first.
+This index lives in the engine; the bytes live in the cache service's host segment, copied on the
+engine's orders (`HostCopier`) by the cache service or, for a cache in device memory, by the worker.
+Host blocks are reused least recently used first.
 """
 
 from __future__ import annotations
@@ -23,13 +24,17 @@ from pdserve.engine.block_pool import BlockHash
 
 
 class HostCopier(Protocol):
-    """The process that holds the host tier's memory (the cache service)."""
+    """Who copies between the cache and the host tier: the cache service (a cache in shared memory), or
+    the worker with its next step (a cache in device memory: engine/worker_copies.py)."""
 
     def save_blocks(self, save_id: int, device_blocks: list[int], host_blocks: list[int]) -> None:
-        """Start copying device blocks to host blocks; report it done later (KVCacheManager.saved)."""
+        """Start copying device blocks to host blocks; report it done later (blocks_saved)."""
 
     def load_blocks(self, host_blocks: list[int], device_blocks: list[int]) -> None:
-        """Copy host blocks into device blocks; returns when the copy is complete."""
+        """Copy host blocks into device blocks, complete before any later step reads them."""
+
+    def blocks_saved(self) -> list[tuple[int, list[int]]]:
+        """(save id, host blocks) of the saves completed since the last call."""
 
 
 @dataclass

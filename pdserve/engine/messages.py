@@ -151,11 +151,32 @@ class Chunk(msgspec.Struct, array_like=True):
     num_draft: int = 0  # the last num_draft tokens are speculative proposals, to verify (spec_decode)
 
 
+class BlockCopy(msgspec.Struct, array_like=True):
+    """A cache in device memory (the worker's own): copy whole blocks between it and one of the cache
+    service's host segments ("staging", "buffer", "host"), in the worker, before the step's forward pass."""
+
+    copy_id: int
+    src: str  # "device" or a host segment's role
+    dst: str
+    src_blocks: list[int]
+    dst_blocks: list[int]
+
+
 class ExecuteStep(msgspec.Struct, tag=True):
     new_requests: list[NewRequest]
     finished_ids: list[str]
     chunks: list[Chunk]
     transfers: list[TransferPlan] = []  # prefill role: KV to stream to decode instances, layer by layer
+    copies: list[BlockCopy] = []  # run (and completed on the device's side) before the forward pass
+
+
+class HostSegment(msgspec.Struct, array_like=True):
+    """A segment of the cache's block layout that the cache service made for a worker whose cache is
+    in device memory: the staging area P sends from and D receives into, the decode buffer, the host tier."""
+
+    role: str  # "staging" | "buffer" | "host"
+    name: str
+    num_blocks: int
 
 
 class CacheCommand(msgspec.Struct, tag=True):
@@ -164,6 +185,8 @@ class CacheCommand(msgspec.Struct, tag=True):
     create: bool
     segment: str | None = None
     messager_address: str | None = None  # prefill role: where to send StepTransfers / LayerDone
+    private: bool = False  # create it in the worker's own (device) memory, not in a shared segment
+    host_segments: list[HostSegment] = []  # private: the host memory the worker copies through
 
 
 class WorkerShutdown(msgspec.Struct, tag=True):
@@ -199,6 +222,7 @@ class PromptLogprobs(msgspec.Struct, array_like=True):
 class StepResult(msgspec.Struct, tag=True):
     sampled: list[Sampled]
     prompt_logprobs: list[PromptLogprobs] = []
+    copies_done: list[int] = []  # the step's BlockCopy ids, complete
 
 
 class WorkerLoaded(msgspec.Struct, tag=True):
@@ -208,6 +232,7 @@ class WorkerLoaded(msgspec.Struct, tag=True):
     max_model_len: int
     vocab_size: int
     profile: dict
+    device: str = "cpu"  # the worker's device type ("cpu", "cuda")
 
 
 class WorkerReady(msgspec.Struct, tag=True):

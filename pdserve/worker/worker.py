@@ -1,11 +1,11 @@
-"""The worker: one per tensor-parallel rank. Owns weights, the per-request sampling state and, in
-mixed role, the KV cache (in PD roles the cache service creates it and the worker attaches);
-executes the steps the engine sends."""
+"""The worker: one per tensor-parallel rank. Owns weights, the per-request sampling state and the KV
+cache where it creates it: in mixed role, and in every role when the cache is in device memory (then
+it copies KV through the cache service's host segments, kv_copier.py); with a CPU cache in PD roles the
+cache service creates a shared segment and the worker attaches. Executes the steps the engine sends."""
 
 from __future__ import annotations
 
 import logging
-import os
 
 import msgspec
 import torch
@@ -13,6 +13,7 @@ import zmq
 
 from pdserve.config import EngineConfig
 from pdserve.engine.messages import (
+    BlockCopy,
     CacheCommand,
     Chunk,
     ExecuteStep,
@@ -34,12 +35,11 @@ from pdserve.sampling import SamplerOutput, SamplingRow, make_generator, skip_dr
 from pdserve.spec_decode.verifier import accepted_tokens, position_rows, rewind
 from pdserve.structured.matcher import GrammarCompiler, SequenceGrammar, allowed_tokens
 from pdserve.transfer_plan import LayerDone, StepTransfers
+from pdserve.worker.kv_copier import DEVICE, CopyEvent, KVCopier
+from pdserve.worker.layer_announcer import LayerAnnouncer
 from pdserve.worker.profile_run import profile_num_blocks
 
 log = logging.getLogger("pdserve.worker")
-# "1": a CPU cache in private memory, with no shared-memory segment, as a CUDA cache is (tests use it to
-# run the no-segment startup path on a CPU machine)
-PRIVATE_CACHE_ENV = "PDSERVE_PRIVATE_KV_CACHE"
 PROMPT_SLICE = 256  # prompt positions projected to logits at a time (prompt logprobs)
 
 
@@ -54,9 +54,6 @@ class Worker:
         self.runner = ModelRunner(config.model, dtype=config.dtype, device=config.device,
                                   block_size=config.block_size, max_model_len=config.max_model_len,
                                   quantization=config.quantization, kv_cache_dtype=config.kv_cache_dtype)
-        if config.splitwise_role != "mixed" and self.runner.device.type != "cpu":
-            raise ValueError("PD roles need the KV cache in host shared memory; the CUDA IPC cache is not built "
-                             "yet, so run prefill/decode instances with --device cpu")
         self.profile: dict = {}
         if config.num_gpu_blocks_override is not None:
             num_blocks = config.num_gpu_blocks_override
@@ -71,17 +68,27 @@ class Worker:
         self.grammar_compiler = GrammarCompiler(self.runner.folder / "tokenizer.json", self.runner.config.vocab_size)
         self._cache_command: CacheCommand | None = None
         self._messager: zmq.Socket | None = None
+        self._announcer: LayerAnnouncer | None = None  # cache in device memory: signals after the copies
+        self.host: dict[str, KVCache] = {}  # cache in device memory: the cache service's segments by role
+        self.copier: KVCopier | None = None
         self._encoder = msgspec.msgpack.Encoder()
         self._step_id = 0
 
     def loaded_message(self) -> WorkerLoaded:
         return WorkerLoaded(self.layout, self.runner.max_model_len, self.runner.config.vocab_size,
-                            self.profile)
+                            self.profile, self.runner.device.type)
 
     def setup_cache(self, command: CacheCommand) -> WorkerReady:
         self._cache_command = command
         self._open_cache()
-        if command.messager_address is not None:
+        for segment in command.host_segments:
+            self.host[segment.role] = KVCache.attach_shared(self.layout.with_blocks(segment.num_blocks), segment.name)
+        if command.private:
+            self.copier = KVCopier(lambda: self.runner.kv_cache, self.host, self.runner.device)
+        if command.messager_address is not None and command.private:
+            assert self.ctx is not None
+            self._announcer = LayerAnnouncer(self.ctx, command.messager_address)
+        elif command.messager_address is not None:
             assert self.ctx is not None
             self._messager = self.ctx.socket(zmq.PUSH)
             self._messager.setsockopt(zmq.LINGER, 0)
@@ -89,10 +96,12 @@ class Worker:
             self._messager.connect(command.messager_address)
         layout = self.layout
         per_request = -(-self.runner.max_model_len // self.config.block_size)
-        log.info("KV cache %s: %d blocks = %d tokens, room for %d max-length (%d-token) requests",
-                 "created" if command.create else f"attached ({command.segment})", layout.num_blocks,
+        where = "created in device memory" if command.private else "created"
+        log.info("KV cache %s: %d blocks = %d tokens, room for %d max-length (%d-token) requests%s",
+                 where if command.create else f"attached ({command.segment})", layout.num_blocks,
                  layout.num_blocks * self.config.block_size, layout.num_blocks // per_request,
-                 self.runner.max_model_len)
+                 self.runner.max_model_len,
+                 "".join(f"; {s.role} {s.name} ({s.num_blocks} blocks)" for s in command.host_segments))
         cache = self.runner.kv_cache
         return WorkerReady(num_blocks=layout.num_blocks, max_model_len=self.runner.max_model_len,
                            vocab_size=self.runner.config.vocab_size, kv_cache_name=cache.shm_name,
@@ -101,12 +110,15 @@ class Worker:
     def _open_cache(self) -> None:
         command = self._cache_command
         assert command is not None
-        if not command.create:
-            self.runner.kv_cache = KVCache.attach_shared(self.layout, command.segment)
-        elif self.runner.device.type == "cpu" and os.environ.get(PRIVATE_CACHE_ENV) != "1":
+        if command.private:
+            self.runner.kv_cache = KVCache.allocate(self.layout, self.runner.device)
+        elif self.runner.device.type != "cpu":
+            raise ValueError(f"the startup plan put the KV cache in shared host memory, but this worker's device is "
+                             f"{self.runner.device}; a device cache takes the staging path (pass --device to choose)")
+        elif command.create:
             self.runner.kv_cache = KVCache.create_shared(self.layout)
         else:
-            self.runner.kv_cache = KVCache.allocate(self.layout, self.runner.device)
+            self.runner.kv_cache = KVCache.attach_shared(self.layout, command.segment)
 
     def weights(self, command: WeightsCommand) -> WorkerOk:
         """Free the weights and this worker's cache mapping (the segment itself when the worker owns
@@ -127,8 +139,11 @@ class Worker:
             self.rows.pop(request_id, None)
         for new in step.new_requests:
             self.rows[new.request_id] = self._row(new)
+        if self._announcer is not None and self._announcer.error is not None:
+            raise RuntimeError(self._announcer.error)
+        copies_done = self._run_copies(step.copies)
         if not step.chunks:
-            return StepResult(sampled=[])
+            return StepResult(sampled=[], copies_done=copies_done)
         chunks = [SequenceChunk(c.token_ids, c.num_computed, c.block_table) for c in step.chunks]
         to_sample = [i for i, c in enumerate(step.chunks) if c.sample]
         speculating = [i for i in to_sample if step.chunks[i].num_draft]
@@ -140,9 +155,11 @@ class Worker:
                  if any(g is not None for g in grammars) else None)
         scored = [i for i, c in enumerate(step.chunks) if self._wants_prompt_logprobs(c)]
         logits, prompt_logits = self.runner.logits_with_prompt(chunks, scored, self._stream_layers(step), speculating)
+        if self.copier is not None:  # this step's staging copies are complete before it reports
+            self.copier.synchronize()
         prompt_logprobs = [self._prompt_logprobs(step.chunks[i], prompt_logits[i]) for i in scored]
         if not to_sample:
-            return StepResult(sampled=[], prompt_logprobs=prompt_logprobs)
+            return StepResult(sampled=[], prompt_logprobs=prompt_logprobs, copies_done=copies_done)
         if len(to_sample) < len(chunks):
             logits = logits[torch.tensor(_sampled_rows(step.chunks, to_sample), device=logits.device)]
         bits = masks.result() if masks is not None else None
@@ -152,7 +169,22 @@ class Worker:
                   for r, d in zip(rows, drafts, strict=True)]
         flat_rows = [p for row, proposed in zip(rows, drafts, strict=True) for p in position_rows(row, proposed)]
         out = self.runner.sampler(logits, flat_rows, grammar_mask)
-        return StepResult(sampled=self._accept(ids, rows, drafts, out, states), prompt_logprobs=prompt_logprobs)
+        return StepResult(sampled=self._accept(ids, rows, drafts, out, states), prompt_logprobs=prompt_logprobs,
+                          copies_done=copies_done)
+
+    def _run_copies(self, copies: list[BlockCopy]) -> list[int]:
+        """The engine's block copies, in order; the forward pass after them sees their result, and the
+        device -> host ones (host-tier saves) have completed when the ids are reported."""
+        if not copies:
+            return []
+        if self.copier is None:
+            raise RuntimeError("block copies were sent to a worker whose cache is in shared memory")
+        for c in copies:
+            event = self.copier.copy(c.src, c.dst, c.src_blocks, c.dst_blocks)
+            if c.dst == DEVICE:
+                self.copier.device_waits(event)
+        self.copier.synchronize()
+        return [c.copy_id for c in copies]
 
     def _accept(self, ids: list[str], rows: list[SamplingRow], drafts: list[list[int]], out: SamplerOutput,
                 states: list[torch.Tensor | None]) -> list[Sampled]:
@@ -227,6 +259,8 @@ class Worker:
 
     def _stream_layers(self, step: ExecuteStep):  # noqa: ANN202 - Callable[[int], None] | None
         """Prefill role: tell the cache messager what this step sends, then each layer as it is done."""
+        if step.transfers and self._announcer is not None:
+            return self._stage_layers(step)
         if not step.transfers or self._messager is None:
             return None
         self._step_id += 1
@@ -234,11 +268,37 @@ class Worker:
         sock.send(encode(StepTransfers(step_id, step.transfers)))
         return lambda layer: sock.send(encode(LayerDone(step_id, layer)))
 
+    def _stage_layers(self, step: ExecuteStep):  # noqa: ANN202 - Callable[[int], None]
+        """Prefill role, cache in device memory: as each layer is done, copy its new blocks device ->
+        staging (the same block ids: staging mirrors the cache), and signal the layer once the copy has
+        completed. Prefix-cache hits (whole blocks, sent with layer 0) are copied with layer 0."""
+        self._step_id += 1
+        step_id, announcer, encode, copier = self._step_id, self._announcer, self._encoder.encode, self.copier
+        announcer.send(encode(StepTransfers(step_id, step.transfers)))
+        whole = [b for p in step.transfers for b in p.src_blocks[:p.num_whole_blocks]]
+        computed = [b for p in step.transfers for b in p.src_blocks[p.num_whole_blocks:]]
+
+        def layer_done(layer: int) -> None:
+            events: list[CopyEvent] = []
+            if layer == 0 and whole:
+                events.append(copier.copy(DEVICE, "staging", whole, whole))
+            if computed:
+                events.append(copier.copy(DEVICE, "staging", computed, computed, layer))
+            announcer.send(encode(LayerDone(step_id, layer)), events)
+
+        return layer_done
+
     def close(self) -> None:
         self.grammar_compiler.close()
         if self._messager is not None:
             self._messager.close()
+        if self._announcer is not None:
+            self._announcer.close()
+        if self.copier is not None:
+            self.copier.close()
         self.runner.release()
+        for cache in self.host.values():
+            cache.close()
 
     def _check_fits(self, num_blocks: int) -> None:
         needed = -(-self.runner.max_model_len // self.config.block_size)

@@ -1,0 +1,90 @@
+"""The engine's queue of block copies for a worker whose KV cache is in device memory (issue 28).
+
+With a shared-memory cache the cache service copies between the cache and its host segments itself;
+with a device cache only the worker can reach the cache, so the same copies ride with the worker's next
+step (`ExecuteStep.copies`) and run before its forward pass. This queue stands in for the cache service
+in those roles: it is the host tier's HostCopier and the decode buffer's swapper, and it copies what
+P wrote into D's staging area into D's cache.
+
+Ordering is what makes it correct: the next step that can read a block is the one that carries its copy,
+and the worker runs copies first, in queue order. A copy the engine must see completed before it frees
+memory (a host-tier save releases its device blocks, a swap-in frees its buffer blocks) is reported in
+that step's result.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+
+from pdserve.engine.messages import BlockCopy
+
+DEVICE = "device"
+
+
+class WorkerCopies:
+    def __init__(self, block_bytes: int) -> None:
+        self.block_bytes = block_bytes
+        self._ids = itertools.count()
+        self._queue: list[BlockCopy] = []
+        self._on_done: dict[int, Callable[[], None]] = {}
+        self._saved: list[tuple[int, list[int]]] = []
+        self._swapped: list[tuple[str, int, float]] = []
+
+    @property
+    def pending(self) -> bool:
+        """Copies wait for a step: the engine sends one even when nothing is scheduled."""
+        return bool(self._queue)
+
+    def take(self) -> list[BlockCopy]:
+        """The copies for the step about to be sent."""
+        out, self._queue = self._queue, []
+        return out
+
+    def done(self, copy_ids: list[int]) -> None:
+        """The worker completed these copies."""
+        for copy_id in copy_ids:
+            if (callback := self._on_done.pop(copy_id, None)) is not None:
+                callback()
+
+    # ---- the host tier (engine/host_tier.py's HostCopier) ----
+
+    def save_blocks(self, save_id: int, device_blocks: list[int], host_blocks: list[int]) -> None:
+        self._add(DEVICE, "host", device_blocks, host_blocks, lambda: self._saved.append((save_id, host_blocks)))
+
+    def load_blocks(self, host_blocks: list[int], device_blocks: list[int]) -> None:
+        self._add("host", DEVICE, host_blocks, device_blocks)  # read first by the step that carries it
+
+    def blocks_saved(self) -> list[tuple[int, list[int]]]:
+        out, self._saved = self._saved, []
+        return out
+
+    # ---- the decode side ----
+
+    def swap_in(self, transfer_id: str, buffer_blocks: list[int], cache_blocks: list[int]) -> None:
+        """Decode buffer -> cache; reported by swaps_done once the worker has copied it."""
+        started = time.perf_counter()
+        nbytes = len(buffer_blocks) * self.block_bytes
+        self._add("buffer", DEVICE, buffer_blocks, cache_blocks,
+                  lambda: self._swapped.append((transfer_id, nbytes, time.perf_counter() - started)))
+
+    def swaps_done(self) -> list[tuple[str, int, float]]:
+        """(transfer id, bytes, seconds from order to completion) of the swap-ins completed since the last call."""
+        out, self._swapped = self._swapped, []
+        return out
+
+    def stage_in(self, blocks: list[int]) -> None:
+        """What P wrote into D's staging area (which mirrors the cache's block ids) -> the same cache blocks."""
+        self._add("staging", DEVICE, blocks, blocks)
+
+    def _add(self, src: str, dst: str, src_blocks: list[int], dst_blocks: list[int],
+             on_done: Callable[[], None] | None = None) -> None:
+        if not src_blocks:
+            if on_done is not None:
+                on_done()
+            return
+        copy_id = next(self._ids)
+        self._queue.append(BlockCopy(copy_id, src, dst, list(src_blocks), list(dst_blocks)))
+        if on_done is not None:
+            self._on_done[copy_id] = on_done

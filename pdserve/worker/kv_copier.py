@@ -1,0 +1,162 @@
+"""Block copies between a KV cache in device memory and the cache service's host segments (issue 28).
+
+A worker whose cache is private to it (CUDA, or a CPU worker under PDSERVE_PRIVATE_KV_CACHE=1) moves KV
+through host shared memory of the cache's block layout: P copies each finished layer device -> staging
+before the messager may send it, D copies what P wrote (staging or the decode buffer) host -> device
+before the request decodes, and the host prefix tier saves and loads whole blocks. Every copy is one
+slice copy per run of adjacent blocks and returns an event; nothing is announced or read before its
+event has completed.
+
+On CUDA the copies run on a side stream that first waits for the compute stream, into page-locked memory
+(cudaHostRegister on the segments), and the compute stream waits on a host -> device copy's event. On a
+CPU they are synchronous (a completed event), unless the test hook PDSERVE_TEST_KV_COPY_DELAY (seconds)
+delays each copy on a background thread: then a missing wait shows up as wrong output.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Protocol
+
+import torch
+
+from pdserve.kv_cache import KVCache
+from pdserve.kv_layout import block_runs
+
+log = logging.getLogger("pdserve.worker")
+DELAY_ENV = "PDSERVE_TEST_KV_COPY_DELAY"
+DEVICE = "device"
+
+
+class CopyEvent(Protocol):
+    def query(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
+
+
+class DoneEvent:
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+class FutureEvent:
+    """A copy running on the test hook's background thread."""
+
+    def __init__(self, future: Future) -> None:
+        self.future = future
+
+    def query(self) -> bool:
+        return self.future.done()
+
+    def synchronize(self) -> None:
+        self.future.result()
+
+
+DONE = DoneEvent()
+
+
+class KVCopier:
+    def __init__(self, device_cache: Callable[[], KVCache], host: dict[str, KVCache], device: torch.device) -> None:
+        self._device_cache = device_cache  # the runner's current cache (it is freed and made again with the weights)
+        self.host = host
+        self.device = device
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._registered: list[int] = []
+        if self._stream is not None:
+            for cache in host.values():
+                self._pin(cache)
+        self.delay = float(os.environ.get(DELAY_ENV, "0") or 0)
+        slow = self.delay and self._stream is None
+        self._slow = ThreadPoolExecutor(1, thread_name_prefix="kv-copy") if slow else None
+        if self._slow is not None:
+            log.warning("KV copies delayed by %g s each (%s, a test hook)", self.delay, DELAY_ENV)
+        self._pending: list[CopyEvent] = []
+        self._lock = threading.Lock()
+
+    def copy(self, src: str, dst: str, src_blocks: list[int], dst_blocks: list[int],
+             layer: int | None = None) -> CopyEvent:
+        """Blocks (one layer of them, or whole) from `src` to `dst` ("device" or a host segment's role)."""
+        source, target = self._cache(src), self._cache(dst)
+        runs = block_runs(src_blocks, dst_blocks)
+
+        def run() -> None:
+            for s, d, n in runs:
+                if layer is None:
+                    target.tensor[d:d + n].copy_(source.tensor[s:s + n], non_blocking=True)
+                else:
+                    target.tensor[d:d + n, layer].copy_(source.tensor[s:s + n, layer], non_blocking=True)
+
+        event = self._launch(run)
+        with self._lock:
+            self._pending.append(event)
+        return event
+
+    def device_waits(self, event: CopyEvent) -> None:
+        """What the compute stream runs next sees the copy's result (CUDA: a stream wait, no host sync)."""
+        if self._stream is not None and isinstance(event, torch.cuda.Event):
+            torch.cuda.current_stream(self.device).wait_event(event)
+        else:
+            event.synchronize()
+
+    def synchronize(self) -> None:
+        """Every copy launched so far has completed."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for event in pending:
+            event.synchronize()
+
+    def close(self) -> None:
+        self.synchronize()
+        if self._slow is not None:
+            self._slow.shutdown()
+        if self._registered:
+            cudart = torch.cuda.cudart()
+            for ptr in self._registered:
+                cudart.cudaHostUnregister(ptr)
+            self._registered = []
+
+    def _cache(self, role: str) -> KVCache:
+        if role == DEVICE:
+            return self._device_cache()
+        cache = self.host.get(role)
+        if cache is None:
+            raise ValueError(f"this worker maps no {role!r} host segment (it has {sorted(self.host)})")
+        return cache
+
+    def _launch(self, run: Callable[[], None]) -> CopyEvent:
+        if self._stream is not None:
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))  # the K/V it reads are written
+            with torch.cuda.stream(self._stream):
+                run()
+            event = torch.cuda.Event()
+            event.record(self._stream)
+            return event
+        if self._slow is not None:
+            delay = self.delay
+
+            def slow() -> None:
+                time.sleep(delay)
+                run()
+
+            return FutureEvent(self._slow.submit(slow))
+        run()
+        return DONE
+
+    def _pin(self, cache: KVCache) -> None:
+        """Page-lock a host segment so copies to and from it are asynchronous DMA (a pageable one makes
+        `non_blocking` copies synchronous)."""
+        ptr, nbytes = cache.tensor.data_ptr(), cache.tensor.numel() * cache.tensor.element_size()
+        err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+        if int(getattr(err, "value", err)) != 0:
+            log.warning("cudaHostRegister of %s (%d bytes) failed (error %s): copies through it are synchronous",
+                        cache.shm_name, nbytes, err)
+            return
+        self._registered.append(ptr)
