@@ -1,6 +1,6 @@
-"""The prepared check for a session that is lent a GPU (issue 17): under 5 minutes on one GPU.
+"""The prepared check for a session that is lent a GPU (issues 17, 28): under 5 minutes on one GPU.
 
-    .venv/bin/python bench/gpu_check.py [--device cuda] [--vllm-python PATH] [--out DIR]
+    .venv/bin/python bench/gpu_check.py [--device cuda] [--vllm-python PATH] [--out DIR] [--only pd]
 
 1. `pdserve serve` starts with its default configuration (mixed, prefix cache on: the startup row
    whose cache service used to die on a CUDA cache) and its startup log is kept;
@@ -8,7 +8,13 @@
    model's oracle prompts; a difference counts only where transformers' top two were a near tie);
 3. the profile run's figures (device memory, weights, peak, held elsewhere, KV cache) from the log;
 4. bf16 throughput of pdserve (`bench/throughput.py`'s workload, smaller) and of vLLM when it is installed;
-5. a PASS/FAIL line per check and an exit code (0: all passed).
+5. PD with the cache in device memory (issue 28): the staging copies in one process -- a copy issued
+   while a slow kernel still writes the cache must see that kernel's result (the side stream waits for
+   the compute stream), host -> device must be seen by the compute stream, and device -> staging
+   bandwidth into the pinned segment against a plain pinned tensor (goal >= 80%) and a pageable one;
+   then 1P1D on the one GPU in two processes (prefill and decode instance, KV over ipc through host
+   staging) against a mixed instance: greedy output equal;
+6. a PASS/FAIL line per check and an exit code (0: all passed). `--only pd` runs 5 alone (~2 min).
 
 `--device cpu` runs the same script on a CPU machine (a smoke test of the script itself).
 """
@@ -119,6 +125,147 @@ def startup_figures(out: Path, dtype: str) -> tuple[bool, str]:
     return kinds[-1:] == ["ready"], text
 
 
+def _bandwidth(copy, nbytes: int, device: str, repeat: int = 5) -> float:  # noqa: ANN001 - () -> event
+    import torch
+
+    copy()  # first touch
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    for _ in range(repeat):
+        event = copy()
+        if event is not None:
+            event.synchronize()
+    sync()
+    return nbytes * repeat / (time.perf_counter() - start) / 1e9
+
+
+def check_staging_copies(device: str) -> tuple[bool, str]:
+    """The worker's KVCopier on a 180 MB bf16 cache of this model's geometry, without a server."""
+    import torch
+
+    from pdserve.kv_cache import KVCache
+    from pdserve.kv_layout import KVLayout
+    from pdserve.worker.kv_copier import DEVICE, KVCopier
+
+    layout = KVLayout(512, 30, 16, 3, 64, "bfloat16")
+    dev = KVCache.allocate(layout, device)
+    staging, pageable = KVCache.create_shared(layout), KVCache.create_shared(layout)
+    lines, ok = [], True
+    try:
+        pinned_copier = KVCopier(lambda: dev, {"staging": staging}, torch.device(device))
+        pageable_copier = KVCopier(lambda: dev, {"staging": pageable}, torch.device(device), pin=False)
+        blocks = list(range(layout.num_blocks))
+        # ordering: the cache is written by a slow kernel the copy must wait for
+        if device.startswith("cuda"):
+            torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time on the compute stream
+        dev.tensor.fill_(7)
+        pinned_copier.copy(DEVICE, "staging", blocks, blocks).synchronize()
+        waited = bool((staging.tensor == 7).all())
+        staging.tensor.fill_(3)
+        event = pinned_copier.copy("staging", DEVICE, blocks, blocks)
+        pinned_copier.device_waits(event)
+        seen = bool((dev.tensor == 3).all())
+        ok &= waited and seen
+        lines.append(f"  device -> staging after a slow kernel saw its result: {waited}; "
+                     f"staging -> device seen by the compute stream: {seen}")
+        nbytes = layout.nbytes
+        ref = torch.empty(nbytes // 2, dtype=torch.bfloat16, pin_memory=device.startswith("cuda"))
+        flat = dev.tensor.view(-1)
+        ref_bw = _bandwidth(lambda: ref.copy_(flat, non_blocking=True), nbytes, device)
+        pin_bw = _bandwidth(lambda: pinned_copier.copy(DEVICE, "staging", blocks, blocks), nbytes, device)
+        page_bw = _bandwidth(lambda: pageable_copier.copy(DEVICE, "staging", blocks, blocks), nbytes, device)
+        runs = [b for b in blocks if b % 4 != 3]  # runs of 3 blocks, one layer at a time: P's per-layer copies
+        layer_bytes = len(runs) * layout.layer_block_bytes * layout.num_layers
+
+        def per_layer() -> None:
+            for layer in range(layout.num_layers):
+                pinned_copier.copy(DEVICE, "staging", runs, runs, layer)
+            pinned_copier.synchronize()
+
+        layer_bw = _bandwidth(per_layer, layer_bytes, device)
+        share = pin_bw / ref_bw
+        if device.startswith("cuda"):
+            ok &= share >= 0.8
+        lines.append(f"  device -> host GB/s: plain pinned tensor {ref_bw:.1f}, pinned staging {pin_bw:.1f} "
+                     f"({share:.0%} of it; goal >= 80%), pageable staging {page_bw:.1f}, per-layer runs of 3 blocks "
+                     f"into pinned staging {layer_bw:.1f}")
+        pinned_copier.close()
+        pageable_copier.close()
+    finally:
+        staging.close()
+        pageable.close()
+    return ok, "\n".join(lines)
+
+
+def check_pd_on_one_device(device: str, out: Path) -> tuple[bool, str]:
+    """Router + prefill + decode instance (two processes on the one GPU, KV over ipc through host staging)
+    and a mixed instance; greedy token texts of PD must be the mixed instance's."""
+    from pdserve.disagg.startup import PRIVATE_CACHE_ENV
+    from pdserve.loader import resolve_model_folder
+    from pdserve.tokenizer import Tokenizer
+
+    env = {**os.environ, **({} if device.startswith("cuda") else {PRIVATE_CACHE_ENV: "1"})}
+    common = ["--device", device, "--dtype", "float32", "--max-model-len", "1024", "--num-gpu-blocks-override", "256"]
+    router_port = free_port()
+    router_url = f"http://127.0.0.1:{router_port}"
+    procs: list[subprocess.Popen] = []
+
+    def start(name: str, args: list[str]) -> subprocess.Popen:
+        log = open(out / f"pd-{name}.log", "w")  # noqa: SIM115 - kept open for the child's lifetime
+        proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *args], cwd=ROOT, stdout=log,
+                                stderr=subprocess.STDOUT, env=env)
+        procs.append(proc)
+        return proc
+
+    try:
+        start("router", ["router", "--port", str(router_port)])
+        urls = {}
+        for name, role in (("prefill", ["--splitwise-role", "prefill"]), ("decode", ["--splitwise-role", "decode"]),
+                           ("mixed", [])):
+            port = free_port()
+            reg = ["--router", router_url, "--cache-transfer-protocol", "ipc"] if role else []
+            (out / f"pd-{name}.jsonl").unlink(missing_ok=True)
+            start(name, ["serve", "--port", str(port), *common, *role, *reg, "--startup-log",
+                         str(out / f"pd-{name}.jsonl")])
+            urls[name] = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                up = all(httpx.get(f"{u}/health", timeout=2).status_code == 200 for u in urls.values())
+                instances = httpx.get(f"{router_url}/registered", timeout=2).json()["instances"]
+                pairs = sum(i["healthy"] for i in instances) >= 2  # P and D registered and health-checked
+                if up and pairs and httpx.get(f"{router_url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                raise RuntimeError(f"the PD deployment did not come up; see {out}/pd-*.log")
+            time.sleep(1)
+        tok = Tokenizer(resolve_model_folder(None))
+        lines, ok = [], True
+        for prompt in PROMPTS:
+            ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                          tokenize=True)
+            got, want = served_greedy(router_url, ids), served_greedy(urls["mixed"], ids)
+            same = got == want
+            ok &= same
+            lines.append(f"  {prompt[:40]!r}: PD {'equals' if same else 'DIFFERS FROM'} mixed ({len(got)} tokens)")
+        plan = [json.loads(line) for line in (out / "pd-decode.jsonl").read_text().splitlines()][0]
+        ok &= plan.get("device_cache") is True
+        lines.append(f"  decode instance's startup row: device_cache={plan.get('device_cache')} steps={plan['steps']}")
+        for name in ("prefill", "decode"):
+            private = "KV cache created in device memory" in (out / f"pd-{name}.log").read_text(errors="replace")
+            ok &= private
+            lines.append(f"  {name} instance kept its cache in device memory: {private}")
+        return ok, "\n".join(lines)
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(30)
+
+
 def throughput(vllm_python: str | None) -> tuple[bool, str]:
     # pdserve's default dtype and device (bf16 on CUDA); the workload of bench/throughput.py, halved
     cmd = [sys.executable, str(ROOT / "bench" / "throughput.py"), "--skip-transformers", "--no-w8a8",
@@ -136,11 +283,33 @@ def main() -> int:
     ap.add_argument("--vllm-python", default=None)
     ap.add_argument("--out", default=str(ROOT / "bench-results" / "gpu_check"))
     ap.add_argument("--skip-throughput", action="store_true")
+    ap.add_argument("--only", choices=["pd"], default=None, help="run only the PD part (issue 28)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results: list[tuple[str, bool, str]] = []
     start = time.monotonic()
+    if args.only != "pd":
+        results += mixed_checks(args, out)
+    checks = (("staging copies (KVCopier: ordering, pinned bandwidth)", lambda: check_staging_copies(args.device)),
+              ("1P1D on one device equals mixed (cache in device memory)",
+               lambda: check_pd_on_one_device(args.device, out)))
+    for name, check in checks:
+        try:
+            results.append((name, *check()))
+        except Exception as e:  # noqa: BLE001 - a check that cannot run is a failed check, with its reason
+            results.append((name, False, f"  {type(e).__name__}: {e}"))
+    print(f"pdserve GPU check on {args.device} ({time.monotonic() - start:.0f} s); logs in {out}")
+    for name, ok, detail in results:
+        print(f"{'PASS' if ok else 'FAIL'}  {name}\n{detail}")
+    passed = all(ok for _, ok, _ in results)
+    print("ALL PASSED" if passed else "SOME CHECKS FAILED")
+    return 0 if passed else 1
+
+
+def mixed_checks(args: argparse.Namespace, out: Path) -> list[tuple[str, bool, str]]:
+    """Issue 17's checks: the default server, greedy against transformers, throughput."""
+    results: list[tuple[str, bool, str]] = []
     proc = None
     try:
         proc, url = start_server(args.device, "float32", out)
@@ -158,12 +327,7 @@ def main() -> int:
                             *throughput(args.vllm_python)))
         except Exception as e:  # noqa: BLE001
             results.append(("throughput", False, f"  {e}"))
-    print(f"pdserve GPU check on {args.device} ({time.monotonic() - start:.0f} s); logs in {out}")
-    for name, ok, detail in results:
-        print(f"{'PASS' if ok else 'FAIL'}  {name}\n{detail}")
-    passed = all(ok for _, ok, _ in results)
-    print("ALL PASSED" if passed else "SOME CHECKS FAILED")
-    return 0 if passed else 1
+    return results
 
 
 if __name__ == "__main__":

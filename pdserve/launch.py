@@ -127,10 +127,6 @@ def plan(args: argparse.Namespace) -> list[InstanceSpec]:
         raise ValueError("a PD deployment needs at least one --prefill and one --decode instance (or neither)")
     if args.prefill + args.decode + args.mixed == 0:
         raise ValueError("nothing to launch: give --prefill/--decode and/or --mixed")
-    if args.prefill and gpu_present() and _instance_flag(args.instance_args, "--device") != "cpu":
-        raise ValueError("this machine has a GPU, and prefill/decode instances run on the CPU only for now (their "
-                         "KV cache must be in host shared memory): launch `--mixed N` for GPU instances without "
-                         "PD, or add `--device cpu` to run the prefill/decode instances on the CPU")
     names = [(role, f"{role}-{i}") for role, count in (("prefill", args.prefill), ("decode", args.decode),
                                                          ("mixed", args.mixed)) for i in range(count)]
     hosts = instance_hosts(args.host, len(names))
@@ -138,16 +134,6 @@ def plan(args: argparse.Namespace) -> list[InstanceSpec]:
                          free_port(host) if role != "mixed" else None,
                          f"launch-{host}" if args.separate_hosts else None)
             for (role, name), host in zip(names, hosts, strict=True)]
-
-
-def _instance_flag(instance_args: list[str], flag: str) -> str | None:
-    """The value of `flag` among the flags launch passes to every instance (`--flag V` or `--flag=V`)."""
-    for i, arg in enumerate(instance_args):
-        if arg == flag and i + 1 < len(instance_args):
-            return instance_args[i + 1]
-        if arg.startswith(flag + "="):
-            return arg.split("=", 1)[1]
-    return None
 
 
 def split_cpus(n: int) -> list[set[int] | None]:

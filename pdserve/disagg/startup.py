@@ -94,13 +94,15 @@ def cache_owner(steps: tuple[Step, ...]) -> str:
 
 def cache_in_device_memory(config: EngineConfig) -> bool:
     """The worker's cache is private to it: CUDA, or the CPU test mode. Decided before any process
-    starts (the row depends on it); torch is imported only where an NVIDIA device exists and no
+    starts (the row depends on it); torch is imported only where a GPU device node exists and no
     --device was given, and the worker refuses a plan that does not match its device."""
     if os.environ.get(PRIVATE_CACHE_ENV) == "1":
         return True
     if config.device:
         return not config.device.startswith("cpu")
-    if not Path("/proc/driver/nvidia/gpus").is_dir() and not Path("/dev/nvidia0").exists():
+    from pdserve.utils.dtype_names import gpu_present
+
+    if not gpu_present():
         return False
     import torch
 

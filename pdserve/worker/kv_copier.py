@@ -64,13 +64,14 @@ DONE = DoneEvent()
 
 
 class KVCopier:
-    def __init__(self, device_cache: Callable[[], KVCache], host: dict[str, KVCache], device: torch.device) -> None:
+    def __init__(self, device_cache: Callable[[], KVCache], host: dict[str, KVCache], device: torch.device,
+                 pin: bool = True) -> None:
         self._device_cache = device_cache  # the runner's current cache (it is freed and made again with the weights)
         self.host = host
         self.device = device
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._registered: list[int] = []
-        if self._stream is not None:
+        if self._stream is not None and pin:  # pin=False: bench/gpu_check.py's pageable baseline
             for cache in host.values():
                 self._pin(cache)
         self.delay = float(os.environ.get(DELAY_ENV, "0") or 0)
