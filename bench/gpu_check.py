@@ -172,7 +172,10 @@ def check_staging_copies(device: str) -> tuple[bool, str]:
         nbytes = layout.nbytes
         ref = torch.empty(nbytes // 2, dtype=torch.bfloat16, pin_memory=device.startswith("cuda"))
         flat = dev.tensor.view(-1)
-        ref_bw = _bandwidth(lambda: ref.copy_(flat, non_blocking=True), nbytes, device)
+        def reference() -> None:
+            ref.copy_(flat, non_blocking=True)
+
+        ref_bw = _bandwidth(reference, nbytes, device)
         pin_bw = _bandwidth(lambda: pinned_copier.copy(DEVICE, "staging", blocks, blocks), nbytes, device)
         page_bw = _bandwidth(lambda: pageable_copier.copy(DEVICE, "staging", blocks, blocks), nbytes, device)
         runs = [b for b in blocks if b % 4 != 3]  # runs of 3 blocks, one layer at a time: P's per-layer copies

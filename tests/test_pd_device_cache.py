@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 import torch
@@ -131,8 +132,8 @@ def test_every_role_takes_the_staging_path(pd: dict) -> None:
     for name in ("prefill", *DECODES):
         log = pd[name].log()
         assert "KV cache created in device memory" in log, f"{name} did not keep its cache private"
-        assert "staging pdserve-kv-" in log, f"{name}'s worker mapped no staging segment"
-    assert "buffer pdserve-kv-" in pd["d_buffer"].log()
+        assert ("staging pdserve-kv-" in log) == (name != "d_buffer"), f"{name}'s worker mapped no staging segment"
+    assert "buffer pdserve-kv-" in pd["d_buffer"].log()  # D receives into its buffer: no staging there
     assert "host pdserve-kv-" in pd["prefill"].log() and "host pdserve-kv-" in pd["d_tcp"].log()
 
 
@@ -160,6 +161,23 @@ def test_a_prompt_evicted_from_p_comes_back_from_its_host_tier(pd: dict, oracle:
     _assert_exact(again, oracle[tuple(a)], first, "the prompt served from P's host tier")
     wait_for(lambda: metrics(pd["prefill"].metrics_port)["pdserve_host_cache_hit_blocks"] >= hits + 5, 10,
              "P did not load the evicted prompt from its host tier")
+
+
+def test_weights_cleared_and_loaded_again_remake_the_device_caches(pd: dict, oracle: dict) -> None:
+    """POST /clear_load_weight frees the weights and the private cache of every PD instance; after
+    /update_model_weight they make them again (the host segments stay the cache service's) and serve
+    the same output."""
+    instances = ("prefill", *DECODES)
+    for name in instances:
+        assert httpx.post(f"{pd[name].url}/clear_load_weight", timeout=60).status_code == 200
+    for name in instances:
+        assert httpx.post(f"{pd[name].url}/update_model_weight", timeout=300).status_code == 200
+    pd["router"].wait_pairs(len(DECODES) + 1)
+    prompts = [list(p) for p in oracle] * 2
+    with ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(lambda p: _complete(pd["router"].url, p), prompts))
+    for i, (out, prompt) in enumerate(zip(outs, prompts, strict=True)):
+        _assert_exact(out, oracle[tuple(prompt)], None, f"prompt {i} after the weights came back")
 
 
 def test_slowed_copies_are_waited_for_on_both_sides(tmp_path: Path, oracle: dict, tokenizer) -> None:  # noqa: ANN001

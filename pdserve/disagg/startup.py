@@ -296,8 +296,10 @@ class _Startup:
 
     def service_creates_host_memory(self) -> None:
         """The host memory of a device cache: PD roles get a staging segment of the cache's layout (the
-        cache's block ids; P sends from it, D receives into it), the decode buffer and the host tier."""
-        self._create_in_service(staging=self.config.splitwise_role != "mixed")
+        cache's block ids; P sends from it, D receives into it) unless D receives into its decode buffer;
+        and the host tier."""
+        role, buffered = self.config.splitwise_role, bool(self.config.splitwise_cache_buffer_size)
+        self._create_in_service(staging=role == "prefill" or (role == "decode" and not buffered))
         self.log.record("host_memory_created", CACHE_SERVICE, staging=self.segment,
                         buffer_blocks=self.buffer_blocks, host_blocks=self.host_blocks)
 
