@@ -42,6 +42,7 @@ bench: venv
 	$(BIN)/python bench/serving_overhead.py
 	$(BIN)/python bench/kv_transfer.py
 	$(BIN)/python bench/pd_vs_mixed.py
+	$(BIN)/python bench/device_cache.py
 	$(BIN)/python bench/pd_sweep.py
 	$(BIN)/python bench/router_overhead.py
 	$(BIN)/python bench/structured.py

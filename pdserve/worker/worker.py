@@ -143,6 +143,8 @@ class Worker:
             raise RuntimeError(self._announcer.error)
         copies_done = self._run_copies(step.copies)
         if not step.chunks:
+            if copies_done:
+                self.copier.synchronize()
             return StepResult(sampled=[], copies_done=copies_done)
         chunks = [SequenceChunk(c.token_ids, c.num_computed, c.block_table) for c in step.chunks]
         to_sample = [i for i, c in enumerate(step.chunks) if c.sample]
@@ -155,7 +157,7 @@ class Worker:
                  if any(g is not None for g in grammars) else None)
         scored = [i for i, c in enumerate(step.chunks) if self._wants_prompt_logprobs(c)]
         logits, prompt_logits = self.runner.logits_with_prompt(chunks, scored, self._stream_layers(step), speculating)
-        if self.copier is not None:  # this step's staging copies are complete before it reports
+        if self.copier is not None:  # this step's copies (its own and the engine's) complete before it reports
             self.copier.synchronize()
         prompt_logprobs = [self._prompt_logprobs(step.chunks[i], prompt_logits[i]) for i in scored]
         if not to_sample:
@@ -173,8 +175,9 @@ class Worker:
                           copies_done=copies_done)
 
     def _run_copies(self, copies: list[BlockCopy]) -> list[int]:
-        """The engine's block copies, in order; the forward pass after them sees their result, and the
-        device -> host ones (host-tier saves) have completed when the ids are reported."""
+        """Launch the engine's block copies, in order; the forward pass after them sees what they copied
+        into the cache (the compute stream waits for them, on CUDA without a host sync, so they overlap
+        what comes before it). Their ids are reported once the step has synchronized the copier."""
         if not copies:
             return []
         if self.copier is None:
@@ -183,7 +186,6 @@ class Worker:
             event = self.copier.copy(c.src, c.dst, c.src_blocks, c.dst_blocks)
             if c.dst == DEVICE:
                 self.copier.device_waits(event)
-        self.copier.synchronize()
         return [c.copy_id for c in copies]
 
     def _accept(self, ids: list[str], rows: list[SamplingRow], drafts: list[list[int]], out: SamplerOutput,
