@@ -142,10 +142,17 @@ class EngineCore:
     def _run_copies_only(self) -> None:
         """A step with no chunks, for copies nothing scheduled would carry (a swap-in on an idle D,
         host-tier saves after the last request)."""
-        step = ExecuteStep([], self._finished_on_worker, [], copies=self.copies.take())
+        copies = self.copies.take()
+        step = ExecuteStep([], self._finished_on_worker, [], copies=copies)
         self._finished_on_worker = []
-        result = self.worker.execute(step, while_waiting=self._during_step)
-        self.copies.done(result.copies_done)
+        try:
+            done = self.worker.execute(step, while_waiting=self._during_step).copies_done
+        except RuntimeError as e:  # the worker reported it (it is alive): what the copies held goes back
+            if not self.worker.alive():
+                raise
+            log.error("block copies failed: %s", e)
+            done = [c.copy_id for c in copies]
+        self.copies.done(done)
 
     def _poll_connector(self) -> list[RequestOutput]:
         outputs = self.connector.poll()
@@ -311,6 +318,9 @@ class EngineCore:
                 aborted = [final_output(r) for rid in list(self.scheduler.requests) if (r := self.abort(rid))]
                 self.kv.reset_prefix_cache()  # cached KV dies with the cache memory
                 self.weights_loaded = False
+                while self._copies_pending():  # the aborts' host-tier saves, while the cache still exists
+                    self._run_copies_only()
+                self._poll_host_tier()
                 self.worker.weights("clear")
                 self.cache_service.worker_cache_freed()
                 return UtilityResult(call.call_id, {"aborted": len(aborted)}), aborted

@@ -71,7 +71,7 @@ class KVCopier:
         self.device = device
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._registered: list[int] = []
-        if self._stream is not None and pin:  # pin=False: bench/gpu_check.py's pageable baseline
+        if self._stream is not None and pin and self._fits_pinned(host):  # pin=False: gpu_check's baseline
             for cache in host.values():
                 self._pin(cache)
         self.delay = float(os.environ.get(DELAY_ENV, "0") or 0)
@@ -87,6 +87,11 @@ class KVCopier:
         """Blocks (one layer of them, or whole) from `src` to `dst` ("device" or a host segment's role)."""
         source, target = self._cache(src), self._cache(dst)
         runs = block_runs(src_blocks, dst_blocks)
+        if layer is not None and self._stream is not None:
+            # One layer of several blocks is strided; torch copies a strided tensor between a GPU and the
+            # host through a pageable temporary, synchronously. Each block's layer is contiguous: one
+            # asynchronous copy per block.
+            runs = [(s + i, d + i, 1) for s, d, n in runs for i in range(n)]
 
         def run() -> None:
             for s, d, n in runs:
@@ -150,6 +155,22 @@ class KVCopier:
             return FutureEvent(self._slow.submit(slow))
         run()
         return DONE
+
+    @staticmethod
+    def _fits_pinned(host: dict[str, KVCache]) -> bool:
+        """Page-locking makes every page of a segment resident (the staging area is as large as the device
+        cache); where that would take most of the free RAM, copies stay pageable, which is slower but
+        does not starve the machine."""
+        import psutil
+
+        nbytes = sum(c.tensor.numel() * c.tensor.element_size() for c in host.values())
+        available = psutil.virtual_memory().available
+        if nbytes <= 0.8 * available:
+            return True
+        log.warning("the host segments (%.1f GiB) would take most of the free RAM (%.1f GiB) if page-locked: "
+                    "copies through them stay pageable (slower); lower --gpu-memory-utilization or "
+                    "--num-gpu-blocks-override to pin them", nbytes / 2**30, available / 2**30)
+        return False
 
     def _pin(self, cache: KVCache) -> None:
         """Page-lock a host segment so copies to and from it are asynchronous DMA (a pageable one makes
