@@ -144,9 +144,10 @@ def check_staging_copies(device: str) -> tuple[bool, str]:
     """The worker's KVCopier on a 180 MB bf16 cache of this model's geometry, without a server."""
     import torch
 
+    from pdserve.engine.messages import DEVICE
     from pdserve.kv_cache import KVCache
     from pdserve.kv_layout import KVLayout
-    from pdserve.worker.kv_copier import DEVICE, KVCopier
+    from pdserve.worker.kv_copier import KVCopier
 
     layout = KVLayout(512, 30, 16, 3, 64, "bfloat16")
     dev = KVCache.allocate(layout, device)

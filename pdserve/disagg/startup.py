@@ -270,9 +270,6 @@ class _Startup:
             raise RuntimeError(f"the worker's KV layout {self.loaded.layout} differs from the cache service's "
                                f"{self.layout}")
         self.layout = self.loaded.layout
-        if self.loaded.device != "cpu" and not self.device_cache:
-            raise RuntimeError(f"the worker runs on {self.loaded.device}, but startup planned a KV cache in shared "
-                               "host memory; pass --device")
 
     def start_cache_service(self) -> None:
         from pdserve.disagg.cache_service_client import CacheServiceClient

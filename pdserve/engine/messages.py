@@ -151,6 +151,9 @@ class Chunk(msgspec.Struct, array_like=True):
     num_draft: int = 0  # the last num_draft tokens are speculative proposals, to verify (spec_decode)
 
 
+DEVICE = "device"  # a BlockCopy's end that is the worker's own cache (the other ends are host segments' roles)
+
+
 class BlockCopy(msgspec.Struct, array_like=True):
     """A cache in device memory (the worker's own): copy whole blocks between it and one of the cache
     service's host segments ("staging", "buffer", "host"), in the worker, before the step's forward pass."""
@@ -232,7 +235,6 @@ class WorkerLoaded(msgspec.Struct, tag=True):
     max_model_len: int
     vocab_size: int
     profile: dict
-    device: str = "cpu"  # the worker's device type ("cpu", "cuda")
 
 
 class WorkerReady(msgspec.Struct, tag=True):

@@ -18,9 +18,7 @@ import itertools
 import time
 from collections.abc import Callable
 
-from pdserve.engine.messages import BlockCopy
-
-DEVICE = "device"
+from pdserve.engine.messages import DEVICE, BlockCopy
 
 
 class WorkerCopies:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,12 +24,12 @@ from typing import Protocol
 
 import torch
 
+from pdserve.engine.messages import DEVICE
 from pdserve.kv_cache import KVCache
 from pdserve.kv_layout import block_runs
 
 log = logging.getLogger("pdserve.worker")
 DELAY_ENV = "PDSERVE_TEST_KV_COPY_DELAY"
-DEVICE = "device"
 
 
 class CopyEvent(Protocol):
@@ -79,8 +78,7 @@ class KVCopier:
         self._slow = ThreadPoolExecutor(1, thread_name_prefix="kv-copy") if slow else None
         if self._slow is not None:
             log.warning("KV copies delayed by %g s each (%s, a test hook)", self.delay, DELAY_ENV)
-        self._pending: list[CopyEvent] = []
-        self._lock = threading.Lock()
+        self._pending: list[CopyEvent] = []  # every call comes from the worker's compute thread
 
     def copy(self, src: str, dst: str, src_blocks: list[int], dst_blocks: list[int],
              layer: int | None = None) -> CopyEvent:
@@ -101,8 +99,7 @@ class KVCopier:
                     target.tensor[d:d + n, layer].copy_(source.tensor[s:s + n, layer], non_blocking=True)
 
         event = self._launch(run)
-        with self._lock:
-            self._pending.append(event)
+        self._pending.append(event)
         return event
 
     def device_waits(self, event: CopyEvent) -> None:
@@ -114,8 +111,7 @@ class KVCopier:
 
     def synchronize(self) -> None:
         """Every copy launched so far has completed."""
-        with self._lock:
-            pending, self._pending = self._pending, []
+        pending, self._pending = self._pending, []
         for event in pending:
             event.synchronize()
 

@@ -13,6 +13,7 @@ import zmq
 
 from pdserve.config import EngineConfig
 from pdserve.engine.messages import (
+    DEVICE,
     BlockCopy,
     CacheCommand,
     Chunk,
@@ -35,7 +36,7 @@ from pdserve.sampling import SamplerOutput, SamplingRow, make_generator, skip_dr
 from pdserve.spec_decode.verifier import accepted_tokens, position_rows, rewind
 from pdserve.structured.matcher import GrammarCompiler, SequenceGrammar, allowed_tokens
 from pdserve.transfer_plan import LayerDone, StepTransfers
-from pdserve.worker.kv_copier import DEVICE, CopyEvent, KVCopier
+from pdserve.worker.kv_copier import CopyEvent, KVCopier
 from pdserve.worker.layer_announcer import LayerAnnouncer
 from pdserve.worker.profile_run import profile_num_blocks
 
@@ -76,7 +77,7 @@ class Worker:
 
     def loaded_message(self) -> WorkerLoaded:
         return WorkerLoaded(self.layout, self.runner.max_model_len, self.runner.config.vocab_size,
-                            self.profile, self.runner.device.type)
+                            self.profile)
 
     def setup_cache(self, command: CacheCommand) -> WorkerReady:
         self._cache_command = command
