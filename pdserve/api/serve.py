@@ -26,7 +26,7 @@ from pdserve.tools.parsers import PARSERS
 from pdserve.transport.base import HOST_ID_ENV, host_id
 from pdserve.utils.memory import release_freed_memory
 from pdserve.utils.process import die_with_parent, exit_on_sigterm
-from pdserve.utils.uvicorn_run import serve_and_announce, server_config
+from pdserve.utils.uvicorn_run import listening_socket, serve_and_announce, server_config
 
 log = logging.getLogger("pdserve.serve")
 
@@ -107,6 +107,13 @@ def serve(args: argparse.Namespace) -> int:
         os.environ[HOST_ID_ENV] = args.host_id
     if refusals := fastdeploy_refusals(args):
         raise ValueError("\n".join(refusals))
+    # Bound now, before the engine loads for seconds: a port picked free by whoever started us cannot be
+    # taken meanwhile by a bind to port 0 of our own children (a CI run lost an instance so: its cache
+    # service got the HTTP port), and a port in use fails at once, not after the model has loaded.
+    http_socket = listening_socket(args.host, args.port)
+    http_socket.set_inheritable(False)
+    metrics_port = args.metrics_port or free_port(args.host)
+    metrics_reservation = listening_socket(args.host, metrics_port)  # prometheus binds its own; held until then
     advertise = advertised_host(args.host, args.advertise_host)
     config = engine_config_from_args(args, pd_host=args.host, advertise_host=advertise)
     name = args.served_model_name or model_name(args.model)
@@ -121,7 +128,6 @@ def serve(args: argparse.Namespace) -> int:
                             metrics, api_key=args.api_key, sampling_defaults=sampling_defaults,
                             tool_call_parser=args.tool_call_parser)
         ready = client.ready
-        metrics_port = args.metrics_port or free_port(args.host)
         if args.router:
             state.router_urls = args.router
             state.instance = Registration(
@@ -132,13 +138,17 @@ def serve(args: argparse.Namespace) -> int:
                 block_size=ready.block_size, compatibility_key=ready.compatibility_key).model_dump()
         from prometheus_client import start_http_server
 
+        metrics_reservation.close()
         start_http_server(metrics_port, addr=args.host, registry=metrics.registry)
         server = uvicorn.Server(server_config(build_app(state), args.host, args.port))
         state.request_shutdown = lambda: setattr(server, "should_exit", True)
         asyncio.run(serve_and_announce(server, _announcement(args.host, args.port, metrics_port, name, ready.role,
-                                                             ready.pd_comm_port)))
+                                                             ready.pd_comm_port),
+                                       sockets=[http_socket]))
     finally:
         client.close()
+        http_socket.close()
+        metrics_reservation.close()
     return state.exit_code
 
 
