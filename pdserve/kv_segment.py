@@ -11,11 +11,15 @@ import os
 import secrets
 from multiprocessing import resource_tracker, shared_memory
 
+from pdserve.utils.shm_room import check_room
+
 _created_here: set[str] = set()
 
 
 def create_segment(nbytes: int) -> shared_memory.SharedMemory:
-    """A new segment; pages are not touched, so memory is used only as far as the cache fills."""
+    """A new segment; pages are not touched, so memory is used only as far as the cache fills. Refused
+    (SharedMemoryFull) when /dev/shm could not hold it filled."""
+    check_room(nbytes)
     name = f"pdserve-kv-{os.getpid()}-{secrets.token_hex(4)}"
     shm = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
     _created_here.add(name)

@@ -32,6 +32,7 @@ from pdserve.api.serve import DEMO_REQUEST, free_port
 from pdserve.cluster_auth import ENV
 from pdserve.supervisor import Supervisor
 from pdserve.utils.dtype_names import gpu_present
+from pdserve.utils.shm_room import free_host_memory
 from pdserve.worker import core_loan
 
 
@@ -178,6 +179,18 @@ def _cpu_only() -> bool:
     return not gpu_present()
 
 
+SIZING_FLAGS = ("--kv-cache-memory", "--num-gpu-blocks-override")
+
+
+def memory_shares(instance_args: list[str], n: int) -> list[str]:
+    """On CPU, where no flag sizes the caches, each of the n instances gets an equal share of the free
+    RAM as its --kv-cache-memory: started together, each would size from all of it, and together
+    they could fill more than there is (an instance then dies of SIGBUS or the OOM killer)."""
+    if not _cpu_only() or any(a.split("=")[0] in SIZING_FLAGS for a in instance_args):
+        return []
+    return ["--kv-cache-memory", str(free_host_memory() // n)]
+
+
 def launch(args: argparse.Namespace) -> int:
     specs = plan(args)
     router_url = f"http://{args.host}:{args.port}"
@@ -210,13 +223,17 @@ def launch(args: argparse.Namespace) -> int:
         pinned = args.cpu_binding != "none" and _cpu_only()
         cpu_sets = split_cpus(len(specs)) if pinned else [None] * len(specs)
         envs: list[dict[str, str]] = [{} for _ in specs]
+        shares = memory_shares(args.instance_args, len(specs))
+        if shares:
+            print(f"pdserve launch: no --kv-cache-memory given: each instance sizes its KV cache from "
+                  f"{int(shares[1]) / 2**30:.1f} GiB (the free RAM / {len(specs)})", flush=True)
         if pinned and args.cpu_binding in ("auto", "lend"):
             flags_dir = Path(tempfile.mkdtemp(prefix="pdserve-cores-"))
             cpu_sets, envs = lend_cores(specs, cpu_sets, flags_dir)
         for spec, cpus, env in zip(specs, cpu_sets, envs, strict=True):
             cores = f", cores {','.join(map(str, sorted(cpus)))}" if cpus else ""
             print(f"pdserve launch: {spec.name} on {spec.host}:{spec.port}{cores}", flush=True)
-            extra = list(args.instance_args)
+            extra = [*shares, *args.instance_args]
             if spec.role == "decode" and args.splitwise_cache_buffer_size:
                 extra += ["--splitwise-cache-buffer-size", str(args.splitwise_cache_buffer_size)]
             deployment.start(spec.name, spec.command(",".join(registrations), extra), cpus, env)

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pdserve.utils.shm_room import shm_room
+
 if TYPE_CHECKING:
     import zmq
 
@@ -286,7 +288,8 @@ class _Startup:
         mine = [HostSegment(role, name, n) for role, name, n in (
             ("staging", self.segment, self.layout.num_blocks), ("buffer", self.buffer_segment, self.buffer_blocks),
             ("host", self.host_segment, self.host_blocks)) if name is not None]
-        command = CacheCommand(True, None, self.messager_address, private=True, host_segments=mine)
+        command = CacheCommand(True, None, self.messager_address, private=True, host_segments=mine,
+                               num_blocks=self.layout.num_blocks)
         self.worker.setup_cache(command, self.timeout)
         self.log.record("cache_created", WORKER, segment=None, num_blocks=self.layout.num_blocks,
                         host_memory=[s.role for s in mine])
@@ -296,9 +299,28 @@ class _Startup:
         cache's block ids; P sends from it, D receives into it) unless D receives into its decode buffer;
         and the host tier."""
         role, buffered = self.config.splitwise_role, bool(self.config.splitwise_cache_buffer_size)
-        self._create_in_service(staging=role == "prefill" or (role == "decode" and not buffered))
+        staging = role == "prefill" or (role == "decode" and not buffered)
+        if staging and not self.config.num_gpu_blocks_override:
+            self._fit_staging_in_host_memory()
+        self._create_in_service(staging=staging)
         self.log.record("host_memory_created", CACHE_SERVICE, staging=self.segment,
                         buffer_blocks=self.buffer_blocks, host_blocks=self.host_blocks)
+
+    def _fit_staging_in_host_memory(self) -> None:
+        """A profiled device cache gets no more blocks than its staging mirror can hold filled in
+        /dev/shm (with the buffer and host tier beside it): a GPU's cache can be larger than the host's
+        shared memory, and a staging write past a full /dev/shm would kill the cache service."""
+        room = shm_room()
+        if room is None:
+            return
+        beside = sum(gigabytes_in_blocks(flag, gb, self.layout) for flag, gb in (
+            ("--splitwise-cache-buffer-size", self.config.splitwise_cache_buffer_size),
+            ("--swap-space", self.config.swap_space))) * self.layout.block_bytes
+        fits = (room - beside) // self.layout.block_bytes
+        if 0 < fits < self.layout.num_blocks:
+            log.warning("KV cache capped at %d blocks (profiled %d): its host staging must fit the %.2f GiB "
+                        "/dev/shm has left", fits, self.layout.num_blocks, room / 2**30)
+            self.layout = self.layout.with_blocks(fits)
 
     def service_creates_cache(self) -> None:
         if self.layout is None:  # no worker yet: the layout from config.json

@@ -3,7 +3,8 @@
     cache bytes = device memory x --gpu-memory-utilization - weights - peak activations
 
 Device memory is the GPU's on CUDA; on CPU it is --kv-cache-memory when given, else the RAM
-available now plus what this process already holds for weights. Peak activations come from a
+available now (less what other pdserve caches may still fill, at most /dev/shm's room) plus what this
+process already holds for weights. Peak activations come from a
 dummy forward at the largest batch the scheduler may build (--max-num-batched-tokens tokens over
 up to --max-num-seqs sequences): the CUDA allocator's peak, or on CPU the resident-set growth,
 sampled while it runs. The dummy run has no KV cache and is flagged `is_dummy_or_profile_run`,
@@ -23,6 +24,7 @@ from pdserve.config import EngineConfig
 from pdserve.kv_layout import KVLayout
 from pdserve.model import SequenceChunk
 from pdserve.model_runner import ModelRunner
+from pdserve.utils.shm_room import free_host_memory
 
 log = logging.getLogger("pdserve.profile")
 
@@ -66,7 +68,7 @@ def profile_num_blocks(runner: ModelRunner, config: EngineConfig) -> ProfileResu
         held_elsewhere = max(device_memory - free - torch.cuda.memory_allocated(runner.device), 0)
     else:
         peak = _cpu_peak_growth(lambda: runner.logits(chunks, is_dummy_or_profile_run=True))
-        device_memory = config.kv_cache_memory or (psutil.virtual_memory().available + weights)
+        device_memory = config.kv_cache_memory or (free_host_memory() + weights)
         held_elsewhere = 0
     layout = KVLayout.for_model(runner.config, 1, config.block_size, runner.kv_cache_dtype)
     cache_bytes = int(device_memory * config.gpu_memory_utilization) - weights - peak - held_elsewhere

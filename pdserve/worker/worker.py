@@ -81,6 +81,8 @@ class Worker:
 
     def setup_cache(self, command: CacheCommand) -> WorkerReady:
         self._cache_command = command
+        if command.num_blocks is not None:  # kept for a reload after clear_load_weight
+            self.layout = self.layout.with_blocks(command.num_blocks)
         self._open_cache()
         for segment in command.host_segments:
             self.host[segment.role] = KVCache.attach_shared(self.layout.with_blocks(segment.num_blocks), segment.name)
