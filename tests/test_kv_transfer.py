@@ -281,3 +281,24 @@ def test_control_messages_must_carry_the_cluster_secret() -> None:
     receiver.open(sealed)
     with pytest.raises(AuthError, match="replayed"):
         receiver.open(sealed)
+
+
+def test_messager_unmaps_a_decode_cache_that_was_removed(caches: tuple[KVCache, KVCache]) -> None:
+    """A dead D's segment, swept by its restart, must not stay mapped (its memory would stay in use)."""
+    p, _ = caches
+    d = KVCache.create_shared(LAYOUT.with_blocks(4))
+    endpoint = IpcEndpoint(d.shm_name, d.shm.size, host_id())
+    reports: list[TransferDone] = []
+    messager = _messager(p, reports)
+    messager.handle(StepTransfers(1, [TransferPlan("t", endpoint, [1], [1], 0, True, time.time() + 60)]))
+    for layer in range(3):
+        messager.handle(LayerDone(1, layer))
+    assert reports[0].ok
+    name = d.shm_name
+    mapped = lambda: name in Path("/proc/self/maps").read_text()  # noqa: E731
+    messager.drop_gone_writers()
+    d.close()  # the creator unmaps and removes the segment, as a sweep of a dead D's does
+    assert mapped()  # the messager's writer still maps it: its memory is still in use
+    messager.drop_gone_writers()
+    assert not mapped()
+    messager.close()

@@ -68,6 +68,13 @@ class CacheMessager:
         if progress is not None:
             progress.deadline = max(progress.deadline, deadline)
 
+    def drop_gone_writers(self) -> None:
+        """Close the writers whose decode instance's cache is gone (called between messages): under ipc
+        a dead D's memory stays in use while we map it."""
+        for endpoint in [e for e, w in self._writers.items() if w.peer_gone()]:
+            log.info("the decode instance's cache %s is gone: closing its writer", endpoint)
+            self._drop_writer(endpoint)
+
     def close(self) -> None:
         for writer in self._writers.values():
             writer.close()

@@ -178,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
         ctx.term()
 
 
+GONE_WRITER_CHECK_S = 1.0  # a restarted decode instance sweeps its old segment seconds before it needs the room
+
+
 def _serve(engine: zmq.Socket, service: CacheService) -> None:
     poller = zmq.Poller()
     poller.register(engine, zmq.POLLIN)
@@ -185,9 +188,13 @@ def _serve(engine: zmq.Socket, service: CacheService) -> None:
         poller.register(service.inbox, zmq.POLLIN)
     inbox_decoder = msgspec.msgpack.Decoder(MessagerInput)
     reported_refusals = 0
+    next_check = 0.0
     while True:
         raise_if_stopping()
         events = dict(poller.poll(STOP_CHECK_MS))
+        if service.messager is not None and time.monotonic() >= next_check:
+            service.messager.drop_gone_writers()
+            next_check = time.monotonic() + GONE_WRITER_CHECK_S
         if (refused := sum(r.refused for r in service.receivers)) != reported_refusals:
             engine.send(msgspec.msgpack.encode(ReceiverStats(refused)))
             reported_refusals = refused

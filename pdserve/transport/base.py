@@ -96,6 +96,11 @@ class KVWriter(ABC):
     @abstractmethod
     def close(self) -> None: ...
 
+    def peer_gone(self) -> bool:
+        """True once the peer's cache is known to be gone without a write failing (ipc: its segment was
+        removed); the writer should then be closed."""
+        return False
+
 
 class KVReceiver(ABC):
     refused: int = 0  # connections that failed the cluster-secret challenge (a receiver that takes none: 0)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
+from pathlib import Path
 
 from pdserve.kv_segment import attach_segment
 from pdserve.transport.base import (
@@ -35,6 +36,7 @@ class IpcWriter(KVWriter):
             raise TransferError(f"the decode instance's cache segment {endpoint.segment} is gone") from None
         self._dst = CacheBuffer(self._shm.buf, buffer_address(self._shm.buf))
         self._src = source
+        self._path = Path("/dev/shm", endpoint.segment)  # Linux's name for a POSIX segment
 
     def write(self, ranges: Sequence[ByteRange]) -> int:
         total = 0
@@ -47,6 +49,11 @@ class IpcWriter(KVWriter):
 
     def flush(self) -> None:
         pass  # memmove is done when it returns
+
+    def peer_gone(self) -> bool:
+        # A dead decode instance's segment is removed by whoever sweeps it (its restart); our mapping
+        # alone would keep its memory in use, and its restart might not find room for a new cache.
+        return self._path.parent.is_dir() and not self._path.exists()
 
     def close(self) -> None:
         self._dst = None  # type: ignore[assignment]
