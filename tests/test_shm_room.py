@@ -81,6 +81,7 @@ def _startup(monkeypatch, room_blocks: int, **config):  # noqa: ANN202
     monkeypatch.setattr(startup, "shm_room", lambda: room_blocks * layout.block_bytes)
     start = startup._Startup(EngineConfig(**config), None, "", startup.StartupLog(None, (), (1, 0, 1, 1)), True)
     start.layout = layout
+    start._size_host_memory()
     return start
 
 

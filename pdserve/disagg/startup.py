@@ -300,6 +300,7 @@ class _Startup:
         and the host tier."""
         role, buffered = self.config.splitwise_role, bool(self.config.splitwise_cache_buffer_size)
         staging = role == "prefill" or (role == "decode" and not buffered)
+        self._size_host_memory()
         if staging and not self.config.num_gpu_blocks_override:
             self._fit_staging_in_host_memory()
         self._create_in_service(staging=staging)
@@ -313,10 +314,7 @@ class _Startup:
         room = shm_room()
         if room is None:
             return
-        beside = sum(gigabytes_in_blocks(flag, gb, self.layout) for flag, gb in (
-            ("--splitwise-cache-buffer-size", self.config.splitwise_cache_buffer_size),
-            ("--swap-space", self.config.swap_space))) * self.layout.block_bytes
-        fits = (room - beside) // self.layout.block_bytes
+        fits = room // self.layout.block_bytes - self.buffer_blocks - self.host_blocks
         if 0 < fits < self.layout.num_blocks:
             log.warning("KV cache capped at %d blocks (profiled %d): its host staging must fit the %.2f GiB "
                         "/dev/shm has left", fits, self.layout.num_blocks, room / 2**30)
@@ -325,17 +323,20 @@ class _Startup:
     def service_creates_cache(self) -> None:
         if self.layout is None:  # no worker yet: the layout from config.json
             self.layout = layout_without_profile(self.config, self.config.num_gpu_blocks_override)
+        self._size_host_memory()
         self._create_in_service(staging=True)
         self.log.record("cache_created", CACHE_SERVICE, segment=self.segment, num_blocks=self.layout.num_blocks,
                         **({"buffer_blocks": self.buffer_blocks} if self.buffer_blocks else {}),
                         **({"host_blocks": self.host_blocks} if self.host_blocks else {}))
 
-    def _create_in_service(self, staging: bool) -> None:
-        from pdserve.disagg.messages import CreateCache
-
+    def _size_host_memory(self) -> None:
         self.buffer_blocks = gigabytes_in_blocks("--splitwise-cache-buffer-size",
                                                  self.config.splitwise_cache_buffer_size, self.layout)
         self.host_blocks = gigabytes_in_blocks("--swap-space", self.config.swap_space, self.layout)
+
+    def _create_in_service(self, staging: bool) -> None:
+        from pdserve.disagg.messages import CreateCache
+
         command = CreateCache(self.layout, self.buffer_blocks, self.host_blocks, cache_segment=staging)
         ready = self.service.setup(command, self.timeout)
         self.segment, self.messager_address, self.endpoints = ready.segment, ready.messager_address, ready.endpoints
