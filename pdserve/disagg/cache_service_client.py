@@ -114,5 +114,5 @@ class CacheServiceClient:
     def exit_code(self) -> int | None:
         return self.proc.returncode
 
-    def shutdown(self, timeout: float = 10.0) -> None:
-        self.child.shutdown(ServiceShutdown(), timeout)
+    def shutdown(self, timeout: float = 10.0, ask: bool = True) -> None:
+        self.child.shutdown(ServiceShutdown(), timeout, ask)

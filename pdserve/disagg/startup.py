@@ -222,8 +222,8 @@ def start_processes(config: EngineConfig, ctx: zmq.Context, sockdir: str) -> Sta
     except BaseException as e:
         start.log.record("failed", error=str(e))
         for proc in (start.worker, start.service):
-            if proc is not None:
-                proc.shutdown()
+            if proc is not None:  # SIGTERM: a worker still importing or loading reads no message (it waited 10 s)
+                proc.shutdown(ask=False)
         for segment in (start.segment, start.buffer_segment, start.host_segment):
             remove_segment(segment)
         raise

@@ -67,5 +67,5 @@ class WorkerClient:
     def alive(self) -> bool:
         return self.child.alive()
 
-    def shutdown(self, timeout: float = 10.0) -> None:
-        self.child.shutdown(WorkerShutdown(), timeout)
+    def shutdown(self, timeout: float = 10.0, ask: bool = True) -> None:
+        self.child.shutdown(WorkerShutdown(), timeout, ask)

@@ -65,7 +65,9 @@ class ChildProcess:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def shutdown(self, shutdown_message: object, timeout: float = 10.0) -> None:
-        stop_process(self.proc, lambda: self.sock.send(self._encoder.encode(shutdown_message), flags=zmq.NOBLOCK),
-                     timeout)
+    def shutdown(self, shutdown_message: object, timeout: float = 10.0, ask: bool = True) -> None:
+        """ask=False: SIGTERM at once, for a child that may not read messages yet (still starting)."""
+        request = (lambda: self.sock.send(self._encoder.encode(shutdown_message), flags=zmq.NOBLOCK)) if ask \
+            else self.proc.terminate
+        stop_process(self.proc, request, timeout)
         self.sock.close()
