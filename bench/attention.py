@@ -18,8 +18,8 @@ import time
 import torch
 
 from pdserve.kernels import cpu_ops
-from pdserve.kv_cache import KVCache
-from pdserve.kv_layout import KVLayout
+from pdserve.kv.cache import KVCache
+from pdserve.kv.layout import KVLayout
 from pdserve.model import ForwardBatch, SequenceChunk
 from pdserve.model.paged_attention import GatherBuffers, paged_attention
 

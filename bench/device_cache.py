@@ -47,7 +47,7 @@ def prompts(n: int, length: int, salt: int) -> list[list[int]]:
     """n distinct prompts of exactly `length` tokens; the leading number makes the first block differ,
     so nothing is a prefix-cache hit."""
     from pdserve.loader import resolve_model_folder
-    from pdserve.tokenizer import Tokenizer
+    from pdserve.tokenization.tokenizer import Tokenizer
 
     tok = Tokenizer(resolve_model_folder(None))
     body = tok.encode(" ".join(WORDS[i % len(WORDS)] for i in range(length)))

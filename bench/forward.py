@@ -40,7 +40,7 @@ def _seconds(fn) -> float:  # noqa: ANN001
 
 def pdserve_engine(prompt: list[int], new_tokens: int, dtype: str, quantization: str | None = None) -> Engine:
     from pdserve.model import SequenceChunk
-    from pdserve.model_runner import ModelRunner
+    from pdserve.worker.model_runner import ModelRunner
 
     runner = ModelRunner(None, dtype=dtype, device="cpu", quantization=quantization)
     name = f"pdserve {quantization or str(runner.dtype).removeprefix('torch.')}"

@@ -83,7 +83,7 @@ def check_greedy(url: str, device: str) -> tuple[bool, str]:
 
     from pdserve.loader import resolve_model_folder
     from pdserve.loader.default_model import default_model_path
-    from pdserve.tokenizer import Tokenizer
+    from pdserve.tokenization.tokenizer import Tokenizer
 
     path = default_model_path()
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
@@ -145,8 +145,8 @@ def check_staging_copies(device: str) -> tuple[bool, str]:
     import torch
 
     from pdserve.engine.messages import DEVICE
-    from pdserve.kv_cache import KVCache
-    from pdserve.kv_layout import KVLayout
+    from pdserve.kv.cache import KVCache
+    from pdserve.kv.layout import KVLayout
     from pdserve.worker.kv_copier import KVCopier
 
     layout = KVLayout(512, 30, 16, 3, 64, "bfloat16")
@@ -207,7 +207,7 @@ def check_pd_on_one_device(device: str, out: Path) -> tuple[bool, str]:
     and a mixed instance; greedy token texts of PD must be the mixed instance's."""
     from pdserve.disagg.startup import PRIVATE_CACHE_ENV
     from pdserve.loader import resolve_model_folder
-    from pdserve.tokenizer import Tokenizer
+    from pdserve.tokenization.tokenizer import Tokenizer
 
     env = {**os.environ, **({} if device.startswith("cuda") else {PRIVATE_CACHE_ENV: "1"})}
     common = ["--device", device, "--dtype", "float32", "--max-model-len", "1024", "--num-gpu-blocks-override", "256"]

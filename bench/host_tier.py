@@ -34,7 +34,7 @@ QUESTIONS = ["What is the main point?", "Summarize it in one line.", "Name one d
 def workload(args: argparse.Namespace, path: Path) -> None:
     """Prefixes of about --prefix-len tokens (random vocabulary words), each request one of them + a question."""
     from pdserve.loader import resolve_model_folder
-    from pdserve.tokenizer import Tokenizer
+    from pdserve.tokenization.tokenizer import Tokenizer
 
     tok = Tokenizer(resolve_model_folder(None))
     rng = random.Random(0)

@@ -29,9 +29,9 @@ from functools import partial
 import msgspec
 import torch
 
-from pdserve import kv_segment
-from pdserve.kv_cache import KVCache
-from pdserve.kv_layout import KVLayout, block_ranges, layer_ranges
+from pdserve.kv import segment as kv_segment
+from pdserve.kv.cache import KVCache
+from pdserve.kv.layout import KVLayout, block_ranges, layer_ranges
 from pdserve.transport import (
     CacheBuffer,
     Endpoint,

@@ -224,7 +224,7 @@ def add_workload_args(parser: argparse.ArgumentParser, default_out: str) -> None
 
 def prepare(args: argparse.Namespace) -> None:
     """The model folder, and for sharegpt a file of complete entries (vLLM's client reads it whole)."""
-    from pdserve.benchmark.sharegpt import write_complete
+    from pdserve.bench_serve.sharegpt import write_complete
     from pdserve.loader import resolve_model_folder
 
     args.folder = resolve_model_folder(None)

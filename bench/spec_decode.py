@@ -131,8 +131,8 @@ def table(results: dict[str, list[dict]], args: argparse.Namespace) -> str:
 
 
 def batch_sweep(args: argparse.Namespace) -> str:
-    from pdserve.benchmark.sharegpt import sharegpt_requests
-    from pdserve.llm import LLM
+    from pdserve.bench_serve.sharegpt import sharegpt_requests
+    from pdserve.offline.llm import LLM
     from pdserve.sampling import SamplingParams
 
     adaptive = json.loads(args.speculative_config)

@@ -12,13 +12,13 @@ __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "__version__"]
 
 if TYPE_CHECKING:
-    from pdserve.llm import LLM
+    from pdserve.offline.llm import LLM
     from pdserve.sampling import SamplingParams
 
 
 def __getattr__(name: str) -> Any:
     if name == "LLM":
-        from pdserve.llm import LLM
+        from pdserve.offline.llm import LLM
 
         return LLM
     if name == "SamplingParams":

@@ -7,7 +7,7 @@ import sys
 
 import msgspec
 
-from pdserve.engine_args import add_engine_args, engine_config_from_args
+from pdserve.config.engine_args import add_engine_args, engine_config_from_args
 from pdserve.loader.errors import ModelLoadError
 
 
@@ -37,13 +37,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_router_args(rtr)
 
     lch = sub.add_parser("launch", help="start a router and prefill/decode (and mixed) instances as one deployment")
-    from pdserve.launch import add_launch_args
+    from pdserve.deploy.launch import add_launch_args
 
     add_launch_args(lch)
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     bench_serve = bench_sub.add_parser("serve", help="measure a running server (or router): the seed 003 table")
-    from pdserve.benchmark.args import add_bench_args
+    from pdserve.bench_serve.args import add_bench_args
 
     add_bench_args(bench_serve)
     return parser
@@ -69,11 +69,11 @@ def main(argv: list[str] | None = None) -> int:
 
             return serve_router(args)
         if args.command == "launch":
-            from pdserve.launch import launch
+            from pdserve.deploy.launch import launch
 
             return launch(args)
         if args.command == "bench":
-            from pdserve.benchmark.run import bench_serve
+            from pdserve.bench_serve.run import bench_serve
 
             return bench_serve(args)
     except (ModelLoadError, ValueError, EngineError, OSError) as e:
@@ -100,7 +100,7 @@ def _stopped(command: str, signal_name: str) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from pdserve.llm import LLM
+    from pdserve.offline.llm import LLM
     from pdserve.sampling import SamplingParams
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,

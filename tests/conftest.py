@@ -19,14 +19,14 @@ def embedded_folder() -> Path:
 
 @pytest.fixture(scope="session")
 def embedded_tokenizer(embedded_folder: Path):
-    from pdserve.tokenizer import Tokenizer
+    from pdserve.tokenization.tokenizer import Tokenizer
 
     return Tokenizer(embedded_folder)
 
 
 @pytest.fixture(scope="session")
 def embedded_runner():
-    from pdserve.model_runner import ModelRunner
+    from pdserve.worker.model_runner import ModelRunner
 
     return ModelRunner(None, dtype="float32", device="cpu")
 

@@ -16,14 +16,14 @@ import time
 
 import msgspec
 
-from pdserve.kv_layout import KVLayout, block_ranges, layer_ranges
+from pdserve.kv.layout import KVLayout, block_ranges, layer_ranges
 
 LAYOUT = KVLayout(num_blocks=12, num_layers=3, block_size=4, num_kv_heads=2, head_dim=8, dtype="float32")
 D_BLOCKS = 9
 
 
 def decode_side(to_p: mp.Queue, from_p: mp.Queue) -> None:
-    from pdserve.kv_cache import KVCache
+    from pdserve.kv.cache import KVCache
     from pdserve.transport import CacheBuffer, start_receiver
     from pdserve.transport.ipc import buffer_address
     from pdserve.transport.nixl import exit_now, release
@@ -50,7 +50,7 @@ def decode_side(to_p: mp.Queue, from_p: mp.Queue) -> None:
 def main() -> int:
     import torch
 
-    from pdserve.kv_cache import KVCache
+    from pdserve.kv.cache import KVCache
     from pdserve.transport import CacheBuffer, Endpoint, TransferError, open_writer
     from pdserve.transport.ipc import buffer_address
     from pdserve.transport.nixl import exit_now, release

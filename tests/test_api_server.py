@@ -78,7 +78,7 @@ def llm() -> Iterator[LLM]:
 @pytest.fixture(scope="module")
 def tokenizer():
     from pdserve.loader import resolve_model_folder
-    from pdserve.tokenizer import Tokenizer
+    from pdserve.tokenization.tokenizer import Tokenizer
 
     return Tokenizer(resolve_model_folder(None))
 

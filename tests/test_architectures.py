@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kv_cache import KVCache
-from pdserve.kv_layout import KVLayout
+from pdserve.kv.cache import KVCache
+from pdserve.kv.layout import KVLayout
 from pdserve.model import ForwardBatch, SequenceChunk, load_decoder
 from tests.tiny_models import ARCHITECTURES, hf_logits, make_tiny_model
 

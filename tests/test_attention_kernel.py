@@ -132,7 +132,7 @@ logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
 from pdserve.kernels import cpu_ops
 from pdserve.model import SequenceChunk
 from pdserve.model import SequenceChunk
-from pdserve.model_runner import ModelRunner
+from pdserve.worker.model_runner import ModelRunner
 assert cpu_ops() is None and cpu_ops() is None  # asked twice, said once
 runner = ModelRunner(None, dtype="float32", device="cpu")
 assert not runner.model.uses_paged_kernel

@@ -138,9 +138,9 @@ def test_jsonl_dataset_takes_chat_and_prompt_lines(tmp_path: Path, stub_url: str
     data = tmp_path / "prompts.jsonl"
     data.write_text('{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}\n\n'
                     '{"prompt": "Once upon a time"}\n')
-    from pdserve.benchmark.datasets import jsonl_requests
+    from pdserve.bench_serve.datasets import jsonl_requests
     from pdserve.loader import resolve_model_folder
-    from pdserve.tokenizer import Tokenizer
+    from pdserve.tokenization.tokenizer import Tokenizer
 
     reqs = jsonl_requests(data, 4, 7, seed=0, tokenizer=Tokenizer(resolve_model_folder(None)))
     assert len(reqs) == 4  # cycles through the file

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.benchmark.client import RequestRecord, has_token, request_body
-from pdserve.benchmark.datasets import BenchRequest
-from pdserve.benchmark.find_rate import Probe, find_rate
-from pdserve.benchmark.sharegpt import read_entries, sharegpt_requests
-from pdserve.benchmark.summary import summarize
+from pdserve.bench_serve.client import RequestRecord, has_token, request_body
+from pdserve.bench_serve.datasets import BenchRequest
+from pdserve.bench_serve.find_rate import Probe, find_rate
+from pdserve.bench_serve.sharegpt import read_entries, sharegpt_requests
+from pdserve.bench_serve.summary import summarize
 
 
 class WordTokenizer:

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from pdserve.model.load import cpu_has_native_bf16, resolve_dtype
-from pdserve.model_runner import ModelRunner
 from pdserve.utils.cpu_features import cpu_flags
 from pdserve.utils.dtype_names import cpu_kv_cache_dtype
+from pdserve.worker.model_runner import ModelRunner
 from tests.test_embedded_model import CHAT_PROMPTS, NEW_TOKENS, _hf_greedy, _our_greedy
 
 pytestmark = pytest.mark.e2e  # starts pdserve processes or loads the model: not in `make test-fast`

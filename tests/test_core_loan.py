@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.launch import InstanceSpec, lend_cores
+from pdserve.deploy.launch import InstanceSpec, lend_cores
 from pdserve.worker import core_loan
 
 

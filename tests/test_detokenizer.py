@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.detokenizer import IncrementalDetokenizer
 from pdserve.sampling import SamplingParams
+from pdserve.tokenization.detokenizer import IncrementalDetokenizer
 
 TEXTS = ["Hello world! Unicode: naïve café, 日本語, emoji 🚀🔥 <|im_end|> end.", "a\n\nb  c 12345\tx"]
 

@@ -10,8 +10,8 @@ import torch
 
 from pdserve.engine.messages import DEVICE
 from pdserve.engine.worker_copies import WorkerCopies
-from pdserve.kv_cache import KVCache
-from pdserve.kv_layout import KVLayout, block_runs
+from pdserve.kv.cache import KVCache
+from pdserve.kv.layout import KVLayout, block_runs
 from pdserve.worker.kv_copier import DELAY_ENV, KVCopier
 
 LAYOUT = KVLayout(num_blocks=8, num_layers=3, block_size=4, num_kv_heads=2, head_dim=8, dtype="float32")

@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.config import EngineConfig
+from pdserve.config.engine import EngineConfig
 from pdserve.disagg.cache_messager import CacheMessager
 from pdserve.disagg.messages import TransferDone
 from pdserve.disagg.startup import CACHE_SERVICE, TRUTH_TABLE, WORKER, Step
-from pdserve.kv_cache import KVCache
-from pdserve.kv_layout import KVLayout, block_ranges, coalesce, layer_ranges
-from pdserve.transfer_plan import LayerDone, StepTransfers, TransferPlan
+from pdserve.kv.cache import KVCache
+from pdserve.kv.layout import KVLayout, block_ranges, coalesce, layer_ranges
+from pdserve.kv.transfer_plan import LayerDone, StepTransfers, TransferPlan
 from pdserve.transport import (
     CacheBuffer,
     IpcEndpoint,
@@ -266,7 +266,7 @@ def test_tcp_receiver_takes_no_kv_from_a_writer_without_the_cluster_secret(cache
 
 
 def test_control_messages_must_carry_the_cluster_secret() -> None:
-    from pdserve.cluster_auth import AuthError, ControlSeal
+    from pdserve.deploy.cluster_auth import AuthError, ControlSeal
 
     ours, theirs = ControlSeal(b"cluster-a"), ControlSeal(b"cluster-b")
     sealed = ours.seal(b"cache info")

@@ -172,7 +172,7 @@ def _restarts_and_ctrl_c(launch: Launch, tmp_path: Path, before: set[str]) -> No
 
 
 def test_a_crash_looping_instance_stops_the_deployment_naming_it(tmp_path: Path):
-    from pdserve.supervisor import Supervisor
+    from pdserve.deploy.supervisor import Supervisor
 
     sup = Supervisor({}, max_restarts=3, window=60, backoff=(0.1,))
     sup.start("flaky", [sys.executable, "-c", "import sys; sys.exit(3)"])
@@ -195,7 +195,7 @@ def test_launch_on_a_gpu_machine_plans_prefill_and_decode_instances(monkeypatch:
     memory); issue 28 keeps a device cache in every role, so a GPU machine plans them like any other."""
     import argparse
 
-    from pdserve.launch import plan
+    from pdserve.deploy.launch import plan
 
     def args(*instance_args: str) -> argparse.Namespace:
         return argparse.Namespace(prefill=1, decode=1, mixed=0, host="127.0.0.1", separate_hosts=False,

@@ -13,7 +13,7 @@ import torch
 from pdserve.loader import ModelLoadError, resolve_model_folder
 from pdserve.loader.default_model import default_model_path
 from pdserve.model import load_decoder
-from pdserve.tokenizer import Tokenizer
+from pdserve.tokenization.tokenizer import Tokenizer
 from tests.tiny_models import make_tiny_model
 
 

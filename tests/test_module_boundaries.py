@@ -40,7 +40,7 @@ def test_the_engine_does_not_import_disagg():
     assert not offenders, offenders
 
 
-@pytest.mark.parametrize("module", ["pdserve.cli", "pdserve.launch", "pdserve.router.serve", "pdserve.api.serve",
+@pytest.mark.parametrize("module", ["pdserve.cli", "pdserve.deploy.launch", "pdserve.router.serve", "pdserve.api.serve",
                                     "pdserve.engine.__main__", "pdserve.disagg.cache_service", "pdserve"])
 def test_entry_points_import_without_torch(module: str):
     code = f"import sys, importlib; importlib.import_module({module!r}); print('torch' in sys.modules)"

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from pdserve.kernels import cpu_ops
-from pdserve.kv_cache import KVCache
-from pdserve.kv_layout import KVLayout
+from pdserve.kv.cache import KVCache
+from pdserve.kv.layout import KVLayout
 from pdserve.model import ForwardBatch, SequenceChunk, load_decoder
 from tests.tiny_models import hf_logits, make_tiny_model
 

@@ -58,7 +58,7 @@ SPECULATIVE = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_m
 @pytest.fixture(scope="module")
 def tokenizer():
     from pdserve.loader import resolve_model_folder
-    from pdserve.tokenizer import Tokenizer
+    from pdserve.tokenization.tokenizer import Tokenizer
 
     return Tokenizer(resolve_model_folder(None))
 

@@ -33,7 +33,7 @@ PARAGRAPH = ("The river runs past the old mill, where the miller keeps a ledger 
 
 def _prompts() -> list[list[int]]:
     from pdserve.loader import resolve_model_folder
-    from pdserve.tokenizer import Tokenizer
+    from pdserve.tokenization.tokenizer import Tokenizer
 
     ids = Tokenizer(resolve_model_folder(None)).encode(PARAGRAPH * 20)
     return [ids[i:i + PROMPT_LEN] for i in range(REQUESTS)]

@@ -50,7 +50,7 @@ DECODES = ("d_buffer", "d_tcp", *(("d_rdma",) if NIXL else ()))
 @pytest.fixture(scope="module")
 def tokenizer():
     from pdserve.loader import resolve_model_folder
-    from pdserve.tokenizer import Tokenizer
+    from pdserve.tokenization.tokenizer import Tokenizer
 
     return Tokenizer(resolve_model_folder(None))
 

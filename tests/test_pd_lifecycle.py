@@ -13,7 +13,7 @@ import msgspec
 import pytest
 import zmq
 
-from pdserve.config import EngineConfig
+from pdserve.config.engine import EngineConfig
 from pdserve.disagg.connector_base import prompt_digest
 from pdserve.disagg.decode_connector import DecodeConnector
 from pdserve.disagg.lifecycle import (
@@ -33,7 +33,7 @@ from pdserve.engine.messages import PDParams, RequestOutput
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 from pdserve.http.errors import PD_ERROR
-from pdserve.kv_layout import KVLayout
+from pdserve.kv.layout import KVLayout
 from pdserve.sampling import SamplingParams
 from pdserve.transport import RdmaEndpoint, TcpEndpoint
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.model import SequenceChunk
-from pdserve.model_runner import ModelRunner
+from pdserve.worker.model_runner import ModelRunner
 
 pytestmark = pytest.mark.e2e  # starts pdserve processes or loads the model: not in `make test-fast`
 

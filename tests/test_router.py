@@ -14,7 +14,7 @@ import openai
 import pytest
 import yaml
 
-from pdserve.cluster_auth import SIGNATURE_HEADER, sign_body
+from pdserve.deploy.cluster_auth import SIGNATURE_HEADER, sign_body
 from pdserve.http.wire import Registration
 from pdserve.router.policies import CacheAware, LeastRequests, LeastTokens, PowerOfTwo, RoundRobin, RoutedRequest
 from pdserve.router.prefill_decider import PrefillDecider

@@ -189,9 +189,9 @@ def test_cache_aware_keeps_a_shared_prefix_on_one_prefill_until_the_load_is_imba
 
 
 def test_forged_control_messages_are_refused(cluster: dict) -> None:
-    from pdserve.cluster_auth import ControlSeal
+    from pdserve.deploy.cluster_auth import ControlSeal
     from pdserve.disagg.messages import CacheInfo
-    from pdserve.kv_layout import KVLayout
+    from pdserve.kv.layout import KVLayout
     from pdserve.transport import TcpEndpoint
 
     p0 = cluster["p0"]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve import launch
+from pdserve.deploy import launch
 from pdserve.utils import shm_room
 from tests.servers import free_port, segments
 
@@ -73,9 +73,9 @@ def test_a_cache_dev_shm_cannot_hold_exits_2_with_a_message(role, flags) -> None
 
 
 def _startup(monkeypatch, room_blocks: int, **config):  # noqa: ANN202
-    from pdserve.config import EngineConfig
+    from pdserve.config.engine import EngineConfig
     from pdserve.disagg import startup
-    from pdserve.kv_layout import KVLayout
+    from pdserve.kv.layout import KVLayout
 
     layout = KVLayout(num_blocks=1000, num_layers=3, block_size=4, num_kv_heads=2, head_dim=8, dtype="float32")
     monkeypatch.setattr(startup, "shm_room", lambda: room_blocks * layout.block_bytes)

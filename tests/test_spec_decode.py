@@ -218,7 +218,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def engines():
-    from pdserve.llm import LLM
+    from pdserve.offline.llm import LLM
 
     flags = dict(dtype="float32", num_gpu_blocks_override=256, block_size=16, max_model_len=1024)
     with LLM(**flags) as plain, LLM(speculative_config=NGRAM, **flags) as spec:
@@ -282,7 +282,7 @@ def test_structured_output_stop_strings_and_penalties_with_speculation(engines) 
 
 @pytest.mark.e2e
 def test_speculation_under_block_pressure_keeps_outputs(engines) -> None:
-    from pdserve.llm import LLM
+    from pdserve.offline.llm import LLM
 
     plain, _ = engines
     want = _chat(plain, PROMPTS * 2, temperature=0, max_tokens=70, logprobs=2)

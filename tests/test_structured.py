@@ -15,9 +15,9 @@ from pdserve.sampling import SamplingParams
 from pdserve.sampling.sampler import Sampler, SamplingRow
 from pdserve.structured.matcher import GrammarCompiler, SequenceGrammar, allowed_tokens, unpack_on_device
 from pdserve.structured.spec import StructuredOutput, check, json_schema
-from pdserve.tools.grammar import tool_call_grammar
-from pdserve.tools.parsers import HermesParser
-from pdserve.tools.prompt import render_messages, template_supports_tools
+from pdserve.tool_calling.grammar import tool_call_grammar
+from pdserve.tool_calling.parsers import HermesParser
+from pdserve.tool_calling.prompt import render_messages, template_supports_tools
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "array", "items": {"enum": ["x"]}}},
           "required": ["a", "b"], "additionalProperties": False}

@@ -31,7 +31,7 @@ PARAGRAPHS = [
 
 def _prompts() -> list[list[int]]:
     from pdserve.loader import resolve_model_folder
-    from pdserve.tokenizer import Tokenizer
+    from pdserve.tokenization.tokenizer import Tokenizer
 
     tok = Tokenizer(resolve_model_folder(None))
     return [tok.encode(p * 6)[:96] for p in PARAGRAPHS]

@@ -12,11 +12,11 @@ from typing import Any
 import msgspec
 
 from pdserve.api.async_engine import AsyncEngine
-from pdserve.detokenizer import IncrementalDetokenizer
 from pdserve.engine.engine_client import EngineError
 from pdserve.engine.messages import PDParams, RequestTimes, TokenLogprobs
 from pdserve.sampling import SamplingParams
-from pdserve.tokenizer import Tokenizer
+from pdserve.tokenization.detokenizer import IncrementalDetokenizer
+from pdserve.tokenization.tokenizer import Tokenizer
 
 
 @dataclass

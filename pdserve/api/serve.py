@@ -15,14 +15,14 @@ from pdserve.api.metrics import ServerMetrics
 from pdserve.api.sampling_defaults import load_sampling_defaults
 from pdserve.api.server import build_app
 from pdserve.api.state import ServerState
-from pdserve.cluster_auth import ENV
+from pdserve.config.engine_args import engine_config_from_args
+from pdserve.config.fastdeploy_flags import add_fastdeploy_args, fastdeploy_refusals
+from pdserve.deploy.cluster_auth import ENV
 from pdserve.engine.engine_client import EngineClient
-from pdserve.engine_args import engine_config_from_args
-from pdserve.fastdeploy_flags import add_fastdeploy_args, fastdeploy_refusals
 from pdserve.http.wire import Registration
 from pdserve.loader import model_name, resolve_model_folder
-from pdserve.tokenizer import Tokenizer
-from pdserve.tools.parsers import PARSERS
+from pdserve.tokenization.tokenizer import Tokenizer
+from pdserve.tool_calling.parsers import PARSERS
 from pdserve.transport.base import HOST_ID_ENV, host_id
 from pdserve.utils.memory import release_freed_memory
 from pdserve.utils.process import die_with_parent, exit_on_sigterm

@@ -20,9 +20,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pdserve.api.answers import StreamRelease, chat_choice, complete, completion_choice, stream
 from pdserve.api.generation import AnswerShape, Generation
-from pdserve.api.openai_responses import ResponsesRequest, respond_stream, respond_whole
-from pdserve.api.openai_responses import new_id as new_response_id
 from pdserve.api.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -33,18 +32,19 @@ from pdserve.api.protocol import (
     Tool,
 )
 from pdserve.api.registration import register_forever
-from pdserve.api.responses import StreamRelease, chat_choice, complete, completion_choice, stream
+from pdserve.api.responses_api import ResponsesRequest, respond_stream, respond_whole
+from pdserve.api.responses_api import new_id as new_response_id
 from pdserve.api.state import APIError, ServerState
-from pdserve.detokenizer import IncrementalDetokenizer
 from pdserve.engine.engine_client import EngineError
 from pdserve.engine.messages import PDParams
 from pdserve.http.auth import bearer_auth
 from pdserve.http.disconnect import until_disconnect
 from pdserve.http.errors import error_body
 from pdserve.structured.spec import StructuredOutput, check, grammar_tokenizer
-from pdserve.tools.grammar import tool_call_grammar
-from pdserve.tools.parsers import PARSERS
-from pdserve.tools.prompt import render_messages, template_supports_tools
+from pdserve.tokenization.detokenizer import IncrementalDetokenizer
+from pdserve.tool_calling.grammar import tool_call_grammar
+from pdserve.tool_calling.parsers import PARSERS
+from pdserve.tool_calling.prompt import render_messages, template_supports_tools
 
 log = logging.getLogger("pdserve.serve")
 

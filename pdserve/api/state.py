@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from pdserve.api.async_engine import AsyncEngine
 from pdserve.api.metrics import ServerMetrics
-from pdserve.tokenizer import Tokenizer
+from pdserve.tokenization.tokenizer import Tokenizer
 
 
 class APIError(Exception):

@@ -16,8 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.disagg.messages import TransferDone
-from pdserve.kv_layout import ByteRange, KVLayout, block_ranges, layer_ranges
-from pdserve.transfer_plan import LayerDone, MessagerInput, StepTransfers, TransferPlan
+from pdserve.kv.layout import ByteRange, KVLayout, block_ranges, layer_ranges
+from pdserve.kv.transfer_plan import LayerDone, MessagerInput, StepTransfers, TransferPlan
 from pdserve.transport import CacheBuffer, Endpoint, KVWriter, TransferError, open_writer
 
 log = logging.getLogger("pdserve.cache_messager")

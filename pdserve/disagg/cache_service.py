@@ -24,7 +24,7 @@ import time
 import msgspec
 import zmq
 
-from pdserve.config import EngineConfig
+from pdserve.config.engine import EngineConfig
 from pdserve.disagg.cache_messager import CacheMessager
 from pdserve.disagg.messages import (
     AttachCache,
@@ -43,9 +43,9 @@ from pdserve.disagg.messages import (
     SwapDone,
     SwapIn,
 )
-from pdserve.kv_layout import block_ranges
-from pdserve.kv_segment import KVSegment
-from pdserve.transfer_plan import MessagerInput
+from pdserve.kv.layout import block_ranges
+from pdserve.kv.segment import KVSegment
+from pdserve.kv.transfer_plan import MessagerInput
 from pdserve.transport import CacheBuffer, KVReceiver, start_receiver
 from pdserve.transport.ipc import buffer_address
 from pdserve.utils.process import STOP_CHECK_MS, child_entry, raise_if_stopping, recv_until_stopped

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import zmq
 
-from pdserve.config import EngineConfig
+from pdserve.config.engine import EngineConfig
 from pdserve.disagg.messages import (
     AttachCache,
     BlocksLoaded,
@@ -23,7 +23,7 @@ from pdserve.disagg.messages import (
     SwapIn,
     TransferDone,
 )
-from pdserve.kv_layout import KVLayout
+from pdserve.kv.layout import KVLayout
 from pdserve.utils.child_process import ChildDied, ChildProcess
 
 

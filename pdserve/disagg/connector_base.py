@@ -8,13 +8,13 @@ from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pdserve.config import EngineConfig
+from pdserve.config.engine import EngineConfig
 from pdserve.engine.messages import RequestOutput
 from pdserve.engine.request import Request
 from pdserve.engine.request_output import error_output
 from pdserve.engine.scheduler import Scheduler
 from pdserve.http.errors import PD_ERROR
-from pdserve.kv_layout import KVLayout
+from pdserve.kv.layout import KVLayout
 
 log = logging.getLogger("pdserve.pd")
 

@@ -15,7 +15,7 @@ import uuid
 import msgspec
 import zmq
 
-from pdserve.cluster_auth import AuthError, ControlSeal, cluster_secret
+from pdserve.deploy.cluster_auth import AuthError, ControlSeal, cluster_secret
 from pdserve.disagg.messages import ControlMessage
 
 log = logging.getLogger("pdserve.pd")

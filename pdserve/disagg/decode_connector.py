@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from pdserve.config import EngineConfig
+from pdserve.config.engine import EngineConfig
 from pdserve.disagg.cache_service_client import CacheServiceClient
 from pdserve.disagg.connector_base import ConnectorBase, prompt_digest
 from pdserve.disagg.control_channel import DecodeControl
@@ -46,8 +46,8 @@ from pdserve.engine.request import Request
 from pdserve.engine.request_output import final_output
 from pdserve.engine.scheduler import ScheduledChunk, Scheduler
 from pdserve.engine.worker_copies import WorkerCopies
-from pdserve.kv_layout import KVLayout
-from pdserve.transfer_plan import TransferPlan
+from pdserve.kv.layout import KVLayout
+from pdserve.kv.transfer_plan import TransferPlan
 from pdserve.transport import Endpoint
 
 Phase = DecodePhase

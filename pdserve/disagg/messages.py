@@ -12,7 +12,7 @@ from __future__ import annotations
 import msgspec
 
 from pdserve.engine.messages import TokenLogprobs
-from pdserve.kv_layout import KVLayout
+from pdserve.kv.layout import KVLayout
 from pdserve.transport import Endpoint
 
 # ---- cache service <-> engine ----------------------------------------------------------------

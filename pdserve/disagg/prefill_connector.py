@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from pdserve.config import EngineConfig
+from pdserve.config.engine import EngineConfig
 from pdserve.disagg.cache_service_client import CacheServiceClient
 from pdserve.disagg.connector_base import ConnectorBase, prompt_digest
 from pdserve.disagg.control_channel import PrefillControl
@@ -39,8 +39,8 @@ from pdserve.disagg.messages import (
 from pdserve.engine.messages import PDParams, RequestOutput, TokenLogprobs
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import ScheduledChunk, Scheduler
-from pdserve.kv_layout import KVLayout
-from pdserve.transfer_plan import TransferPlan
+from pdserve.kv.layout import KVLayout
+from pdserve.kv.transfer_plan import TransferPlan
 from pdserve.transport import Endpoint, choose_endpoint
 
 log = logging.getLogger("pdserve.pd")

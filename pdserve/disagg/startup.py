@@ -29,11 +29,11 @@ from pdserve.utils.shm_room import shm_room
 if TYPE_CHECKING:
     import zmq
 
-    from pdserve.config import EngineConfig
+    from pdserve.config.engine import EngineConfig
     from pdserve.disagg.cache_service_client import CacheServiceClient
     from pdserve.engine.messages import WorkerLoaded
     from pdserve.engine.worker_client import WorkerClient
-    from pdserve.kv_layout import KVLayout
+    from pdserve.kv.layout import KVLayout
     from pdserve.transport import Endpoint
 
 WORKER, CACHE_SERVICE = "worker", "cache_service"
@@ -185,10 +185,10 @@ def layout_without_profile(config: EngineConfig, num_blocks: int) -> KVLayout:
     """The cache layout from the model's config.json alone (no weights): for the rows where the
     cache service creates the cache before the worker has started. On a CPU it is worked out without
     torch; the worker's own layout is checked against it once it has loaded."""
-    from pdserve.kv_layout import KVLayout
+    from pdserve.kv.layout import KVLayout
     from pdserve.loader import resolve_model_folder
     from pdserve.loader.hf_folder import read_config
-    from pdserve.model_config import ModelConfig
+    from pdserve.model.config import ModelConfig
     from pdserve.utils.dtype_names import cpu_kv_cache_dtype
 
     model = ModelConfig.from_hf_dict(read_config(resolve_model_folder(config.model)))

@@ -14,7 +14,7 @@ from pathlib import Path
 import msgspec
 import zmq
 
-from pdserve.config import EngineConfig
+from pdserve.config.engine import EngineConfig
 from pdserve.engine.messages import (
     AbortRequests,
     AddRequest,

@@ -12,7 +12,7 @@ import time
 import msgspec
 import zmq
 
-from pdserve.config import EngineConfig
+from pdserve.config.engine import EngineConfig
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.kv_connector import CacheService, KVConnector, NoCacheService, NoConnector
 from pdserve.engine.messages import (
@@ -33,7 +33,7 @@ from pdserve.engine.request_output import error_output, final_output
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 from pdserve.engine.worker_client import WorkerClient
 from pdserve.engine.worker_copies import WorkerCopies
-from pdserve.kv_layout import KVLayout
+from pdserve.kv.layout import KVLayout
 from pdserve.utils.child_process import ChildDied
 from pdserve.utils.process import raise_if_stopping
 

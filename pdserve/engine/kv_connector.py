@@ -19,8 +19,8 @@ if TYPE_CHECKING:
     from pdserve.engine.messages import PDParams, RequestOutput, TokenLogprobs
     from pdserve.engine.request import Request
     from pdserve.engine.scheduler import ScheduledChunk
-    from pdserve.kv_layout import KVLayout
-    from pdserve.transfer_plan import TransferPlan
+    from pdserve.kv.layout import KVLayout
+    from pdserve.kv.transfer_plan import TransferPlan
 
 
 class KVConnector(Protocol):

@@ -9,9 +9,9 @@ import time
 
 import msgspec
 
-from pdserve.kv_layout import KVLayout
+from pdserve.kv.layout import KVLayout
+from pdserve.kv.transfer_plan import TransferPlan
 from pdserve.sampling import SamplingParams
-from pdserve.transfer_plan import TransferPlan
 
 # ---- frontend -> engine ----------------------------------------------------------------------
 

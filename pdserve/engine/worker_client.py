@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import zmq
 
-from pdserve.config import EngineConfig
+from pdserve.config.engine import EngineConfig
 from pdserve.engine.messages import (
     CacheCommand,
     ExecuteStep,

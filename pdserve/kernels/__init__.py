@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from pdserve.model_config import ModelConfig
+from pdserve.model.config import ModelConfig
 from pdserve.utils.cpu_features import cpu_flags
 
 log = logging.getLogger("pdserve.kernels")

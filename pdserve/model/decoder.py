@@ -13,13 +13,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.kernels import kernels_for
-from pdserve.kv_cache import KVCache
+from pdserve.kv.cache import KVCache
 from pdserve.loader.errors import ModelLoadError
+from pdserve.model.config import ModelConfig
 from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.linear import DenseLinear, Linear, make_linear
 from pdserve.model.paged_attention import GatherBuffers, paged_attention
 from pdserve.model.rope import RotaryEmbedding
-from pdserve.model_config import ModelConfig
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:

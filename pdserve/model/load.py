@@ -8,8 +8,8 @@ import torch
 
 from pdserve.loader.errors import ModelLoadError
 from pdserve.loader.hf_folder import iter_tensors, read_config
+from pdserve.model.config import ModelConfig
 from pdserve.model.decoder import DecoderModel
-from pdserve.model_config import ModelConfig
 from pdserve.utils.dtype_names import cpu_has_native_bf16
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,

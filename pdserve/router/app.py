@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from pdserve.cluster_auth import SIGNATURE_HEADER, AuthError, SignatureCheck
+from pdserve.deploy.cluster_auth import SIGNATURE_HEADER, AuthError, SignatureCheck
 from pdserve.http.auth import bearer_auth
 from pdserve.http.disconnect import until_disconnect
 from pdserve.http.wire import Registration

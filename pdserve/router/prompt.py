@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from pdserve.http.chat_content import template_messages
 from pdserve.router.policies import RoutedRequest
-from pdserve.tokenizer import Tokenizer
-from pdserve.tools.prompt import render_messages, template_supports_tools
+from pdserve.tokenization.tokenizer import Tokenizer
+from pdserve.tool_calling.prompt import render_messages, template_supports_tools
 
 CHARS_PER_TOKEN = 4  # the estimate without a tokenizer
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
-from pdserve.cluster_auth import ENV
+from pdserve.deploy.cluster_auth import ENV
 from pdserve.http.wire import Registration
 from pdserve.router.app import RouterSettings, build_router_app
 from pdserve.router.policies import POLICIES
@@ -119,7 +119,7 @@ def prompt_reader(tokenizer: str | None, policies: tuple[str, str]) -> PromptRea
             raise SystemExit("pdserve router: cache_aware needs a tokenizer (not --tokenizer none)")
         return PromptReader(None)
     from pdserve.loader import resolve_model_folder
-    from pdserve.tokenizer import Tokenizer
+    from pdserve.tokenization.tokenizer import Tokenizer
     from pdserve.utils.memory import release_freed_memory
 
     reader = PromptReader(Tokenizer(resolve_model_folder(tokenizer)))

@@ -10,7 +10,7 @@ import ctypes
 from collections.abc import Sequence
 from pathlib import Path
 
-from pdserve.kv_segment import attach_segment
+from pdserve.kv.segment import attach_segment
 from pdserve.transport.base import (
     ByteRange,
     CacheBuffer,

@@ -18,7 +18,7 @@ import threading
 from array import array
 from collections.abc import Sequence
 
-from pdserve.cluster_auth import AuthError, answer_challenge, challenge_peer, cluster_secret
+from pdserve.deploy.cluster_auth import AuthError, answer_challenge, challenge_peer, cluster_secret
 from pdserve.transport.base import ByteRange, CacheBuffer, KVReceiver, KVWriter, TcpEndpoint, TransferError
 
 log = logging.getLogger("pdserve.transport.tcp")

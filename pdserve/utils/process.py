@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import zmq
 
-    from pdserve.config import EngineConfig
+    from pdserve.config.engine import EngineConfig
 
 _PR_SET_PDEATHSIG = 1
 _parent_pid: int | None = None  # set by die_with_parent: the process we must not outlive
@@ -171,7 +171,7 @@ def child_entry(name: str, parser: argparse.ArgumentParser, argv: list[str] | No
     """The common start of an engine-side child process: parse `--config B64` (plus the parser's own
     flags), ignore SIGINT, die with the parent, turn SIGTERM into SystemExit, log as `name`. Returns
     (args, EngineConfig)."""
-    from pdserve.config import EngineConfig
+    from pdserve.config.engine import EngineConfig
 
     parser.add_argument("--config", required=True)
     args = parser.parse_args(argv)

@@ -25,8 +25,8 @@ from typing import Protocol
 import torch
 
 from pdserve.engine.messages import DEVICE
-from pdserve.kv_cache import KVCache
-from pdserve.kv_layout import block_runs
+from pdserve.kv.cache import KVCache
+from pdserve.kv.layout import block_runs
 
 log = logging.getLogger("pdserve.worker")
 DELAY_ENV = "PDSERVE_TEST_KV_COPY_DELAY"

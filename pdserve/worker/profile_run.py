@@ -20,11 +20,11 @@ from dataclasses import asdict, dataclass
 import psutil
 import torch
 
-from pdserve.config import EngineConfig
-from pdserve.kv_layout import KVLayout
+from pdserve.config.engine import EngineConfig
+from pdserve.kv.layout import KVLayout
 from pdserve.model import SequenceChunk
-from pdserve.model_runner import ModelRunner
 from pdserve.utils.shm_room import free_host_memory
+from pdserve.worker.model_runner import ModelRunner
 
 log = logging.getLogger("pdserve.profile")
 

@@ -11,7 +11,7 @@ import msgspec
 import torch
 import zmq
 
-from pdserve.config import EngineConfig
+from pdserve.config.engine import EngineConfig
 from pdserve.engine.messages import (
     DEVICE,
     BlockCopy,
@@ -28,16 +28,16 @@ from pdserve.engine.messages import (
     WorkerOk,
     WorkerReady,
 )
-from pdserve.kv_cache import KVCache
-from pdserve.kv_layout import KVLayout
+from pdserve.kv.cache import KVCache
+from pdserve.kv.layout import KVLayout
+from pdserve.kv.transfer_plan import LayerDone, StepTransfers
 from pdserve.model import SequenceChunk
-from pdserve.model_runner import ModelRunner
 from pdserve.sampling import SamplerOutput, SamplingRow, make_generator, skip_draws
 from pdserve.spec_decode.verifier import accepted_tokens, position_rows, rewind
 from pdserve.structured.matcher import GrammarCompiler, SequenceGrammar, allowed_tokens
-from pdserve.transfer_plan import LayerDone, StepTransfers
 from pdserve.worker.kv_copier import CopyEvent, KVCopier
 from pdserve.worker.layer_announcer import LayerAnnouncer
+from pdserve.worker.model_runner import ModelRunner
 from pdserve.worker.profile_run import profile_num_blocks
 
 log = logging.getLogger("pdserve.worker")

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from pdserve.kv_cache import KVCache
-from pdserve.kv_layout import KVLayout
+from pdserve.kv.cache import KVCache
+from pdserve.kv.layout import KVLayout
 from pdserve.loader import resolve_model_folder
 from pdserve.model import DecoderModel, ForwardBatch, SequenceChunk, default_device, load_decoder, resolve_dtype
 from pdserve.model.load import resolve_kv_cache_dtype

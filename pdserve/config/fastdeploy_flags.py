@@ -90,7 +90,8 @@ FLAGS: tuple[FDFlag, ...] = (
 
 
 def add_fastdeploy_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("FastDeploy's flags (accepted so its command lines run; see pdserve/fastdeploy_flags.py)")
+    g = p.add_argument_group("FastDeploy's flags (accepted so its command lines run; see "
+                             "pdserve/config/fastdeploy_flags.py)")
     for f in FLAGS:
         dest = "fd_" + f.name.removeprefix("--").replace("-", "_")
         if f.kind is None:

@@ -29,8 +29,8 @@ from pathlib import Path
 import httpx
 
 from pdserve.api.serve import DEMO_REQUEST, free_port
-from pdserve.cluster_auth import ENV
-from pdserve.supervisor import Supervisor
+from pdserve.deploy.cluster_auth import ENV
+from pdserve.deploy.supervisor import Supervisor
 from pdserve.utils.dtype_names import gpu_present
 from pdserve.utils.shm_room import free_host_memory
 from pdserve.worker import core_loan

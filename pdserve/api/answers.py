@@ -22,7 +22,7 @@ from pdserve.engine.engine_client import EngineError
 from pdserve.engine.messages import TokenLogprobs
 from pdserve.http.errors import error_body
 from pdserve.http.wire import TOKENS_COMMENT
-from pdserve.tools.parsers import ToolCall
+from pdserve.tool_calling.parsers import ToolCall
 
 
 @dataclass

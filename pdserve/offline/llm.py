@@ -19,14 +19,14 @@ from typing import Any
 
 import msgspec
 
-from pdserve.config import EngineConfig
-from pdserve.detokenizer import IncrementalDetokenizer
+from pdserve.config.engine import EngineConfig
 from pdserve.engine.engine_client import EngineClient
 from pdserve.engine.messages import RequestOutput as EngineOutput
 from pdserve.loader import model_name, resolve_model_folder
-from pdserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pdserve.offline.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pdserve.sampling import SamplingParams
-from pdserve.tokenizer import Tokenizer
+from pdserve.tokenization.detokenizer import IncrementalDetokenizer
+from pdserve.tokenization.tokenizer import Tokenizer
 
 Prompt = str | dict[str, Any]  # text, or {"prompt_token_ids": [...]} / {"prompt": "..."}
 Conversation = list[dict[str, Any]]

@@ -6,8 +6,8 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from pdserve.benchmark.client import RequestRecord
-from pdserve.benchmark.summary import Distribution, Summary
+from pdserve.bench_serve.client import RequestRecord
+from pdserve.bench_serve.summary import Distribution, Summary
 
 WIDTH = 50
 

@@ -9,8 +9,8 @@ from multiprocessing import shared_memory
 
 import torch
 
-from pdserve.kv_layout import KVLayout
-from pdserve.kv_segment import attach_segment, create_segment, release_segment
+from pdserve.kv.layout import KVLayout
+from pdserve.kv.segment import attach_segment, create_segment, release_segment
 
 
 class KVCache:

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
-from pdserve.benchmark.datasets import BenchRequest
+from pdserve.bench_serve.datasets import BenchRequest
 
 
 @dataclass

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pdserve.sampling import SamplingParams
-from pdserve.tokenizer import Tokenizer
+from pdserve.tokenization.tokenizer import Tokenizer
 
 
 class IncrementalDetokenizer:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pdserve.benchmark.client import RequestRecord
+from pdserve.bench_serve.client import RequestRecord
 
 NA = None  # a metric the server gave no data for: shown as n/a, never as 0
 

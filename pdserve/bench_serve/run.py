@@ -12,12 +12,12 @@ from pathlib import Path
 import httpx
 from tqdm import tqdm
 
-from pdserve.benchmark.client import RequestRecord, request_body, send
-from pdserve.benchmark.datasets import BenchRequest, jsonl_requests, random_requests
-from pdserve.benchmark.find_rate import Probe, find_rate, format_probes, plot_probes
-from pdserve.benchmark.report import format_table, plot, save_probes, save_result
-from pdserve.benchmark.sharegpt import sharegpt_requests
-from pdserve.benchmark.summary import parse_slos, summarize
+from pdserve.bench_serve.client import RequestRecord, request_body, send
+from pdserve.bench_serve.datasets import BenchRequest, jsonl_requests, random_requests
+from pdserve.bench_serve.find_rate import Probe, find_rate, format_probes, plot_probes
+from pdserve.bench_serve.report import format_table, plot, save_probes, save_result
+from pdserve.bench_serve.sharegpt import sharegpt_requests
+from pdserve.bench_serve.summary import parse_slos, summarize
 
 
 def bench_serve(args: argparse.Namespace) -> int:
@@ -86,7 +86,7 @@ def _config(args: argparse.Namespace) -> dict:
 
 def _load(args: argparse.Namespace, seed: int) -> list[BenchRequest]:
     from pdserve.loader import resolve_model_folder
-    from pdserve.tokenizer import Tokenizer
+    from pdserve.tokenization.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(resolve_model_folder(args.tokenizer))
     kind = args.dataset[0]

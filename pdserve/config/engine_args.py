@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from pdserve.config import EngineConfig, parse_size
-from pdserve.fastdeploy_flags import first_port
+from pdserve.config.engine import EngineConfig, parse_size
+from pdserve.config.fastdeploy_flags import first_port
 from pdserve.spec_decode.config import speculative_config
 
 

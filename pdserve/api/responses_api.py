@@ -14,9 +14,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
+from pdserve.api.answers import whole_answer_deltas
 from pdserve.api.generation import Generation, generate_choices
 from pdserve.api.protocol import JsonSchemaFormat, ResponseFormat, _SamplingFields
-from pdserve.api.responses import whole_answer_deltas
 from pdserve.api.state import APIError, ServerState
 from pdserve.engine.engine_client import EngineError
 from pdserve.http.errors import error_body

@@ -19,7 +19,7 @@ import random
 from collections.abc import Iterator
 from pathlib import Path
 
-from pdserve.benchmark.datasets import BenchRequest
+from pdserve.bench_serve.datasets import BenchRequest
 
 MIN_LEN, MAX_PROMPT_LEN, MAX_TOTAL_LEN = 4, 1024, 2048
 

@@ -1,0 +1,1 @@
+"""Configuration: the engine config and the flags generated from it, roles, FastDeploy's flags."""

@@ -1,0 +1,1 @@
+"""The offline API: `LLM` (vLLM-shaped batch generation through the engine process) and its outputs."""
