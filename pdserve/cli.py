@@ -27,14 +27,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", help="serve the OpenAI API (one instance)")
     add_engine_args(srv)
-    from pdserve.api.serve import add_serve_args
+    from pdserve.api.settings import ServerSettings
+    from pdserve.config.fastdeploy_flags import add_fastdeploy_args
+    from pdserve.config.flags import add_flags
 
-    add_serve_args(srv)
+    add_flags(srv, ServerSettings)
+    add_fastdeploy_args(srv)
 
     rtr = sub.add_parser("router", help="route OpenAI requests to prefill/decode pairs (instances register)")
-    from pdserve.router.serve import add_router_args
+    from pdserve.router.settings import RouterSettings
 
-    add_router_args(rtr)
+    add_flags(rtr, RouterSettings)
 
     lch = sub.add_parser("launch", help="start a router and prefill/decode (and mixed) instances as one deployment")
     from pdserve.deploy.launch import add_launch_args

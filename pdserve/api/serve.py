@@ -1,4 +1,5 @@
-"""`pdserve serve`: start the engine, then the HTTP server; stop both on Ctrl-C or SIGTERM."""
+"""`pdserve serve`: start the engine, then the HTTP server; stop both on Ctrl-C or SIGTERM (the server's
+flags: settings.py)."""
 
 from __future__ import annotations
 
@@ -14,60 +15,22 @@ from pdserve.api.async_engine import AsyncEngine
 from pdserve.api.metrics import ServerMetrics
 from pdserve.api.sampling_defaults import load_sampling_defaults
 from pdserve.api.server import build_app
+from pdserve.api.settings import ServerSettings
 from pdserve.api.state import ServerState
 from pdserve.config.engine_args import engine_config_from_args
-from pdserve.config.fastdeploy_flags import add_fastdeploy_args, fastdeploy_refusals
+from pdserve.config.fastdeploy_flags import fastdeploy_refusals
+from pdserve.config.flags import from_args
 from pdserve.deploy.cluster_auth import ENV
 from pdserve.engine.engine_client import EngineClient
 from pdserve.http.wire import Registration
 from pdserve.loader import model_name, resolve_model_folder
 from pdserve.tokenization.tokenizer import Tokenizer
-from pdserve.tool_calling.parsers import PARSERS
 from pdserve.transport.base import HOST_ID_ENV, host_id
 from pdserve.utils.memory import release_freed_memory
 from pdserve.utils.process import die_with_parent, exit_on_sigterm
 from pdserve.utils.uvicorn_run import listening_socket, serve_and_announce, server_config
 
 log = logging.getLogger("pdserve.serve")
-
-
-def add_serve_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all interfaces)")
-    g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (default: a free port, logged)")
-    g.add_argument("--served-model-name", default=None, help="the model name clients send (default: from the path)")
-    g.add_argument("--max-concurrency", type=int, default=256, help="requests in flight before answering 429")
-    g.add_argument("--router", type=router_urls, default=None,
-                   help="router URL to register with, e.g. http://127.0.0.1:8000 (host:port means http://host:port); "
-                        "a comma-separated list registers with each (several routers of one deployment)")
-    g.add_argument("--advertise-host", default=None,
-                   help="the address the router and peers should use for this instance (default: --host, or "
-                        "this machine's address when --host is 0.0.0.0)")
-    g.add_argument("--host-id", default=None,
-                   help="which host this is, for choosing ipc between P and D (default: hostname and boot id); "
-                        "give instances on one machine different ids to make them act as separate hosts")
-    g.add_argument("--cluster-secret", default=os.environ.get(ENV),
-                   help=f"shared by the router and every instance: signs registration, control messages and KV "
-                        f"connections (default: ${ENV}; prefer the variable, a command line is visible to all)")
-    g.add_argument("--generation-config", default="auto",
-                   help="default sampling for fields a request leaves out: auto (the model folder's "
-                        "generation_config.json, as vLLM), none (OpenAI's defaults), or a folder holding one")
-    g.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
-                   help="clients must send 'Authorization: Bearer KEY' on /v1 (default: $PDSERVE_API_KEY)")
-    g.add_argument("--tool-call-parser", default="hermes", choices=sorted(PARSERS),
-                   help="how tool calls are read from the model's text (vLLM's names)")
-    g.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help="accepted for vLLM's command lines: tool_choice auto is always served")
-    add_fastdeploy_args(p)
-
-
-def router_url(text: str) -> str:
-    return text if "://" in text else f"http://{text}"
-
-
-def router_urls(text: str) -> list[str]:
-    return [router_url(t.strip()) for t in text.split(",") if t.strip()]
 
 
 # The ready-to-paste request: a low temperature, since a small model at temperature 1 rambles.
@@ -101,37 +64,39 @@ def serve(args: argparse.Namespace) -> int:
     exit_on_sigterm()
     if "PDSERVE_PARENT_PID" in os.environ:  # started by `pdserve launch`: do not outlive it
         die_with_parent()
-    if args.cluster_secret:  # children (engine, cache service) read it from the environment
-        os.environ[ENV] = args.cluster_secret
-    if args.host_id:
-        os.environ[HOST_ID_ENV] = args.host_id
+    settings = from_args(ServerSettings, args)
+    host, port = settings.host, settings.port
+    if settings.cluster_secret:  # children (engine, cache service) read it from the environment
+        os.environ[ENV] = settings.cluster_secret
+    if settings.host_id:
+        os.environ[HOST_ID_ENV] = settings.host_id
     if refusals := fastdeploy_refusals(args):
         raise ValueError("\n".join(refusals))
     # Bound now, before the engine loads for seconds: a port picked free by whoever started us cannot be
     # taken meanwhile by a bind to port 0 of our own children (a CI run lost an instance so: its cache
     # service got the HTTP port), and a port in use fails at once, not after the model has loaded.
-    http_socket = listening_socket(args.host, args.port)
+    http_socket = listening_socket(host, port)
     http_socket.set_inheritable(False)
-    metrics_port = args.metrics_port or free_port(args.host)
-    metrics_reservation = listening_socket(args.host, metrics_port)  # prometheus binds its own; held until then
-    advertise = advertised_host(args.host, args.advertise_host)
-    config = engine_config_from_args(args, pd_host=args.host, advertise_host=advertise)
-    name = args.served_model_name or model_name(args.model)
+    metrics_port = settings.metrics_port or free_port(host)
+    metrics_reservation = listening_socket(host, metrics_port)  # prometheus binds its own; held until then
+    advertise = advertised_host(host, settings.advertise_host)
+    config = engine_config_from_args(args, pd_host=host, advertise_host=advertise)
+    name = settings.served_model_name or model_name(args.model)
     folder = resolve_model_folder(args.model)
     tokenizer = Tokenizer(folder)
     release_freed_memory()  # what parsing tokenizer.json left in the heap
-    sampling_defaults = load_sampling_defaults(args.generation_config, folder)
+    sampling_defaults = load_sampling_defaults(settings.generation_config, folder)
     client = EngineClient(config, name)
     try:
         metrics = ServerMetrics()
-        state = ServerState(AsyncEngine(client), tokenizer, name, client.ready.max_model_len, args.max_concurrency,
-                            metrics, api_key=args.api_key, sampling_defaults=sampling_defaults,
-                            tool_call_parser=args.tool_call_parser)
+        state = ServerState(AsyncEngine(client), tokenizer, name, client.ready.max_model_len, settings.max_concurrency,
+                            metrics, api_key=settings.api_key, sampling_defaults=sampling_defaults,
+                            tool_call_parser=settings.tool_call_parser)
         ready = client.ready
-        if args.router:
-            state.router_urls = args.router
+        if settings.router:
+            state.router_urls = settings.router
             state.instance = Registration(
-                role=ready.role, url=f"http://{advertise}:{args.port}", host=advertise, host_id=host_id(),
+                role=ready.role, url=f"http://{advertise}:{port}", host=advertise, host_id=host_id(),
                 pid=os.getpid(), metrics_port=metrics_port, model=name,
                 pd_comm=f"{advertise}:{ready.pd_comm_port}" if ready.pd_comm_port else None,
                 transports=ready.transports, tp_size=config.tensor_parallel_size,
@@ -139,10 +104,10 @@ def serve(args: argparse.Namespace) -> int:
         from prometheus_client import start_http_server
 
         metrics_reservation.close()
-        start_http_server(metrics_port, addr=args.host, registry=metrics.registry)
-        server = uvicorn.Server(server_config(build_app(state), args.host, args.port))
+        start_http_server(metrics_port, addr=host, registry=metrics.registry)
+        server = uvicorn.Server(server_config(build_app(state), host, port))
         state.request_shutdown = lambda: setattr(server, "should_exit", True)
-        asyncio.run(serve_and_announce(server, _announcement(args.host, args.port, metrics_port, name, ready.role,
+        asyncio.run(serve_and_announce(server, _announcement(host, port, metrics_port, name, ready.role,
                                                              ready.pd_comm_port),
                                        sockets=[http_socket]))
     finally:

@@ -56,18 +56,20 @@ def option_fields(cls: type) -> list[dataclasses.Field]:
 def add_flags(parser: argparse.ArgumentParser, cls: type, *, only: Iterable[str] | None = None,
               defaults: dict[str, Any] | None = None, help_suffix: str = "") -> None:
     """One flag per `option` field of `cls` (those named in `only`, when given), in their --help groups.
-    `defaults` overrides fields' defaults (launch's own choices for the router's flags)."""
+    `defaults` overrides fields' defaults (launch's own choices for the router's flags), their environment
+    variables included: a caller's default is its own choice, which the variable is for the program it starts."""
     hints = typing.get_type_hints(cls)
     groups: dict[str | None, Any] = {}
     wanted = None if only is None else set(only)
+    defaults = defaults or {}
     for f in option_fields(cls):
         if wanted is not None and f.name not in wanted:
             continue
         meta = f.metadata["option"]
         if meta["group"] not in groups:
             groups[meta["group"]] = parser.add_argument_group(meta["group"]) if meta["group"] else parser
-        default = (defaults or {}).get(f.name, _default(f))
-        if meta["env"] and os.environ.get(meta["env"]) is not None:
+        default = defaults.get(f.name, _default(f))
+        if meta["env"] and f.name not in defaults and os.environ.get(meta["env"]) is not None:
             default = os.environ[meta["env"]]
         kwargs: dict[str, Any] = {"dest": f.name, "default": default, "help": meta["help"] + help_suffix}
         kind = _plain_type(hints[f.name])
@@ -81,6 +83,8 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, *, only: Iterable[str]
                 kwargs["choices"] = list(kind)
             if meta["metavar"]:
                 kwargs["metavar"] = meta["metavar"]
+            elif meta["flag"] and "choices" not in kwargs:  # the flag's name, not the field's, in --help
+                kwargs["metavar"] = meta["flag"].lstrip("-").replace("-", "_").upper()
         groups[meta["group"]].add_argument(flag_name(f), *meta["aliases"], **kwargs)
 
 

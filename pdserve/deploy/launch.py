@@ -15,6 +15,7 @@ as across machines. A fresh cluster secret is made for each deployment unless on
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import secrets
 import shutil
@@ -29,53 +30,29 @@ from pathlib import Path
 import httpx
 
 from pdserve.api.serve import DEMO_REQUEST, free_port
+from pdserve.config.flags import add_flags, from_args, to_flags
+from pdserve.config.roles import Role
 from pdserve.deploy.cluster_auth import ENV
+from pdserve.deploy.settings import ROUTER_DEFAULTS, ROUTER_FLAGS, LaunchSettings, role_counts
 from pdserve.deploy.supervisor import Supervisor
+from pdserve.router.settings import RouterSettings
 from pdserve.utils.dtype_names import gpu_present
 from pdserve.utils.shm_room import free_host_memory
 from pdserve.worker import core_loan
 
 
 def add_launch_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prefill", type=int, default=1, help="prefill instances")
-    p.add_argument("--decode", type=int, default=1, help="decode instances")
-    p.add_argument("--mixed", type=int, default=0, help="mixed (non-disaggregated) instances")
-    p.add_argument("--host", default="127.0.0.1", help="where the router listens")
-    p.add_argument("--port", type=int, default=8000, help="the router's port: the deployment's OpenAI endpoint")
-    p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for every instance")
-    p.add_argument("--routers", type=int, default=default_routers(),
-                   help="router processes sharing --port (SO_REUSEPORT), each with its own port that instances "
-                        "register at: one that dies refuses no connection and cuts only its own streams "
-                        "(default: 2 with 2 or more cores)")
-    p.add_argument("--cpu-binding", choices=["auto", "lend", "pin", "none"], default="auto",
-                   help="on a CPU-only machine: pin gives each instance its own cores and as many torch threads; "
-                        "lend (what auto does) also lets each decode instance compute on a prefill instance's "
-                        "cores while that one has nothing to compute (pdserve/worker/core_loan.py); none lets "
-                        "every instance use every core")
-    p.add_argument("--separate-hosts", action="store_true",
-                   help="give each instance its own host id, so prefill and decode use tcp as across machines")
-    p.add_argument("--prefill-policy", default=None, help="the router's (see pdserve router --help)")
-    p.add_argument("--decode-policy", default=None, help="the router's (see pdserve router --help)")
-    p.add_argument("--pd-policy", default="conditional",
-                   help="the router's: conditional (launch's default: short prompts are computed on the decode "
-                        "instance) or always (see pdserve router --help)")
-    p.add_argument("--max-local-prefill-length", default="512",
-                   help="the router's (see pdserve router --help); launch's default 512 won on ShareGPT here")
-    p.add_argument("--max-prefill-queue-tokens", default=None, help="the router's (see pdserve router --help)")
-    p.add_argument("--local-prefill-decode-requests", default="4",
-                   help="the router's (see pdserve router --help); launch's 4: a decode instance with few streams "
-                        "borrows the prefill instance's core and computes a long prompt faster than P alone")
-    p.add_argument("--migration-limit", default=None, help="the router's (see pdserve router --help)")
-    p.add_argument("--api-key", default=None, help="clients of the router must send it as a Bearer token")
-    p.add_argument("--splitwise-cache-buffer-size", type=float, default=0.0,
-                   help="GB of host buffer each decode instance receives the prefill's KV into (decode only)")
+    add_flags(p, LaunchSettings)
+    routers = p.add_argument_group("router", "the router's flags (see pdserve router --help), given to every router")
+    for name, remark in ROUTER_FLAGS.items():
+        add_flags(routers, RouterSettings, only=[name], defaults=ROUTER_DEFAULTS, help_suffix=remark)
     p.epilog = "Any other flag (e.g. --cache-transfer-protocol tcp, --kv-cache-memory 2G) goes to every instance."
 
 
 @dataclass(frozen=True)
 class InstanceSpec:
     name: str
-    role: str
+    role: Role
     host: str
     port: int
     metrics_port: int
@@ -90,17 +67,15 @@ class InstanceSpec:
                 "--router", router_url, *host_id, *extra]
 
 
-def default_routers() -> int:
-    return 2 if (os.cpu_count() or 1) >= 2 else 1
-
-
 @dataclass(frozen=True)
 class RouterSpec:
     name: str
     own_port: int | None  # None: the only router, on --port alone
 
-    def flags(self) -> list[str]:
-        return [] if self.own_port is None else ["--reuse-port", "--own-port", str(self.own_port)]
+    def command(self, settings: RouterSettings) -> list[str]:
+        if self.own_port is not None:
+            settings = dataclasses.replace(settings, reuse_port=True, own_port=self.own_port)
+        return [sys.executable, "-m", "pdserve.cli", "router", *to_flags(settings)]
 
 
 def plan_routers(host: str, n: int) -> list[RouterSpec]:
@@ -123,17 +98,16 @@ def instance_hosts(router_host: str, n: int) -> list[str]:
     return [router_host] * n
 
 
-def plan(args: argparse.Namespace) -> list[InstanceSpec]:
-    if (args.prefill > 0) != (args.decode > 0):
+def plan(launch: LaunchSettings) -> list[InstanceSpec]:
+    if (launch.prefill > 0) != (launch.decode > 0):
         raise ValueError("a PD deployment needs at least one --prefill and one --decode instance (or neither)")
-    if args.prefill + args.decode + args.mixed == 0:
+    if launch.prefill + launch.decode + launch.mixed == 0:
         raise ValueError("nothing to launch: give --prefill/--decode and/or --mixed")
-    names = [(role, f"{role}-{i}") for role, count in (("prefill", args.prefill), ("decode", args.decode),
-                                                         ("mixed", args.mixed)) for i in range(count)]
-    hosts = instance_hosts(args.host, len(names))
+    names = [(role, f"{role}-{i}") for role, count in role_counts(launch).items() for i in range(count)]
+    hosts = instance_hosts(launch.host, len(names))
     return [InstanceSpec(name, role, host, free_port(host), free_port(host),
-                         free_port(host) if role != "mixed" else None,
-                         f"launch-{host}" if args.separate_hosts else None)
+                         free_port(host) if role != Role.MIXED else None,
+                         f"launch-{host}" if launch.separate_hosts else None)
             for (role, name), host in zip(names, hosts, strict=True)]
 
 
@@ -160,8 +134,8 @@ def lend_cores(specs: list[InstanceSpec], cpu_sets: list[set[int] | None],
     """Pair the i-th prefill with the i-th decode instance: D may also run on P's cores, P raises a flag
     in flags_dir while it computes (pdserve/worker/core_loan.py). Unpaired instances keep their cores."""
     cpu_sets, envs = list(cpu_sets), [{} for _ in specs]
-    prefills = [i for i, s in enumerate(specs) if s.role == "prefill"]
-    decodes = [i for i, s in enumerate(specs) if s.role == "decode"]
+    prefills = [i for i, s in enumerate(specs) if s.role == Role.PREFILL]
+    decodes = [i for i, s in enumerate(specs) if s.role == Role.DECODE]
     for p, d in zip(prefills, decodes, strict=False):
         own, lent = cpu_sets[d], cpu_sets[p]
         if not own or not lent or own & lent:
@@ -192,8 +166,10 @@ def memory_shares(instance_args: list[str], n: int) -> list[str]:
 
 
 def launch(args: argparse.Namespace) -> int:
-    specs = plan(args)
-    router_url = f"http://{args.host}:{args.port}"
+    settings = from_args(LaunchSettings, args)
+    router_settings = from_args(RouterSettings, args, host=settings.host, port=settings.port)
+    specs = plan(settings)
+    router_url = f"http://{settings.host}:{settings.port}"
     deployment = Supervisor({ENV: os.environ.get(ENV) or secrets.token_hex(16)})
     stop = threading.Event()
     stopped_by: list[int] = []
@@ -206,45 +182,34 @@ def launch(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     flags_dir: Path | None = None
     try:
-        router_flags = [f for flag, value in (("--prefill-policy", args.prefill_policy),
-                                              ("--decode-policy", args.decode_policy), ("--pd-policy", args.pd_policy),
-                                              ("--max-local-prefill-length", args.max_local_prefill_length),
-                                              ("--max-prefill-queue-tokens", args.max_prefill_queue_tokens),
-                                              ("--local-prefill-decode-requests",
-                                               args.local_prefill_decode_requests),
-                                              ("--migration-limit", args.migration_limit),
-                                              ("--api-key", args.api_key))
-                        if value for f in (flag, value)]
-        routers = plan_routers(args.host, args.routers)
+        routers = plan_routers(settings.host, settings.routers)
         for r in routers:
-            deployment.start(r.name, [sys.executable, "-m", "pdserve.cli", "router", "--host", args.host,
-                                      "--port", str(args.port), *r.flags(), *router_flags])
-        registrations = registration_urls(args.host, args.port, routers)
-        pinned = args.cpu_binding != "none" and _cpu_only()
+            deployment.start(r.name, r.command(router_settings))
+        registrations = registration_urls(settings.host, settings.port, routers)
+        pinned = settings.cpu_binding != "none" and _cpu_only()
         cpu_sets = split_cpus(len(specs)) if pinned else [None] * len(specs)
         envs: list[dict[str, str]] = [{} for _ in specs]
         shares = memory_shares(args.instance_args, len(specs))
         if shares:
             print(f"pdserve launch: no --kv-cache-memory given: each instance sizes its KV cache from "
                   f"{int(shares[1]) / 2**30:.1f} GiB (the free RAM / {len(specs)})", flush=True)
-        if pinned and args.cpu_binding in ("auto", "lend"):
+        if pinned and settings.cpu_binding in ("auto", "lend"):
             flags_dir = Path(tempfile.mkdtemp(prefix="pdserve-cores-"))
             cpu_sets, envs = lend_cores(specs, cpu_sets, flags_dir)
         for spec, cpus, env in zip(specs, cpu_sets, envs, strict=True):
             cores = f", cores {','.join(map(str, sorted(cpus)))}" if cpus else ""
             print(f"pdserve launch: {spec.name} on {spec.host}:{spec.port}{cores}", flush=True)
             extra = [*shares, *args.instance_args]
-            if spec.role == "decode" and args.splitwise_cache_buffer_size:
-                extra += ["--splitwise-cache-buffer-size", str(args.splitwise_cache_buffer_size)]
+            if spec.role == Role.DECODE and settings.splitwise_cache_buffer_size:
+                extra += ["--splitwise-cache-buffer-size", str(settings.splitwise_cache_buffer_size)]
             deployment.start(spec.name, spec.command(",".join(registrations), extra), cpus, env)
-        error = _wait_ready(deployment, registrations, len(specs), args.ready_timeout, stop)
+        error = _wait_ready(deployment, registrations, len(specs), settings.ready_timeout, stop)
         if error:
             print(f"pdserve launch: {error}", file=sys.stderr, flush=True)
             return 1
         if stop.is_set():
             return _stopped(stopped_by)
-        roles = ", ".join(f"{n} {r}" for r, n in (("prefill", args.prefill), ("decode", args.decode),
-                                                    ("mixed", args.mixed)) if n)
+        roles = ", ".join(f"{n} {r}" for r, n in role_counts(settings).items() if n)
         shared = f", {len(routers)} routers" if len(routers) > 1 else ""
         print(f"pdserve launch: ready on {router_url} ({roles}{shared}); Ctrl-C stops everything", flush=True)
         print(f"  curl {router_url}/v1/chat/completions -H 'Content-Type: application/json' "

@@ -5,9 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 
 import aiohttp
 from fastapi import FastAPI, Request
@@ -15,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from pdserve.config.roles import Role
 from pdserve.deploy.cluster_auth import SIGNATURE_HEADER, AuthError, SignatureCheck
 from pdserve.http.auth import bearer_auth
 from pdserve.http.disconnect import until_disconnect
@@ -22,37 +22,14 @@ from pdserve.http.wire import Registration
 from pdserve.router.forward import Forwarder, error_response
 from pdserve.router.health import HealthChecker
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.policies import make_policy
+from pdserve.router.policies import Policy, make_policy
 from pdserve.router.prefill_decider import PrefillDecider
 from pdserve.router.prompt import PromptReader
 from pdserve.router.registry import Registry
 from pdserve.router.selector import Selector
+from pdserve.router.settings import RouterSettings
 
 log = logging.getLogger("pdserve.router")
-
-
-@dataclass
-class RouterSettings:
-    prefill_policy: str = "least_tokens"
-    decode_policy: str = "least_requests"
-    mixed_fallback: bool = False
-    max_retries: int = 2
-    migration_limit: int = 3  # times a stream that broke mid-answer is resumed on another route
-    request_timeout: float = 600.0
-    instance_expiry: float = 10.0
-    health_interval: float = 2.0
-    health_timeout: float = 2.0
-    fail_threshold: int = 3
-    success_threshold: int = 2
-    api_key: str | None = None
-    cluster_secret: bytes = b""
-    max_request_bytes: int = 16 << 20
-    cache_aware: dict = field(default_factory=dict)  # balance_abs, balance_rel, min_match
-    pd_policy: str = "always"  # or "conditional": short or cached prompts are prefilled on the decode instance
-    max_local_prefill_length: int = 256
-    max_prefill_queue_tokens: int = 4096
-    local_prefill_decode_requests: int = -1
-    static_instances: list[Registration] = field(default_factory=list)
 
 
 class Unregistration(BaseModel):
@@ -61,16 +38,19 @@ class Unregistration(BaseModel):
     url: str
 
 
-def build_router_app(settings: RouterSettings, reader: PromptReader) -> FastAPI:
+def build_router_app(settings: RouterSettings, reader: PromptReader,
+                     static_instances: Iterable[Registration] = ()) -> FastAPI:
+    """`static_instances` (--instances) are in the pool from the start, without heartbeats."""
+    static_instances = list(static_instances)
     registry = Registry(settings.instance_expiry, settings.fail_threshold, settings.success_threshold)
     metrics = RouterMetrics(registry)
     decider = (PrefillDecider(settings.max_local_prefill_length, settings.max_prefill_queue_tokens,
                               settings.local_prefill_decode_requests)
                if settings.pd_policy == "conditional" else None)
-    selector = Selector(registry, make_policy(settings.prefill_policy, **settings.cache_aware),
-                        make_policy(settings.decode_policy, **settings.cache_aware), settings.mixed_fallback,
-                        decider, metrics.count_decision)
-    signatures = SignatureCheck(settings.cluster_secret)
+    selector = Selector(registry, _policy(settings.prefill_policy, settings),
+                        _policy(settings.decode_policy, settings), settings.mixed_fallback, decider,
+                        metrics.count_decision)
+    signatures = SignatureCheck((settings.cluster_secret or "").encode())
     state: dict = {}
 
     @asynccontextmanager
@@ -83,7 +63,7 @@ def build_router_app(settings: RouterSettings, reader: PromptReader) -> FastAPI:
         state["checker"] = checker
         state["forwarder"] = Forwarder(client, registry, selector, settings.max_retries, metrics.retries.inc,
                                        settings.migration_limit, metrics.count_migration)
-        for info in settings.static_instances:
+        for info in static_instances:
             registry.register(info, static=True)
         task = asyncio.create_task(checker.run())
         yield
@@ -140,7 +120,7 @@ def build_router_app(settings: RouterSettings, reader: PromptReader) -> FastAPI:
 
     @app.get("/registered_number")
     async def registered_number() -> dict:
-        counts = {"prefill": 0, "decode": 0, "mixed": 0}
+        counts = {role.value: 0 for role in (Role.PREFILL, Role.DECODE, Role.MIXED)}
         healthy = dict(counts)
         for i in registry.all():
             counts[i.role] += 1
@@ -220,6 +200,11 @@ def build_router_app(settings: RouterSettings, reader: PromptReader) -> FastAPI:
         return await (work if parsed.get("stream") else until_disconnect(raw, work))
 
     return app
+
+
+def _policy(name: str, settings: RouterSettings) -> Policy:
+    return make_policy(name, balance_abs=settings.cache_balance_abs, balance_rel=settings.cache_balance_rel,
+                       min_match=settings.cache_min_match)
 
 
 def _passed_headers(headers: Mapping[str, str]) -> dict[str, str]:

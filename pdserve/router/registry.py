@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from pdserve.config.roles import Role
 from pdserve.http.wire import Registration
 
 log = logging.getLogger("pdserve.router")
@@ -103,7 +104,7 @@ class Registry:
         return [i for i in self.all() if i.healthy and (role is None or i.role == role)]
 
     def has_pd(self) -> bool:
-        return any(i.role in ("prefill", "decode") for i in self._instances.values())
+        return any(i.role in (Role.PREFILL, Role.DECODE) for i in self._instances.values())
 
     # ---- health ----------------------------------------------------------------------------------
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pdserve.config.roles import Role
 from pdserve.router.policies import Policy, RoutedRequest
 from pdserve.router.prefill_decider import Decision, PrefillDecider
 from pdserve.router.registry import Instance, Registry
@@ -42,8 +43,8 @@ class Selector:
     def pick(self, request: RoutedRequest, exclude: frozenset[str] | set[str] = frozenset()) -> Route | None:
         if request.single:
             return self._pick_single(request, exclude)
-        prefill = [i for i in self.registry.healthy("prefill") if i.url not in exclude]
-        decode = [i for i in self.registry.healthy("decode") if i.url not in exclude]
+        prefill = [i for i in self.registry.healthy(Role.PREFILL) if i.url not in exclude]
+        decode = [i for i in self.registry.healthy(Role.DECODE) if i.url not in exclude]
         pairable = [p for p in prefill if any(compatible(p, d) for d in decode)]
         if pairable:
             p = self.prefill_policy.choose(pairable, request)
@@ -54,14 +55,14 @@ class Selector:
                 if decision.local:
                     return Route(d, decision=decision)
             return Route(p, d, pair_transport(p, d))
-        mixed = [i for i in self.registry.healthy("mixed") if i.url not in exclude]
+        mixed = [i for i in self.registry.healthy(Role.MIXED) if i.url not in exclude]
         if mixed and (self.mixed_fallback or not self.registry.has_pd()):
             return Route(self.decode_policy.choose(mixed, request))
         return None
 
     def _pick_single(self, request: RoutedRequest, exclude: frozenset[str] | set[str]) -> Route | None:
         """A prompt-scoring request: a mixed instance, else a prefill instance (it computes prompts) alone."""
-        for role, policy in (("mixed", self.decode_policy), ("prefill", self.prefill_policy)):
+        for role, policy in ((Role.MIXED, self.decode_policy), (Role.PREFILL, self.prefill_policy)):
             if candidates := [i for i in self.registry.healthy(role) if i.url not in exclude]:
                 return Route(policy.choose(candidates, request))
         return None
@@ -72,15 +73,15 @@ class Selector:
 
     def can_serve_without(self, excluded: set[str]) -> bool:
         """can_serve(), the `excluded` urls left out."""
-        prefill = [i for i in self.registry.healthy("prefill") if i.url not in excluded]
-        decode = [i for i in self.registry.healthy("decode") if i.url not in excluded]
+        prefill = [i for i in self.registry.healthy(Role.PREFILL) if i.url not in excluded]
+        decode = [i for i in self.registry.healthy(Role.DECODE) if i.url not in excluded]
         if any(compatible(p, d) for p in prefill for d in decode):
             return True
-        mixed = [i for i in self.registry.healthy("mixed") if i.url not in excluded]
+        mixed = [i for i in self.registry.healthy(Role.MIXED) if i.url not in excluded]
         return bool(mixed) and (self.mixed_fallback or not self.registry.has_pd())
 
     def why_not(self) -> str:
-        prefill, decode = self.registry.healthy("prefill"), self.registry.healthy("decode")
+        prefill, decode = self.registry.healthy(Role.PREFILL), self.registry.healthy(Role.DECODE)
         if prefill and decode:
             return ("no healthy prefill/decode pair is compatible (compatibility key, tensor-parallel size or "
                     "transport differ)")

@@ -1,0 +1,62 @@
+"""`pdserve launch`'s own settings (each field a flag, pdserve/config/flags.py), and which of the router's
+settings it takes, with its own defaults for them."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.config.flags import option
+from pdserve.config.roles import Role
+
+
+def default_routers() -> int:
+    return 2 if (os.cpu_count() or 1) >= 2 else 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchSettings:
+    prefill: int = option(1, "prefill instances")
+    decode: int = option(1, "decode instances")
+    mixed: int = option(0, "mixed (non-disaggregated) instances")
+    host: str = option("127.0.0.1", "where the router listens")
+    port: int = option(8000, "the router's port: the deployment's OpenAI endpoint")
+    ready_timeout: float = option(600.0, "seconds to wait for every instance")
+    routers: int = option(
+        help="router processes sharing --port (SO_REUSEPORT), each with its own port that instances register at: "
+             "one that dies refuses no connection and cuts only its own streams (default: 2 with 2 or more cores)",
+        factory=default_routers)
+    cpu_binding: str = option(
+        "auto", "on a CPU-only machine: pin gives each instance its own cores and as many torch threads; lend (what "
+                "auto does) also lets each decode instance compute on a prefill instance's cores while that one "
+                "has nothing to compute (pdserve/worker/core_loan.py); none lets every instance use every core",
+        choices=("auto", "lend", "pin", "none"))
+    separate_hosts: bool = option(
+        False, "give each instance its own host id, so prefill and decode use tcp as across machines", switch=True)
+    splitwise_cache_buffer_size: float = option(
+        0.0, "GB of host buffer each decode instance receives the prefill's KV into (decode only)")
+
+
+def role_counts(launch: Any) -> dict[Role, int]:
+    """How many instances of each role `launch` (LaunchSettings or its flags) asks for, in start order."""
+    return {Role.PREFILL: launch.prefill, Role.DECODE: launch.decode, Role.MIXED: launch.mixed}
+
+
+# The router's settings (router/settings.py) that launch takes as flags and passes on to its routers, with
+# what launch adds to each one's help.
+ROUTER_FLAGS = {
+    "prefill_policy": "",
+    "decode_policy": "",
+    "pd_policy": " (launch's default: conditional, short prompts are computed on the decode instance)",
+    "max_local_prefill_length": " (launch's default 512 won on ShareGPT here)",
+    "max_prefill_queue_tokens": "",
+    "local_prefill_decode_requests": " (launch's 4: a decode instance with few streams borrows the prefill "
+                                     "instance's core and computes a long prompt faster than P alone)",
+    "migration_limit": "",
+    "api_key": "",
+}
+# Launch's own defaults for them. The API key is not taken from $PDSERVE_API_KEY here: the routers
+# read the variable themselves, which keeps the key off their command lines.
+ROUTER_DEFAULTS = {"pd_policy": "conditional", "max_local_prefill_length": 512, "local_prefill_decode_requests": 4,
+                   "api_key": None}

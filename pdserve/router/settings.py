@@ -1,0 +1,67 @@
+"""The router's settings: each field is a `pdserve router` flag (pdserve/config/flags.py), and `pdserve
+launch` gives its routers theirs from the same fields."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from pdserve.config.flags import option
+from pdserve.deploy.cluster_auth import ENV
+from pdserve.router.policies import POLICIES
+from pdserve.router.prefill_decider import PD_POLICIES
+
+API_KEY_ENV = "PDSERVE_API_KEY"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RouterSettings:
+    host: str = option("127.0.0.1", "address to listen on (0.0.0.0 for all interfaces)")
+    port: int = option(8000)
+    reuse_port: bool = option(
+        False, "share --port with other routers of the deployment (SO_REUSEPORT): the kernel spreads connections "
+               "among them, so one router's death refuses no connection", switch=True)
+    own_port: int | None = option(
+        None, "a second port only this router listens on, for registrations and /metrics when several routers "
+              "share --port (instances list every router's own port in their --router)")
+    prefill_policy: str = option("least_tokens", choices=POLICIES)
+    decode_policy: str = option("least_requests", "also picks among mixed instances", choices=POLICIES)
+    pd_policy: str = option(
+        "always", "always: every prompt is computed on a prefill instance; conditional: on the decode instance "
+                  "when what it lacks of the prompt is at most --max-local-prefill-length tokens, or when the "
+                  "prefill instance is backed up (Dynamo's disaggregated router)", choices=PD_POLICIES)
+    max_local_prefill_length: int = option(256, "conditional: uncached prompt tokens a decode instance computes itself")
+    max_prefill_queue_tokens: int = option(
+        4096, "conditional: the prefill instance's in-flight prompt tokens from which prompts are computed on the "
+              "decode instance instead")
+    local_prefill_decode_requests: int = option(
+        -1, "conditional: a decode instance with at most this many requests in flight computes any prompt itself "
+            "(-1: never for this reason; pdserve launch, whose decode instance borrows the prefill instance's cores "
+            "while it is idle, sets it)")
+    mixed_fallback: bool = option(
+        False, "send requests to mixed instances when no complete prefill/decode pair is healthy (without "
+               "prefill/decode instances at all, mixed ones always serve)", switch=True)
+    max_retries: int = option(2, "tries on other instances when one fails before the client has seen a byte")
+    migration_limit: int = option(
+        3, "times a stream whose instance fails mid-answer is resumed on another route where the client is "
+           "(Dynamo's name; 0: the stream ends with an error event)")
+    instances: Path | None = option(
+        None, "YAML file with a static list of instances (each: role, url, and for PD the fields instances "
+              "register: pd_comm, transports, host_id, compatibility_key, block_size)")
+    instance_expiry: float = option(10.0, "seconds without a heartbeat before a registered instance is forgotten")
+    health_interval: float = option(2.0, "seconds between /health probes")
+    health_timeout: float = option(2.0)
+    fail_threshold: int = option(3, "failed probes in a row that take an instance out of the pool",
+                                 flag="--health-failure-threshold")
+    success_threshold: int = option(2, "good probes in a row that bring it back", flag="--health-success-threshold")
+    cache_balance_abs: int = option(4096, "cache_aware: in-flight token gap between instances that counts as imbalance")
+    cache_balance_rel: float = option(1.5, "cache_aware: ... and load ratio; imbalanced, it routes by least tokens")
+    cache_min_match: float = option(0.3, "cache_aware: prefix share below which it routes by least tokens")
+    tokenizer: str | None = option(
+        None, "model path whose tokenizer reads prompts (default: the embedded model); 'none' estimates token "
+              "counts from text and disables cache_aware")
+    api_key: str | None = option(None, f"clients must send 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})",
+                                 env=API_KEY_ENV)
+    cluster_secret: str | None = option(None, f"instances must sign registrations with it (default: ${ENV})", env=ENV)
+    max_request_bytes: int = option(16 << 20, "larger request bodies get 413")
+    request_timeout: float = option(600.0, "seconds an instance may take to answer")
