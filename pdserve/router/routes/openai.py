@@ -1,0 +1,108 @@
+"""The OpenAI API as clients see it: generation requests forwarded to the route the selector picks (a
+prefill/decode pair or a mixed instance); models, tokenize and detokenize to any instance."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+
+import aiohttp
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from pdserve.http.disconnect import until_disconnect
+from pdserve.router.forward import error_response
+from pdserve.router.state import RouterDep, RouterState
+
+router = APIRouter()
+
+
+@router.post("/v1/completions")
+async def completions(raw: Request, state: RouterDep) -> Response:
+    return await _forward(raw, state, "/v1/completions")
+
+
+@router.post("/v1/chat/completions")
+async def chat(raw: Request, state: RouterDep) -> Response:
+    return await _forward(raw, state, "/v1/chat/completions")
+
+
+@router.post("/v1/responses")
+async def responses(raw: Request, state: RouterDep) -> Response:
+    return await _forward(raw, state, "/v1/responses")
+
+
+@router.get("/v1/models")
+async def models(raw: Request, state: RouterDep) -> Response:
+    return await _to_any_instance(raw, state, "/v1/models")
+
+
+@router.post("/tokenize")
+async def tokenize(raw: Request, state: RouterDep) -> Response:
+    return await _to_any_instance(raw, state, "/tokenize")
+
+
+@router.post("/detokenize")
+async def detokenize(raw: Request, state: RouterDep) -> Response:
+    return await _to_any_instance(raw, state, "/detokenize")
+
+
+async def _forward(raw: Request, state: RouterState, path: str) -> Response:
+    response = await _forward_checked(raw, state, path)
+    state.metrics.requests.labels(str(response.status_code)).inc()
+    return response
+
+
+async def _forward_checked(raw: Request, state: RouterState, path: str) -> Response:
+    limit = state.settings.max_request_bytes
+    body = await _read_limited(raw, limit)
+    if body is None:
+        state.metrics.refused.labels("too_large").inc()
+        return error_response(f"the request body is larger than {limit} bytes (--max-request-bytes)", 413,
+                              "invalid_request_error")
+    try:
+        parsed = json.loads(body)
+        if not isinstance(parsed, dict):
+            raise ValueError("the body must be a JSON object")
+    except ValueError as e:
+        return error_response(f"the request body is not valid JSON: {e}", 400, "invalid_request_error")
+    request = state.reader.read(path, parsed)
+    work = state.forwarder.forward(path, parsed, request, _passed_headers(raw.headers))
+    # A streamed answer stops when the client does (its generator is closed); a whole one would not.
+    return await (work if parsed.get("stream") else until_disconnect(raw, work))
+
+
+async def _to_any_instance(raw: Request, state: RouterState, path: str) -> Response:
+    """A request any instance answers alike (they serve one model): the first healthy one."""
+    live = state.registry.healthy()
+    if not live:
+        return error_response("no instance is registered and healthy", 503)
+    body = await _read_limited(raw, state.settings.max_request_bytes) if raw.method == "POST" else None
+    if raw.method == "POST" and body is None:
+        return error_response("the request body is too large", 413, "invalid_request_error")
+    headers = {**_passed_headers(raw.headers), "content-type": "application/json"}
+    try:
+        async with state.forwarder.client.request(raw.method, f"{live[0].url}{path}", data=body,
+                                                  headers=headers) as r:
+            return Response(await r.read(), status_code=r.status, media_type="application/json")
+    except (TimeoutError, aiohttp.ClientError) as e:
+        return error_response(f"instance {live[0].url} did not answer: {e}", 502)
+
+
+def _passed_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    """What the router passes to instances: the client's credentials (instances may check the same key)."""
+    auth = headers.get("authorization")
+    return {"authorization": auth} if auth else {}
+
+
+async def _read_limited(raw: Request, limit: int) -> bytes | None:
+    """The body, or None if it is over `limit` bytes (checked before reading when the length is declared)."""
+    declared = raw.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        return None
+    body = bytearray()
+    async for chunk in raw.stream():
+        body += chunk
+        if len(body) > limit:
+            return None
+    return bytes(body)

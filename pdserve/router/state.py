@@ -1,0 +1,38 @@
+"""What the router's routes share, kept at `app.state.router` and read through `RouterDep`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from pdserve.deploy.cluster_auth import SignatureCheck
+from pdserve.router.forward import Forwarder
+from pdserve.router.health import HealthChecker
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.prompt import PromptReader
+from pdserve.router.registry import Registry
+from pdserve.router.selector import Selector
+from pdserve.router.settings import RouterSettings
+
+
+@dataclass
+class RouterState:
+    settings: RouterSettings
+    registry: Registry
+    selector: Selector
+    metrics: RouterMetrics
+    signatures: SignatureCheck
+    reader: PromptReader
+    # Made in the lifespan, on the running event loop (they share its HTTP client session):
+    forwarder: Forwarder = field(init=False)
+    checker: HealthChecker = field(init=False)
+
+
+async def router_state(request: Request) -> RouterState:
+    """The router's state (async: FastAPI would run a plain function in its thread pool)."""
+    return request.app.state.router
+
+
+RouterDep = Annotated[RouterState, Depends(router_state)]
