@@ -1,49 +1,105 @@
-"""EngineConfig: every flag an instance's engine and workers need, in one msgspec Struct.
+"""EngineConfig: every setting an instance's engine and workers need, declared once.
 
-It travels to child processes as msgpack on their command line, so no pickle is involved.
+Each field declared with `option` is also a flag of `pdserve generate`, `serve` and `launch` (named as
+in the seeds; config/flags.py generates the parser). The config travels to child processes as msgpack
+on their command line, so no pickle is involved.
 """
 
 from __future__ import annotations
 
 import base64
+from dataclasses import dataclass
 
 import msgspec
 
+from pdserve.config.fastdeploy_flags import first_port
+from pdserve.config.flags import option
+from pdserve.config.roles import Role
 from pdserve.spec_decode.config import SpeculativeConfig, speculative_config
 
+ENGINE, PD = "engine", "prefill/decode disaggregation"
 
-class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
-    model: str | None = None  # None: the embedded default model
-    dtype: str = "auto"  # bf16 on CUDA and on CPUs with native bf16 dot products, fp32 elsewhere
-    kv_cache_dtype: str = "auto"  # auto: the model's dtype
-    device: str | None = None
-    block_size: int = 64
-    max_model_len: int | None = None  # None: the model's own limit
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    gpu_memory_utilization: float = 0.9
-    kv_cache_memory: int | None = None  # bytes; CPU: the "device memory" the cache is sized from
-    num_gpu_blocks_override: int | None = None
-    tensor_parallel_size: int = 1
-    quantization: str | None = None  # "w8a8": opt-in int8 weights + dynamic int8 activations (CPU)
-    splitwise_role: str = "mixed"  # mixed | prefill | decode
-    pd_comm_port: int | None = None  # control plane (ZMQ); None: a free port, reported at startup
-    rdma_comm_port: int | None = None  # the rdma transport's UCX TCP listeners (None: UCX picks)
-    pd_host: str = "127.0.0.1"  # the address the control plane and the KV receiver listen on
-    advertise_host: str | None = None  # the address peers are told to use (default: pd_host)
-    cache_transfer_protocol: tuple[str, ...] = ("ipc", "tcp")  # in preference order
-    pd_transfer_timeout: float = 30.0  # seconds D holds blocks for KV that has not arrived
-    splitwise_cache_buffer_size: float = 0.0  # GB of host buffer D receives P's KV into (decode only; 0: none)
-    swap_space: float = 0.0  # GB of host memory for the prefix cache's evicted blocks (0: no host tier)
+
+def parse_size(text: str) -> int:
+    """'4G', '512M', '1.5GiB', '1000000' -> bytes (binary units)."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    if t and t[-1] in units:
+        return int(float(t[:-1]) * units[t[-1]])
+    return int(float(t))
+
+
+def protocol_list(text: str) -> tuple[str, ...]:
+    return tuple(p.strip() for p in text.split(",") if p.strip())
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    model: str | None = option(
+        None, "Hugging Face folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)", group=ENGINE)
+    dtype: str = option("auto", "auto (bf16 on CUDA and on CPUs with AVX512_BF16 or AMX, else fp32), float32 (exact), "
+                        "bfloat16, float16", group=ENGINE)
+    kv_cache_dtype: str = option("auto", "dtype of the KV cache (auto: the model's)",
+                                 choices=["auto", "float32", "bfloat16", "float16"], group=ENGINE)
+    device: str | None = option(None, "cpu or cuda[:N] (default: cuda when present)", group=ENGINE)
+    block_size: int = option(64, "tokens per KV cache block", group=ENGINE)
+    max_model_len: int | None = option(None, "longest prompt + output (default: the model's)", group=ENGINE)
+    max_num_seqs: int = option(64, "most requests running at once", group=ENGINE)
+    max_num_batched_tokens: int = option(2048, "token budget of one step", group=ENGINE)
+    enable_chunked_prefill: bool = option(True, "cut long prompts into chunks that fit the step budget", group=ENGINE)
+    enable_prefix_caching: bool = option(True, "reuse KV blocks of shared prompt prefixes", group=ENGINE)
+    gpu_memory_utilization: float = option(
+        0.9, "fraction of device memory (CPU: of --kv-cache-memory or available RAM) to use", group=ENGINE)
+    kv_cache_memory: int | None = option(  # bytes; CPU: the "device memory" the cache is sized from
+        None, "CPU: the memory the cache is sized from, e.g. 4G (default: available RAM)", type=parse_size,
+        group=ENGINE)
+    num_gpu_blocks_override: int | None = option(None, "number of KV blocks; skips the profile run", group=ENGINE)
+    tensor_parallel_size: int = option(1, "worker ranks of one instance (only 1 so far)", group=ENGINE)
+    quantization: str | None = option(  # "w8a8": opt-in int8 weights + dynamic int8 activations (CPU)
+        None, "w8a8: opt-in, not exact: int8 weights and dynamic int8 activations (CPU, fbgemm)", group=ENGINE)
+    swap_space: float = option(  # GB of host memory for the prefix cache's evicted blocks
+        0.0, "GB of host memory for KV blocks evicted from the prefix cache; a later prefix hit there is copied "
+        "back instead of recomputed (0: off)", group=ENGINE)
+    speculative_config: SpeculativeConfig | None = option(
+        None, 'speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'; each step speculates when measurement says it pays at '
+        'its batch size, or with "disable_by_batch_size": N always up to N sequences and never above',
+        type=speculative_config, group=ENGINE)
+    startup_log: str | None = option(None, "write the startup order (JSON lines) to this file", group=ENGINE)
     startup_timeout: float = 600.0
-    startup_log: str | None = None  # JSON-lines file recording the startup order
-    speculative_config: SpeculativeConfig | None = None  # n-gram speculative decoding (vLLM's JSON)
+
+    splitwise_role: Role = option(
+        Role.MIXED, "mixed: whole requests; prefill: prompts, KV sent to a decode instance; decode: the rest",
+        group=PD)
+    pd_comm_port: int | None = option(  # control plane (ZMQ); None: a free port, reported at startup
+        None, "control-plane port of a prefill/decode instance (default: a free port); FastDeploy's per-rank list "
+        "'9800,9801' is accepted, its first port used", type=first_port, group=PD)
+    rdma_comm_port: int | None = option(  # the rdma transport's UCX TCP listeners (None: UCX picks)
+        None, "the rdma transport's listen port (UCX's TCP listeners; default: UCX picks); FastDeploy's per-rank "
+        "list is accepted, its first port used", flag="--rdma-comm-ports", type=first_port, group=PD)
+    cache_transfer_protocol: tuple[str, ...] = option(
+        ("ipc", "tcp"), "KV transports in preference order, e.g. ipc,tcp (ipc: same host, tcp: any host, rdma: "
+        "NIXL, optional: pip install nixl-cu12==1.5.1)", type=protocol_list, group=PD)
+    pd_transfer_timeout: float = option(
+        30.0, "seconds a decode instance holds blocks for KV that has not arrived", group=PD)
+    splitwise_cache_buffer_size: float = option(
+        0.0, "decode role: GB of host memory that prefill instances write the KV into; the decode instance takes "
+        "its own cache blocks only when the KV is complete (FastDeploy's flag)", group=PD)
+    pd_host: str = "127.0.0.1"  # the address the control plane and the KV receiver listen on (serve's --host)
+    advertise_host: str | None = None  # the address peers are told to use (default: pd_host)
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
-            msgspec.structs.force_setattr(self, "speculative_config", speculative_config(self.speculative_config))
+            object.__setattr__(self, "speculative_config", speculative_config(self.speculative_config))
+        try:
+            object.__setattr__(self, "splitwise_role", Role(self.splitwise_role))
+        except ValueError:
+            raise ValueError(f"--splitwise-role must be mixed, prefill or decode, got {self.splitwise_role!r}") \
+                from None
+        object.__setattr__(self, "cache_transfer_protocol", tuple(self.cache_transfer_protocol))
+        self._check()
+
+    def _check(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"--block-size must be a power of two, got {self.block_size}")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -52,20 +108,18 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError("--num-gpu-blocks-override must be at least 1")
         if self.quantization not in (None, "w8a8"):
             raise ValueError(f"--quantization must be w8a8 (or unset), got {self.quantization!r}")
-        if self.splitwise_role not in ("mixed", "prefill", "decode"):
-            raise ValueError(f"--splitwise-role must be mixed, prefill or decode, got {self.splitwise_role!r}")
         unknown = [p for p in self.cache_transfer_protocol if p not in ("ipc", "tcp", "rdma")]
         if unknown or not self.cache_transfer_protocol:
             raise ValueError(f"--cache-transfer-protocol takes a list of ipc, tcp and rdma, got "
                              f"{','.join(self.cache_transfer_protocol)!r}")
-        if "rdma" in self.cache_transfer_protocol and self.splitwise_role != "mixed":
+        if "rdma" in self.cache_transfer_protocol and self.splitwise_role != Role.MIXED:
             from pdserve.transport import RDMA_INSTALL, rdma_available
 
             if not rdma_available():
                 raise ValueError(f"--cache-transfer-protocol rdma needs NIXL, which is not installed: {RDMA_INSTALL}")
         if self.splitwise_cache_buffer_size < 0:
             raise ValueError("--splitwise-cache-buffer-size must be at least 0 (GB)")
-        if self.splitwise_cache_buffer_size and self.splitwise_role != "decode":
+        if self.splitwise_cache_buffer_size and self.splitwise_role != Role.DECODE:
             raise ValueError(f"--splitwise-cache-buffer-size is for decode instances (--splitwise-role decode); "
                              f"this one is {self.splitwise_role}")
         if self.swap_space < 0:
@@ -84,12 +138,3 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     @classmethod
     def decode(cls, text: str) -> EngineConfig:
         return msgspec.msgpack.decode(base64.b64decode(text), type=cls)
-
-
-def parse_size(text: str) -> int:
-    """'4G', '512M', '1.5GiB', '1000000' -> bytes (binary units)."""
-    t = text.strip().upper().removesuffix("IB").removesuffix("B")
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    if t and t[-1] in units:
-        return int(float(t[:-1]) * units[t[-1]])
-    return int(float(t))

@@ -25,6 +25,7 @@ import msgspec
 import zmq
 
 from pdserve.config.engine import EngineConfig
+from pdserve.config.roles import Role
 from pdserve.disagg.cache_messager import CacheMessager
 from pdserve.disagg.messages import (
     AttachCache,
@@ -85,11 +86,11 @@ class CacheService:
         self.inbox: zmq.Socket | None = None
         if destination is not None:
             buffer = CacheBuffer(destination.shm.buf, buffer_address(destination.shm.buf))
-        if config.splitwise_role == "decode":
+        if config.splitwise_role == Role.DECODE:
             self.receivers = [start_receiver(p, buffer, destination.name, config.pd_host,
                                              config.advertise_host or config.pd_host)
                               for p in config.cache_transfer_protocol]
-        elif config.splitwise_role == "prefill":
+        elif config.splitwise_role == Role.PREFILL:
             self.messager = CacheMessager(buffer, command.layout, report)  # type: ignore[arg-type]
             self.inbox = ctx.socket(zmq.PULL)
             self.inbox.setsockopt(zmq.LINGER, 0)

@@ -78,7 +78,7 @@ class CacheServiceClient:
         out, self._transfer_reports = self._transfer_reports, []
         return out
 
-    # ---- the host tier (engine/host_tier.py's HostCopier) ----
+    # ---- the host tier (what ServiceCopies, engine/block_copies.py, orders) ----
 
     def save_blocks(self, save_id: int, device_blocks: list[int], host_blocks: list[int]) -> None:
         self.child.send(SaveBlocks(save_id, device_blocks, host_blocks))

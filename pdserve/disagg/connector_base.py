@@ -41,6 +41,8 @@ class TransferStats:
 
 
 class ConnectorBase:
+    port: int | None = None  # the control plane peers reach (a prefill instance sets it)
+
     def __init__(self, config: EngineConfig, scheduler: Scheduler, layout: KVLayout,
                  clock: Callable[[], float]) -> None:
         self.config = config

@@ -40,12 +40,12 @@ from pdserve.disagg.messages import (
     PrefillDone,
     SwapDone,
 )
+from pdserve.engine.block_copies import BlockCopies, ServiceCopies
 from pdserve.engine.block_pool import Block, BlockPool
 from pdserve.engine.messages import PDParams, RequestOutput, TokenLogprobs
 from pdserve.engine.request import Request
 from pdserve.engine.request_output import final_output
 from pdserve.engine.scheduler import ScheduledChunk, Scheduler
-from pdserve.engine.worker_copies import WorkerCopies
 from pdserve.kv.layout import KVLayout
 from pdserve.kv.transfer_plan import TransferPlan
 from pdserve.transport import Endpoint
@@ -78,9 +78,9 @@ class DecodeConnector(ConnectorBase):
     def __init__(self, config: EngineConfig, scheduler: Scheduler, layout: KVLayout, ctx: zmq.Context,
                  endpoints: list[Endpoint], service: CacheServiceClient,
                  clock: Callable[[], float] = time.time, buffer_blocks: int = 0,
-                 copies: WorkerCopies | None = None) -> None:
+                 copies: BlockCopies | None = None) -> None:
         super().__init__(config, scheduler, layout, clock)
-        self.copies = copies  # the cache in device memory: the worker copies P's KV in
+        self.copies = copies or ServiceCopies(service)  # who swaps the buffer in (and copies staged KV in)
         self.buffer = BlockPool(buffer_blocks, enable_caching=False) if buffer_blocks else None
         self._buffered: deque[Incoming] = deque()  # BUFFERED, in the order their KV completed
         self.swap_bytes = 0
@@ -131,9 +131,8 @@ class DecodeConnector(ConnectorBase):
         for report in self.service.transfer_reports():  # also takes the receivers' stats
             if isinstance(report, SwapDone):
                 outputs += self._on_swapped_in(report)
-        if self.copies is not None:
-            for transfer_id, nbytes, seconds in self.copies.swaps_done():
-                outputs += self._on_swapped_in(SwapDone(transfer_id, nbytes, seconds))
+        for transfer_id, nbytes, seconds in self.copies.swaps_done():  # those the worker ran
+            outputs += self._on_swapped_in(SwapDone(transfer_id, nbytes, seconds))
         for _addr, msg in self.control.receive():
             outputs += self._on_message(msg)
         now = self.clock()
@@ -281,9 +280,8 @@ class DecodeConnector(ConnectorBase):
             self._buffered.append(inc)
             self._swap_in()
             return []
-        if self.copies is not None:  # staging -> cache, before the step that decodes it
-            skip = r.num_cached_tokens // self.layout.block_size
-            self.copies.stage_in([b.block_id for b in r.blocks[skip:]])
+        skip = r.num_cached_tokens // self.layout.block_size
+        self.copies.stage_in([b.block_id for b in r.blocks[skip:]])  # a device cache: staging -> cache
         self._end(inc, Phase.DECODING)
         return self._start_decoding(inc, msg)
 
@@ -310,9 +308,8 @@ class DecodeConnector(ConnectorBase):
             if r.times.buffered is not None:
                 self._buffer_waits.append(r.times.swap_started - r.times.buffered)
             skip = r.num_cached_tokens // self.layout.block_size
-            swapper = self.copies if self.copies is not None else self.service
-            swapper.swap_in(inc.transfer_id, [b.block_id for b in inc.buffer],
-                                 [b.block_id for b in r.blocks[skip:skip + len(inc.buffer)]])
+            self.copies.swap_in(inc.transfer_id, [b.block_id for b in inc.buffer],
+                                [b.block_id for b in r.blocks[skip:skip + len(inc.buffer)]])
 
     def _on_swapped_in(self, report: SwapDone) -> list[RequestOutput]:
         inc = self._by_tid.get(report.transfer_id)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pdserve.config.roles import Role
 from pdserve.utils.shm_room import shm_room
 
 if TYPE_CHECKING:
@@ -207,7 +208,7 @@ def layout_without_profile(config: EngineConfig, num_blocks: int) -> KVLayout:
 def start_processes(config: EngineConfig, ctx: zmq.Context, sockdir: str) -> StartedProcesses:
     """Run the table's row for this config, step by step; every wait has config.startup_timeout and
     names the process. On failure, what was started is stopped and the segment removed."""
-    key = (config.num_gpu_blocks_override is None, config.splitwise_role == "mixed", config.enable_prefix_caching,
+    key = (config.num_gpu_blocks_override is None, config.splitwise_role == Role.MIXED, config.enable_prefix_caching,
            cache_in_device_memory(config))
     steps = TRUTH_TABLE[key]
     start = _Startup(config, ctx, sockdir, StartupLog(config.startup_log, steps, key), key[3])
@@ -235,7 +236,7 @@ class _Startup:
     def service_has_nothing_to_keep(self, step: Step) -> bool:
         """A mixed instance whose cache is in device memory needs the cache service only for a host tier
         (--swap-space); without one it is not started, and the log says so."""
-        mixed = self.config.splitwise_role == "mixed"
+        mixed = self.config.splitwise_role == Role.MIXED
         if not self.device_cache or not mixed or self.config.swap_space:
             return False
         if step is Step.START_CACHE_SERVICE:
@@ -299,7 +300,7 @@ class _Startup:
         cache's block ids; P sends from it, D receives into it) unless D receives into its decode buffer;
         and the host tier."""
         role, buffered = self.config.splitwise_role, bool(self.config.splitwise_cache_buffer_size)
-        staging = role == "prefill" or (role == "decode" and not buffered)
+        staging = role == Role.PREFILL or (role == Role.DECODE and not buffered)
         self._size_host_memory()
         if staging and not self.config.num_gpu_blocks_override:
             self._fit_staging_in_host_memory()

@@ -42,34 +42,15 @@ def main(argv: list[str] | None = None) -> int:
     # its client was killed: nobody else removes the client's IPC folder
     when_parent_gone(lambda: shutil.rmtree(sockdir.parent, ignore_errors=True))
     try:
-        from pdserve.disagg.decode_connector import DecodeConnector
-        from pdserve.disagg.prefill_connector import PrefillConnector
         from pdserve.disagg.startup import start_processes
-        from pdserve.engine.engine_core import EngineCore
+        from pdserve.engine.build import build_engine_core
 
         started = start_processes(config, ctx, str(sockdir))
         layout = started.layout
-        core = EngineCore(config, started.worker, layout.num_blocks, started.max_model_len, started.vocab_size)
-        if started.cache_service is not None:
-            core.cache_service = started.cache_service
-        if started.device_cache:  # only the worker reaches the cache: it runs the copies
-            from pdserve.engine.worker_copies import WorkerCopies
-
-            core.copies = WorkerCopies(layout.block_bytes)
-        if started.host_blocks:
-            core.kv.add_host_tier(started.host_blocks, core.copies or started.cache_service)
-        core.layout = layout
-        port = None
-        if config.splitwise_role == "prefill":
-            core.connector = PrefillConnector(config, core.scheduler, layout, ctx, started.cache_service)
-            port = core.connector.port
-        elif config.splitwise_role == "decode":
-            core.connector = DecodeConnector(config, core.scheduler, layout, ctx, started.endpoints,
-                                             started.cache_service, buffer_blocks=started.buffer_blocks,
-                                             copies=core.copies)
+        core = build_engine_core(config, started, ctx)
         outputs.send(encoder.encode(EngineReady(
             layout.num_blocks, config.block_size, started.max_model_len, args.model_name, started.profile,
-            config.splitwise_role, port, list(config.cache_transfer_protocol), started.log.events,
+            config.splitwise_role, core.connector.port, list(config.cache_transfer_protocol), started.log.events,
             layout.compatibility_key(args.model_name))))
         core.run(inputs, outputs)
         return 0

@@ -13,7 +13,7 @@ import msgspec
 import zmq
 
 from pdserve.config.engine import EngineConfig
-from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.block_copies import BlockCopies
 from pdserve.engine.kv_connector import CacheService, KVConnector, NoCacheService, NoConnector
 from pdserve.engine.messages import (
     AbortRequests,
@@ -25,14 +25,14 @@ from pdserve.engine.messages import (
     NewRequest,
     RequestOutput,
     Shutdown,
+    StepResult,
     UtilityCall,
     UtilityResult,
 )
 from pdserve.engine.request import Request
 from pdserve.engine.request_output import error_output, final_output
-from pdserve.engine.scheduler import Scheduler, SchedulerConfig
+from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.engine.worker_client import WorkerClient
-from pdserve.engine.worker_copies import WorkerCopies
 from pdserve.kv.layout import KVLayout
 from pdserve.utils.child_process import ChildDied
 from pdserve.utils.process import raise_if_stopping
@@ -41,26 +41,23 @@ log = logging.getLogger("pdserve.engine")
 
 
 class EngineCore:
+    """Built whole by engine/build.py: the scheduler (with its KV cache manager), the worker, and what the
+    instance's row of the startup table gave it (a connector for PD roles, the cache service, who copies
+    blocks to and from host memory)."""
+
     IDLE_POLL_MS = 500
 
-    def __init__(self, config: EngineConfig, worker: WorkerClient, num_blocks: int, max_model_len: int,
-                 vocab_size: int | None = None) -> None:
+    def __init__(self, config: EngineConfig, worker: WorkerClient, scheduler: Scheduler, layout: KVLayout,
+                 copies: BlockCopies, connector: KVConnector | None = None,
+                 cache_service: CacheService | None = None) -> None:
         self.config = config
         self.worker = worker
-        self.connector: KVConnector = NoConnector()  # PD roles: set by __main__
-        self.cache_service: CacheService = NoCacheService()  # per the startup table: set by __main__
-        self.layout: KVLayout | None = None
-        self.copies: WorkerCopies | None = None  # the cache in device memory: copies the worker runs
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(SchedulerConfig(
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=max_model_len,
-            vocab_size=vocab_size,
-            enable_chunked_prefill=config.enable_chunked_prefill,
-            role=config.splitwise_role,
-            speculative=config.speculative_config,
-        ), self.kv)
+        self.scheduler = scheduler
+        self.kv = scheduler.kv
+        self.layout = layout
+        self.copies = copies
+        self.connector: KVConnector = connector or NoConnector()
+        self.cache_service: CacheService = cache_service or NoCacheService()
         self._on_worker: set[str] = set()  # request ids whose sampling state the worker holds
         self._finished_on_worker: list[str] = []
         self.num_computed_tokens = 0  # all tokens run through the model (prefix hits excluded)
@@ -99,7 +96,7 @@ class EngineCore:
             self._check_cache_service()
             self._poll_host_tier()
             pending.extend(self._poll_connector())
-            if self.scheduler.has_work or self._copies_pending():
+            if self.scheduler.has_work or self.copies.pending:
                 pending.extend(self.step())
             if pending:
                 outputs.send(encoder.encode(EngineOutputs(pending)))
@@ -117,27 +114,24 @@ class EngineCore:
     def _peer_sockets(self) -> list[zmq.Socket]:
         sockets = list(self.connector.sockets)
         if self.kv.host is not None:
-            sockets += [s for s in self.cache_service.sockets if s not in sockets]
+            sockets += [s for s in self.copies.sockets if s not in sockets]
         return sockets
 
     def _poll_host_tier(self) -> None:
         """Saves to the host tier that completed give their device blocks back."""
         if self.kv.host is not None:
-            for save_id, host_blocks in self.kv.copier.blocks_saved():
+            for save_id, host_blocks in self.copies.blocks_saved():
                 self.kv.saved(save_id, host_blocks)
 
     def _wait_for_host_saves(self, timeout: float = 10.0) -> None:
         """Until no device block is held for a copy to the host tier (they are seconds at most)."""
         deadline = time.monotonic() + timeout
         while self.kv.saves_in_flight and time.monotonic() < deadline:
-            if self._copies_pending():
+            if self.copies.pending:
                 self._run_copies_only()
             else:
-                zmq.select(self.cache_service.sockets, [], [], 0.05)
+                zmq.select(self.copies.sockets, [], [], 0.05)
             self._poll_host_tier()
-
-    def _copies_pending(self) -> bool:
-        return self.copies is not None and self.copies.pending
 
     def _run_copies_only(self) -> None:
         """A step with no chunks, for copies nothing scheduled would carry (a swap-in on an idle D,
@@ -203,29 +197,25 @@ class EngineCore:
     # ---- one step ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """Schedule, execute on the worker, apply what it sampled."""
         out = self.scheduler.schedule()
         if not out.chunks:
-            if self._copies_pending():
+            if self.copies.pending:
                 self._run_copies_only()
             else:
                 time.sleep(0.001)  # nothing fits now (blocks held elsewhere); do not spin hot
             return []
-        new_requests, chunks = [], []
-        for c in out.chunks:
-            r = c.request
-            if r.request_id not in self._on_worker:
-                self._on_worker.add(r.request_id)
-                new_requests.append(NewRequest(r.request_id, r.prompt_token_ids, r.params, list(r.eos_token_ids),
-                                               list(r.output_token_ids), r.num_resumed))
-            start, drafts = r.num_computed_tokens, c.draft_token_ids
-            tokens = r.token_ids[start:start + c.num_new_tokens - len(drafts)] + drafts
-            chunks.append(Chunk(r.request_id, tokens, start, [b.block_id for b in r.blocks], c.completes_known_tokens,
-                                len(drafts)))
-        transfers = self.connector.transfers(out.chunks)
-        copies = self.copies.take() if self.copies is not None else []
-        step = ExecuteStep(new_requests, self._finished_on_worker, chunks, transfers, copies)
-        self._finished_on_worker = []
         started = time.perf_counter()
+        result = self._execute(out)
+        if isinstance(result, list):  # the step failed: its requests' errors
+            return result
+        return self._apply(out, result, time.perf_counter() - started)
+
+    def _execute(self, out: SchedulerOutput) -> StepResult | list[RequestOutput]:
+        copies = self.copies.take()
+        step = ExecuteStep(self._new_on_worker(out), self._finished_on_worker, self._chunks(out),
+                           self.connector.transfers(out.chunks), copies)
+        self._finished_on_worker = []
         try:
             result = self.worker.execute(step, while_waiting=self._during_step)
         except ChildDied:  # the worker or the cache service is gone: so is this engine
@@ -233,11 +223,34 @@ class EngineCore:
         except RuntimeError as e:
             if not self.worker.alive():
                 raise
-            if self.copies is not None:  # the worker runs them before the forward pass that failed
-                self.copies.done([c.copy_id for c in copies])
+            self.copies.done([c.copy_id for c in copies])  # the worker runs them before the forward that failed
             return [o for c in out.chunks if (o := self._fail(c.request, f"the model step failed: {e}"))]
-        if self.copies is not None:
-            self.copies.done(result.copies_done)
+        self.copies.done(result.copies_done)
+        return result
+
+    def _new_on_worker(self, out: SchedulerOutput) -> list[NewRequest]:
+        """The scheduled requests the worker has not seen: their sampling state goes with this step."""
+        new = []
+        for c in out.chunks:
+            r = c.request
+            if r.request_id not in self._on_worker:
+                self._on_worker.add(r.request_id)
+                new.append(NewRequest(r.request_id, r.prompt_token_ids, r.params, list(r.eos_token_ids),
+                                      list(r.output_token_ids), r.num_resumed))
+        return new
+
+    @staticmethod
+    def _chunks(out: SchedulerOutput) -> list[Chunk]:
+        chunks = []
+        for c in out.chunks:
+            r = c.request
+            start, drafts = r.num_computed_tokens, c.draft_token_ids
+            tokens = r.token_ids[start:start + c.num_new_tokens - len(drafts)] + drafts
+            chunks.append(Chunk(r.request_id, tokens, start, [b.block_id for b in r.blocks], c.completes_known_tokens,
+                                len(drafts)))
+        return chunks
+
+    def _apply(self, out: SchedulerOutput, result: StepResult, seconds: float) -> list[RequestOutput]:
         self.num_steps += 1
         self.num_computed_tokens += out.num_batched_tokens
         for pl in result.prompt_logprobs:
@@ -249,7 +262,7 @@ class EngineCore:
                 outputs.extend(o for o in [self._fail(request, s.error, 400)] if o is not None)
         sampled = {s.request_id: s for s in result.sampled if s.error is None}
         changed = self.scheduler.update(out, {rid: s.token_ids for rid, s in sampled.items()})
-        self.scheduler.observe_step(out, sum(n for _, n in changed), time.perf_counter() - started)
+        self.scheduler.observe_step(out, sum(n for _, n in changed), seconds)
         for r, n in changed:
             s = sampled[r.request_id]
             output = final_output(r) if r.is_finished else RequestOutput(r.request_id, [])
@@ -318,7 +331,7 @@ class EngineCore:
                 aborted = [final_output(r) for rid in list(self.scheduler.requests) if (r := self.abort(rid))]
                 self.kv.reset_prefix_cache()  # cached KV dies with the cache memory
                 self.weights_loaded = False
-                while self._copies_pending():  # the aborts' host-tier saves, while the cache still exists
+                while self.copies.pending:  # the aborts' host-tier saves, while the cache still exists
                     self._run_copies_only()
                 self._poll_host_tier()
                 self.worker.weights("clear")

@@ -10,7 +10,7 @@ block is overwritten, and a copy there would make the step wait for the cache se
 saved stays held in the device pool until the copy is reported done, so nothing overwrites it.
 
 This index lives in the engine; the bytes live in the cache service's host segment, copied on the
-engine's orders (`HostCopier`) by the cache service or, for a cache in device memory, by the worker.
+engine's orders (engine/block_copies.py) by the cache service or, for a cache in device memory, by the worker.
 Host blocks are reused least recently used first.
 """
 
@@ -18,23 +18,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Protocol
 
 from pdserve.engine.block_pool import BlockHash
-
-
-class HostCopier(Protocol):
-    """Who copies between the cache and the host tier: the cache service (a cache in shared memory), or
-    the worker with its next step (a cache in device memory: engine/worker_copies.py)."""
-
-    def save_blocks(self, save_id: int, device_blocks: list[int], host_blocks: list[int]) -> None:
-        """Start copying device blocks to host blocks; report it done later (blocks_saved)."""
-
-    def load_blocks(self, host_blocks: list[int], device_blocks: list[int]) -> None:
-        """Copy host blocks into device blocks, complete before any later step reads them."""
-
-    def blocks_saved(self) -> list[tuple[int, list[int]]]:
-        """(save id, host blocks) of the saves completed since the last call."""
 
 
 @dataclass

@@ -11,10 +11,14 @@ import itertools
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pdserve.engine.block_pool import Block, BlockPool, hash_block
-from pdserve.engine.host_tier import HostCopier, HostTier
+from pdserve.engine.host_tier import HostTier
 from pdserve.engine.request import Request
+
+if TYPE_CHECKING:
+    from pdserve.engine.block_copies import BlockCopies
 
 
 @dataclass
@@ -42,11 +46,11 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self.stats = PrefixCacheStats()
         self.host: HostTier | None = None
-        self.copier: HostCopier | None = None
+        self.copier: BlockCopies | None = None
         self._saves: dict[int, list[Block]] = {}  # save id -> device blocks held until their copy is done
         self._save_ids = itertools.count()
 
-    def add_host_tier(self, num_blocks: int, copier: HostCopier) -> None:
+    def add_host_tier(self, num_blocks: int, copier: BlockCopies) -> None:
         if not self.enable_prefix_caching:
             raise ValueError("the host tier keeps prefix-cache blocks; it needs prefix caching")
         self.host, self.copier = HostTier(num_blocks), copier

@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 
 
 class KVConnector(Protocol):
+    port: int | None  # where peers reach this instance's control plane (a prefill instance's), else None
+
     @property
     def sockets(self) -> list[zmq.Socket]:
         """What the engine loop polls besides its input, to wake when a peer speaks."""
@@ -60,6 +62,7 @@ class KVConnector(Protocol):
 class NoConnector:
     """A mixed instance's connector: no PD requests, nothing to send, nothing to poll."""
 
+    port = None
     sockets: list = []
 
     def add_request(self, request: Request, pd: PDParams) -> list[RequestOutput]:
@@ -110,6 +113,12 @@ class CacheService(Protocol):
     def worker_cache_created(self, layout: KVLayout, segment: str | None) -> None:
         """The worker made a new cache (weights loaded again): attach to it if this service did before."""
 
+    def save_blocks(self, save_id: int, device_blocks: list[int], host_blocks: list[int]) -> None: ...
+
+    def load_blocks(self, host_blocks: list[int], device_blocks: list[int]) -> None: ...
+
+    def swap_in(self, transfer_id: str, buffer_blocks: list[int], cache_blocks: list[int]) -> None: ...
+
 
 class NoCacheService:
     """The rows of the startup table that start no cache service."""
@@ -130,3 +139,12 @@ class NoCacheService:
 
     def worker_cache_created(self, layout: KVLayout, segment: str | None) -> None:
         pass
+
+    def save_blocks(self, save_id: int, device_blocks: list[int], host_blocks: list[int]) -> None:
+        raise RuntimeError("no cache service runs: there is no host tier to save to")
+
+    def load_blocks(self, host_blocks: list[int], device_blocks: list[int]) -> None:
+        raise RuntimeError("no cache service runs: there is no host tier to load from")
+
+    def swap_in(self, transfer_id: str, buffer_blocks: list[int], cache_blocks: list[int]) -> None:
+        raise RuntimeError("no cache service runs: there is no decode buffer")

@@ -20,6 +20,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from pdserve.config.engine import EngineConfig
+from pdserve.config.roles import Role
 from pdserve.engine.block_pool import Block
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.request import Request, RequestStatus
@@ -29,22 +31,32 @@ from pdserve.spec_decode.controller import SpeculationController
 from pdserve.spec_decode.ngram_proposer import NgramProposer
 from pdserve.spec_decode.stats import SpecDecodeStats
 
-ROLES = ("mixed", "prefill", "decode")
+_ENGINE = EngineConfig()  # the scheduler's defaults are the engine's
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    """The engine config's scheduling fields, with what only the loaded model tells (its length, vocabulary)."""
+
+    max_num_seqs: int = _ENGINE.max_num_seqs
+    max_num_batched_tokens: int = _ENGINE.max_num_batched_tokens
     max_model_len: int = 8192
-    enable_chunked_prefill: bool = True
-    role: str = "mixed"
+    enable_chunked_prefill: bool = _ENGINE.enable_chunked_prefill
+    role: Role = _ENGINE.splitwise_role
     vocab_size: int | None = None  # when known, prompt ids are checked against it at admission
     speculative: SpeculativeConfig | None = None  # n-gram speculation for decoding requests
 
+    @classmethod
+    def of(cls, config: EngineConfig, max_model_len: int, vocab_size: int | None = None) -> SchedulerConfig:
+        return cls(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                   max_model_len=max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
+                   role=config.splitwise_role, vocab_size=vocab_size, speculative=config.speculative_config)
+
     def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        try:
+            object.__setattr__(self, "role", Role(self.role))
+        except ValueError:
+            raise ValueError(f"role must be one of {', '.join(Role)}, got {self.role!r}") from None
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
@@ -84,7 +96,7 @@ class Scheduler:
         self.preallocated: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
-        spec = config.speculative if config.role != "prefill" else None  # P stops after one token
+        spec = config.speculative if config.role != Role.PREFILL else None  # P stops after one token
         self.proposer = NgramProposer(spec) if spec is not None else None
         self.max_speculating = spec.disable_by_batch_size if spec is not None else None
         self.controller = SpeculationController() if spec is not None and self.max_speculating is None else None

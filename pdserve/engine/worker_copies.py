@@ -2,9 +2,9 @@
 
 With a shared-memory cache the cache service copies between the cache and its host segments itself;
 with a device cache only the worker can reach the cache, so the same copies ride with the worker's next
-step (`ExecuteStep.copies`) and run before its forward pass. This queue stands in for the cache service
-in those roles: it is the host tier's HostCopier and the decode buffer's swapper, and it copies what
-P wrote into D's staging area into D's cache.
+step (`ExecuteStep.copies`) and run before its forward pass. This queue is then the instance's
+BlockCopies (block_copies.py): the host tier's copier and the decode buffer's swapper, and it copies
+what P wrote into D's staging area into D's cache.
 
 Ordering is what makes it correct: the next step that can read a block is the one that carries its copy,
 and the worker runs copies first, in queue order. A copy the engine must see completed before it frees
@@ -22,6 +22,8 @@ from pdserve.engine.messages import DEVICE, BlockCopy
 
 
 class WorkerCopies:
+    sockets: list = []  # nothing to poll: completed copies are reported with the step that ran them
+
     def __init__(self, block_bytes: int) -> None:
         self.block_bytes = block_bytes
         self._ids = itertools.count()
@@ -46,7 +48,7 @@ class WorkerCopies:
             if (callback := self._on_done.pop(copy_id, None)) is not None:
                 callback()
 
-    # ---- the host tier (engine/host_tier.py's HostCopier) ----
+    # ---- the host tier ----
 
     def save_blocks(self, save_id: int, device_blocks: list[int], host_blocks: list[int]) -> None:
         self._add(DEVICE, "host", device_blocks, host_blocks, lambda: self._saved.append((save_id, host_blocks)))

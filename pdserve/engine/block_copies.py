@@ -1,0 +1,90 @@
+"""Who copies KV blocks between the cache and its host memory (the host prefix tier, the decode buffer, the
+staging area P writes into), behind one interface the engine and the connectors use alike.
+
+- `ServiceCopies`: the cache is a shared-memory segment the cache service maps, so the service copies on
+  the engine's orders (host-tier saves reported later, loads awaited, swap-ins reported with its transfer
+  reports); nothing rides with the worker's steps, and what P writes lands in the cache itself.
+- `WorkerCopies` (worker_copies.py): the cache is in device memory, which only the worker reaches; the
+  copies ride with its next step and run before the forward pass.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import zmq
+
+    from pdserve.engine.kv_connector import CacheService
+    from pdserve.engine.messages import BlockCopy
+
+
+class BlockCopies(Protocol):
+    @property
+    def sockets(self) -> list[zmq.Socket]:
+        """What the engine polls to hear of completed host-tier saves."""
+
+    @property
+    def pending(self) -> bool:
+        """Copies wait for a worker step: the engine sends one even when nothing is scheduled."""
+
+    def take(self) -> list[BlockCopy]:
+        """The copies that ride with the step about to be sent."""
+
+    def done(self, copy_ids: list[int]) -> None:
+        """The worker completed these copies."""
+
+    def save_blocks(self, save_id: int, device_blocks: list[int], host_blocks: list[int]) -> None:
+        """Start copying cache blocks to host-tier blocks; reported done later (blocks_saved)."""
+
+    def load_blocks(self, host_blocks: list[int], device_blocks: list[int]) -> None:
+        """Copy host-tier blocks into cache blocks, complete before any later step reads them."""
+
+    def blocks_saved(self) -> list[tuple[int, list[int]]]:
+        """(save id, host blocks) of the saves completed since the last call."""
+
+    def swap_in(self, transfer_id: str, buffer_blocks: list[int], cache_blocks: list[int]) -> None:
+        """Decode buffer -> cache; reported once copied."""
+
+    def swaps_done(self) -> list[tuple[str, int, float]]:
+        """(transfer id, bytes, seconds) of the swap-ins this copier reports itself."""
+
+    def stage_in(self, blocks: list[int]) -> None:
+        """What P wrote for these blocks is to be in the cache before the step that decodes them."""
+
+
+class ServiceCopies:
+    """The cache service copies (a cache in shared memory)."""
+
+    pending = False
+
+    def __init__(self, service: CacheService) -> None:
+        self.service = service
+
+    @property
+    def sockets(self) -> list[zmq.Socket]:
+        return self.service.sockets
+
+    def take(self) -> list[BlockCopy]:
+        return []
+
+    def done(self, copy_ids: list[int]) -> None:
+        pass
+
+    def save_blocks(self, save_id: int, device_blocks: list[int], host_blocks: list[int]) -> None:
+        self.service.save_blocks(save_id, device_blocks, host_blocks)
+
+    def load_blocks(self, host_blocks: list[int], device_blocks: list[int]) -> None:
+        self.service.load_blocks(host_blocks, device_blocks)
+
+    def blocks_saved(self) -> list[tuple[int, list[int]]]:
+        return self.service.blocks_saved()
+
+    def swap_in(self, transfer_id: str, buffer_blocks: list[int], cache_blocks: list[int]) -> None:
+        self.service.swap_in(transfer_id, buffer_blocks, cache_blocks)
+
+    def swaps_done(self) -> list[tuple[str, int, float]]:
+        return []  # the service reports its swap-ins with its transfer reports, which the decode connector reads
+
+    def stage_in(self, blocks: list[int]) -> None:
+        pass  # P wrote into the cache itself

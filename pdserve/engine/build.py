@@ -1,0 +1,44 @@
+"""The engine's composition root: an EngineCore built whole from what startup gave (disagg/startup.py).
+
+This module and the process entry (__main__.py) are the only places of pdserve.engine that import
+pdserve.disagg: the PD connectors implement the engine's contract (kv_connector.py), and only here are
+they plugged in.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pdserve.config.roles import Role
+from pdserve.disagg.decode_connector import DecodeConnector
+from pdserve.disagg.prefill_connector import PrefillConnector
+from pdserve.engine.block_copies import BlockCopies, ServiceCopies
+from pdserve.engine.engine_core import EngineCore
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.kv_connector import KVConnector, NoCacheService
+from pdserve.engine.scheduler import Scheduler, SchedulerConfig
+from pdserve.engine.worker_copies import WorkerCopies
+
+if TYPE_CHECKING:
+    import zmq
+
+    from pdserve.config.engine import EngineConfig
+    from pdserve.disagg.startup import StartedProcesses
+
+
+def build_engine_core(config: EngineConfig, started: StartedProcesses, ctx: zmq.Context) -> EngineCore:
+    layout = started.layout
+    kv = KVCacheManager(layout.num_blocks, config.block_size, config.enable_prefix_caching)
+    scheduler = Scheduler(SchedulerConfig.of(config, started.max_model_len, started.vocab_size), kv)
+    service = started.cache_service or NoCacheService()
+    # Only the worker reaches a cache in device memory: it runs the copies; else the cache service does.
+    copies: BlockCopies = WorkerCopies(layout.block_bytes) if started.device_cache else ServiceCopies(service)
+    if started.host_blocks:
+        kv.add_host_tier(started.host_blocks, copies)
+    connector: KVConnector | None = None
+    if config.splitwise_role == Role.PREFILL:
+        connector = PrefillConnector(config, scheduler, layout, ctx, started.cache_service)
+    elif config.splitwise_role == Role.DECODE:
+        connector = DecodeConnector(config, scheduler, layout, ctx, started.endpoints, started.cache_service,
+                                    buffer_blocks=started.buffer_blocks, copies=copies)
+    return EngineCore(config, started.worker, scheduler, layout, copies, connector, service)
