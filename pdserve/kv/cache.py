@@ -1,5 +1,5 @@
 """The paged KV cache: one tensor per instance holding every layer's K and V in fixed-size blocks,
-laid out as its KVLayout says (kv_layout.py): on the device, or in a named shared-memory segment that
+laid out as its KVLayout says (kv/layout.py): on the device, or in a named shared-memory segment that
 the cache service attaches too.
 """
 

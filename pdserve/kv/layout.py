@@ -1,7 +1,7 @@
 """The KV cache's layout, and where a block's KV lives in it as byte ranges: the only module that knows it.
 
 `[num_blocks, num_layers, 2 (K, V), block_size, kv_heads, head_dim]`, block-major: one layer of one
-block is one contiguous region, and a whole block is too. The cache (kv_cache.py) is allocated from
+block is one contiguous region, and a whole block is too. The cache (kv/cache.py) is allocated from
 this description, the engine and the cache service pass it around (it is torch-free msgspec), and the
 transfers turn it into byte ranges. The transports move byte ranges between two cache buffers and
 know nothing of layers or blocks (SGLang's transfer arguments grew model-specific fields; ours stay

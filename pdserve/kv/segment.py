@@ -1,6 +1,6 @@
 """A KV cache's bytes in a named shared-memory segment, without torch.
 
-The worker views a segment as the cache tensor (`kv_cache.py`); the cache service only moves its
+The worker views a segment as the cache tensor (`kv/cache.py`); the cache service only moves its
 bytes, so it maps the segment through this module and never imports torch. Names are
 `pdserve-kv-<creator pid>-<random>`: `utils/stale_ipc.py` removes those whose creator is gone.
 """

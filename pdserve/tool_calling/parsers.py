@@ -1,7 +1,7 @@
 """Tool calls read back from the model's text, per model family (`--tool-call-parser`, vLLM's names).
 
 `hermes`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks (Hermes, Qwen 2.5/3, and
-the fallback prompt of tools/prompt.py). Text outside the blocks is the message content. Streaming
+the fallback prompt of tool_calling/prompt.py). Text outside the blocks is the message content. Streaming
 holds back text that may be the start of a block and hands out each call once its block is closed.
 """
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 
 SHM = Path("/dev/shm")
-SEGMENTS = "pdserve-kv-*"  # kv_segment.py's names
+SEGMENTS = "pdserve-kv-*"  # kv/segment.py's names
 
 
 class SharedMemoryFull(OSError):
