@@ -12,6 +12,8 @@ an activation the other way, so tokens one or two such steps apart may swap (see
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
+
 import torch
 
 from pdserve.model.load import resolve_dtype
@@ -21,30 +23,50 @@ NEAR_TIE = 0.26 if DEFAULT_IS_BF16 else 1e-3
 HTTP_NEAR_TIE = 0.26 if DEFAULT_IS_BF16 else 0.02  # two servers batch differently
 
 
-def assert_same_greedy(reference, other) -> None:  # noqa: ANN001 (pdserve CompletionOutput)
-    ref, got = reference.token_ids, other.token_ids
+MIN_COMPARED = 4  # tokens a comparison must cover before a near tie ends it (fewer when the output is shorter)
+
+
+def compare_greedy(ref: Sequence, got: Sequence, margin_at: Callable[[int], float], near_tie: float, what: str,
+                   min_compared: int = MIN_COMPARED) -> int:
+    """Equal token for token up to the first difference, which must be a near tie of the reference
+    (`margin_at(i)`: its top-two log-probability gap at token i); returns how many tokens were compared.
+    A comparison that covered fewer than `min_compared` tokens (or the whole output, if shorter; never
+    zero) fails: a near tie that early, or an empty answer, shows nothing."""
+    compared = len(ref)
     for i, (a, b) in enumerate(zip(ref, got, strict=False)):
-        if a == b:
-            continue
-        assert reference.logprobs is not None, f"outputs differ at token {i} ({a} vs {b})"
-        top = sorted((lp.logprob for lp in reference.logprobs[i].values()), reverse=True)
-        margin = top[0] - top[1]
-        assert margin < NEAR_TIE, f"outputs differ at token {i} ({a} vs {b}) where the margin is {margin:.4f}"
-        return
-    assert len(ref) == len(got), f"lengths differ: {len(ref)} vs {len(got)}"
+        if a != b:
+            margin = margin_at(i)
+            assert margin < near_tie, (f"{what}: token {i} differs ({b!r} vs reference {a!r}) where the reference's "
+                                       f"top two differ by {margin:.4f}, not a near tie\nout:       {list(got)}\n"
+                                       f"reference: {list(ref)}")
+            compared = i
+            break
+    else:
+        assert len(ref) == len(got), f"{what}: {len(got)} vs {len(ref)} tokens in the reference"
+    needed = max(1, min(min_compared, len(ref)))
+    assert compared >= needed, (f"{what}: only {compared} tokens compared before a near tie (at least {needed}): "
+                                f"choose a prompt whose greedy answer has no near tie so early")
+    return compared
 
 
-def assert_same_greedy_completion(out, reference, what: str) -> int:  # noqa: ANN001 - openai Completion objects
-    """The same for two HTTP completions asked with logprobs=2, with a looser tie (HTTP_NEAR_TIE); returns
-    how many tokens were compared before the first (tied) difference."""
+def top_two_gap(logprobs: Iterable[float]) -> float:
+    top = sorted(logprobs, reverse=True)
+    return top[0] - top[1] if len(top) > 1 else float("inf")
+
+
+def assert_same_greedy(reference, other, min_compared: int = MIN_COMPARED) -> int:  # noqa: ANN001 (CompletionOutput)
+    """Two offline CompletionOutputs (the reference asked with logprobs=2, for its margins)."""
+
+    def margin_at(i: int) -> float:
+        assert reference.logprobs is not None, f"outputs differ at token {i} and the reference has no logprobs"
+        return top_two_gap(lp.logprob for lp in reference.logprobs[i].values())
+
+    return compare_greedy(reference.token_ids, other.token_ids, margin_at, NEAR_TIE, "greedy output", min_compared)
+
+
+def assert_same_greedy_completion(out, reference, what: str, min_compared: int = MIN_COMPARED) -> int:  # noqa: ANN001
+    """The same for two HTTP completions asked with logprobs=2 (openai Completion objects), with a looser
+    tie (HTTP_NEAR_TIE); returns how many tokens were compared before the first (tied) difference."""
     a, b = out.choices[0].logprobs, reference.choices[0].logprobs
-    for i, (x, y) in enumerate(zip(a.tokens, b.tokens, strict=False)):
-        if x != y:
-            top = sorted(b.top_logprobs[i].values(), reverse=True)
-            margin = top[0] - top[1] if len(top) > 1 else float("inf")
-            assert margin < HTTP_NEAR_TIE, (
-                f"{what}: token {i} differs ({x!r} vs reference {y!r}) where the reference's top two differ by "
-                f"{margin:.4f}, not a near tie\nout:       {a.tokens}\nreference: {b.tokens}")
-            return i
-    assert len(a.tokens) == len(b.tokens), f"{what}: {len(a.tokens)} vs {len(b.tokens)} tokens"
-    return len(a.tokens)
+    return compare_greedy(b.tokens, a.tokens, lambda i: top_two_gap(b.top_logprobs[i].values()), HTTP_NEAR_TIE,
+                          what, min_compared)

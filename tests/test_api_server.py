@@ -25,6 +25,8 @@ from tests.greedy import (
     DEFAULT_IS_BF16,
     NEAR_TIE,  # batch shapes may flip a genuine near-tie, nothing else
     assert_same_greedy_completion,
+    compare_greedy,
+    top_two_gap,
 )
 from tests.servers import BLOCK, Server
 from tests.servers import metrics as _metrics
@@ -106,12 +108,11 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
 def _assert_same_greedy(want, tokens: list[str], text: str, num_tokens: int, tokenizer) -> None:
     """Server output (token strings, text, count) == the offline CompletionOutput, up to a near-tie."""
     ref = [tokenizer.token_text(t) for t in want.token_ids]
-    for i, (a, b) in enumerate(zip(ref, tokens, strict=False)):
-        if a != b:
-            top = sorted((lp.logprob for lp in want.logprobs[i].values()), reverse=True)
-            assert top[0] - top[1] < NEAR_TIE, f"token {i} differs ({a!r} vs {b!r}): {want.text!r} vs {text!r}"
-            warnings.warn(f"greedy outputs differ at a near-tie (token {i}); compared up to there", stacklevel=2)
-            return
+    compared = compare_greedy(ref, tokens, lambda i: top_two_gap(lp.logprob for lp in want.logprobs[i].values()),
+                              NEAR_TIE, f"{want.text!r} vs {text!r}")
+    if compared < len(ref):
+        warnings.warn(f"greedy outputs differ at a near-tie (token {compared}); compared up to there", stacklevel=2)
+        return
     assert text == want.text
     assert num_tokens == len(want.token_ids) == len(tokens)
 

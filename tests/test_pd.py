@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from pdserve.transport import rdma_available
-from tests.greedy import DEFAULT_IS_BF16, HTTP_NEAR_TIE, assert_same_greedy_completion
+from tests.greedy import DEFAULT_IS_BF16, HTTP_NEAR_TIE, assert_same_greedy_completion, compare_greedy, top_two_gap
 from tests.servers import (
     BLOCK,
     BrokenInstance,
@@ -442,13 +442,9 @@ def test_structured_output_and_tool_calls_through_pd_equal_mixed(pd: dict) -> No
 
 
 def _assert_same_greedy_chat(got, want) -> None:  # noqa: ANN001 - openai chat choices asked with top_logprobs=2
-    a, b = [t.token for t in got.logprobs.content], [t.token for t in want.logprobs.content]
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            top = sorted((t.logprob for t in want.logprobs.content[i].top_logprobs), reverse=True)
-            assert top[0] - top[1] < HTTP_NEAR_TIE, f"PD and mixed differ at token {i}: {x!r} vs {y!r}"
-            return
-    assert a == b
+    compare_greedy([t.token for t in want.logprobs.content], [t.token for t in got.logprobs.content],
+                   lambda i: top_two_gap(t.logprob for t in want.logprobs.content[i].top_logprobs), HTTP_NEAR_TIE,
+                   "PD against mixed")
 
 
 def test_scoring_tokenize_and_ids_through_the_router(pd: dict) -> None:
