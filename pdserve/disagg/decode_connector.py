@@ -6,7 +6,7 @@ decoding from P's first token. The blocks are D's own cache blocks, or with
 --splitwise-cache-buffer-size (seed 002) blocks of a host buffer in the cache service: then P is
 released as soon as its KV is complete, and D takes cache blocks only when the request can join
 the decode batch, after the cache service has copied buffer -> cache. With the cache in device memory
-(issue 28) P writes into the cache service's staging area (the cache's block ids) or the buffer, and
+P writes into the cache service's staging area (the cache's block ids) or the buffer, and
 the worker copies host -> device with its next step, before that step's forward pass (WorkerCopies).
 The phases and lease rules are in lifecycle.py.
 """

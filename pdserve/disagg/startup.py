@@ -6,7 +6,7 @@ count comes from a profile run (no --num-gpu-blocks-override), whether the role 
 prefix caching is on, and whether the cache is in device memory (CUDA; on a CPU the test mode
 PDSERVE_PRIVATE_KV_CACHE=1). Each row of the table is the list of its steps in order; the creator
 allocates the cache and raises *cache-ready*; the other process attaches only after it. A cache in
-device memory is the worker's in every role (issue 28): the cache service creates the host memory the
+device memory is the worker's in every role: the cache service creates the host memory the
 worker copies through (staging, decode buffer, host tier) first, and the worker maps it as it creates
 the cache. The startup log (`--startup-log`) records each step as it runs, so a test compares it with
 the row.

@@ -107,7 +107,7 @@ class EngineCore:
 
     def _during_step(self) -> None:
         """While the worker computes: lease renewals, and a cache service that died (a prefill worker
-        would wait for its messager forever; chaos runs saw 25 s before the instance noticed)."""
+        would otherwise wait for its messager until the step's own timeout)."""
         self.connector.during_step()
         self._check_cache_service()
 

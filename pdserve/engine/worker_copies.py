@@ -1,4 +1,4 @@
-"""The engine's queue of block copies for a worker whose KV cache is in device memory (issue 28).
+"""The engine's queue of block copies for a worker whose KV cache is in device memory.
 
 With a shared-memory cache the cache service copies between the cache and its host segments itself;
 with a device cache only the worker can reach the cache, so the same copies ride with the worker's next

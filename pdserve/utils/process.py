@@ -51,8 +51,8 @@ def die_with_parent() -> None:
 
 def _watch_parent(parent: int, period: float = 0.5, grace: float = PARENT_GONE_GRACE_S) -> None:
     """The backstop of die_with_parent: a process can miss or ignore its SIGTERM (it arrived while the
-    interpreter was already exiting, or a cleanup hangs), and then outlived its parent by 43 minutes
-    once (issue 26). When the parent is gone, this thread asks for the orderly stop, and `grace`
+    interpreter was already exiting, or a cleanup hangs), and would then outlive its parent
+    indefinitely. When the parent is gone, this thread asks for the orderly stop, and `grace`
     seconds later ends the process; its own children then get their parent-death signal."""
 
     def watch() -> None:
@@ -109,7 +109,7 @@ def when_parent_gone(hook: Callable[[], None]) -> None:
 
 def parent_gone() -> bool:
     """The parent this process must not outlive (die_with_parent) has exited. Its death signal can
-    arrive while getppid() still names it (seen here), so a parent that is a zombie counts as gone."""
+    arrive while getppid() still names it, so a parent that is a zombie counts as gone."""
     return _parent_pid is not None and (os.getppid() != _parent_pid or _is_zombie(_parent_pid))
 
 

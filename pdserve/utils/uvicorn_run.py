@@ -9,7 +9,7 @@ from collections.abc import Callable
 import uvicorn
 
 # On SIGTERM uvicorn waits for open requests to end; without a bound, a connection that never ends
-# held a stopping instance forever (twice in CI runs: all of its processes asleep 20 s after SIGTERM).
+# holds a stopping instance forever (all of its processes asleep, the supervisor waiting).
 # Past this, what still runs is cancelled and the stop goes on.
 GRACEFUL_SHUTDOWN_S = 5
 

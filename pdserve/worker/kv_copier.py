@@ -1,4 +1,4 @@
-"""Block copies between a KV cache in device memory and the cache service's host segments (issue 28).
+"""Block copies between a KV cache in device memory and the cache service's host segments.
 
 A worker whose cache is private to it (CUDA, or a CPU worker under PDSERVE_PRIVATE_KV_CACHE=1) moves KV
 through host shared memory of the cache's block layout: P copies each finished layer device -> staging
