@@ -1,9 +1,13 @@
-"""The API server's shared state, and the error its handlers raise (an OpenAI-format error body)."""
+"""The API server's shared state (at `app.state.server`, read through `ServerDep`), and the error its
+handlers raise (an OpenAI-format error body)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Annotated
+
+from fastapi import Depends, Request
 
 from pdserve.api.async_engine import AsyncEngine
 from pdserve.api.metrics import ServerMetrics
@@ -34,3 +38,11 @@ class ServerState:
     request_shutdown: Callable[[], None] | None = None  # stops the HTTP server (set by `pdserve serve`)
     exit_code: int = 0  # 1 once the engine died
     tool_call_parser: str = "hermes"  # --tool-call-parser
+
+
+async def server_state(request: Request) -> ServerState:
+    """The server's state (async: FastAPI would run a plain function in its thread pool)."""
+    return request.app.state.server
+
+
+ServerDep = Annotated[ServerState, Depends(server_state)]

@@ -1,0 +1,200 @@
+"""What the OpenAI routes do with a request around the engine: the prompt's token ids (text, chat
+template, tools), the checks against the model, the output constraint (structured outputs, forced tool
+calls), a migrated stream's resumption, and the answer, whole or streamed, within --max-concurrency."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import msgspec
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from starlette.background import BackgroundTask
+
+from pdserve.api.answers import StreamRelease, complete, stream
+from pdserve.api.generation import Generation
+from pdserve.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, NamedToolChoice, Tool
+from pdserve.api.responses_api import respond_stream, respond_whole
+from pdserve.api.state import APIError, ServerState
+from pdserve.engine.messages import PDParams
+from pdserve.http.disconnect import until_disconnect
+from pdserve.structured.spec import StructuredOutput, check, grammar_tokenizer
+from pdserve.tokenization.detokenizer import IncrementalDetokenizer
+from pdserve.tool_calling.grammar import tool_call_grammar
+from pdserve.tool_calling.prompt import render_messages, template_supports_tools
+
+
+def check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model != state.model_name:
+        raise APIError(f"the model '{model}' does not exist; this server serves '{state.model_name}'",
+                       param="model", err_type="model_not_found")
+
+
+def check_length(state: ServerState, prompt_ids: list[int]) -> None:
+    if not prompt_ids:
+        raise APIError("the prompt is empty", param="prompt")
+    if len(prompt_ids) >= state.max_model_len:
+        raise APIError(f"the prompt has {len(prompt_ids)} tokens, but this model's maximum context length is "
+                       f"{state.max_model_len} tokens", param="prompt")
+    if any(not 0 <= t < state.tokenizer.vocab_size for t in prompt_ids):
+        raise APIError("prompt token ids must be in [0, vocab size)", param="prompt")
+
+
+def prompt_text(body: CompletionRequest) -> str | None:
+    prompt = body.prompt if body.prompt_token_ids is None else None
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    return prompt if isinstance(prompt, str) else None
+
+
+def completion_prompt(state: ServerState, body: CompletionRequest) -> list[int]:
+    prompt = body.prompt_token_ids if body.prompt_token_ids is not None else body.prompt
+    if prompt is None:
+        raise APIError("either prompt or prompt_token_ids is required", param="prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], list | str):
+        if len(prompt) != 1:
+            raise APIError("one prompt per request is supported; send several requests", param="prompt")
+        prompt = prompt[0]
+    ids = state.tokenizer.encode(prompt, add_special_tokens=body.add_special_tokens) if isinstance(prompt, str) \
+        else list(prompt)
+    check_length(state, ids)
+    return ids
+
+
+async def respond(state: ServerState, raw: Request, body: Any, gen: Generation, params: Any, kind: str,
+                  make_choice: Any, responses_api: bool = False) -> Any:
+    """The engine's answer, whole or streamed, once the request fits the context and the server has room."""
+    if params.max_tokens is None:
+        try:
+            params = msgspec.structs.replace(params, max_tokens=max(state.max_model_len - len(gen.prompt_token_ids), 1))
+        except ValueError as e:  # e.g. min_tokens above what the context leaves
+            raise APIError(str(e)) from None
+    elif len(gen.prompt_token_ids) + params.max_tokens > state.max_model_len:
+        raise APIError(f"prompt ({len(gen.prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                       f"the maximum context length of {state.max_model_len}", param="max_tokens")
+    if not state.engine.healthy:
+        raise APIError(state.engine.error or "the engine is down", 503, "service_unavailable")
+    if state.weights_cleared:
+        raise APIError("the model weights are cleared; POST /update_model_weight loads them", 503,
+                       "service_unavailable")
+    if state.in_flight >= state.max_concurrency:
+        raise APIError(f"too many requests in flight (--max-concurrency {state.max_concurrency}); retry later",
+                       429, "rate_limit_exceeded")
+    state.in_flight += 1
+    state.metrics.request_started()
+    if body.stream:
+        release = StreamRelease(state, gen)
+        # The generator's `finally` releases the slot; the background task covers a client that left
+        # before the first chunk, when the generator never started and so never reaches `finally`.
+        events = (respond_stream(state, body, gen, params, release) if responses_api
+                  else stream(state, body, gen, params, kind, make_choice, release))
+        return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(release))
+    try:
+        work = (respond_whole(state, body, gen, params) if responses_api
+                else complete(state, body, gen, params, kind, make_choice))
+        return await until_disconnect(raw, work)
+    finally:
+        state.in_flight -= 1
+
+
+async def structured_output(state: ServerState, body: Any) -> StructuredOutput | None:
+    """The request's output constraint, checked against the model's tokenizer (off the event loop: a
+    large schema takes a while): a spec that does not compile is the client's 400."""
+    try:
+        spec = body.structured_spec()
+        if spec is not None:
+            await _check_off_loop(state, spec)
+    except ValueError as e:
+        raise APIError(f"the output constraint cannot be used: {e}", param=body.constraint_field()) from None
+    return spec
+
+
+async def _check_off_loop(state: ServerState, spec: StructuredOutput) -> None:
+    """A client's own grammar may name tokens (`<|im_end|>`, `<[1234]>`): only the vocabulary can check
+    those, so it is checked with llguidance's tokenizer (0.3 s and ~70 MB of this process, once). JSON
+    schemas, regexes, choices and the tool-call grammars cannot, and are checked without it."""
+    tokenizer = state.tokenizer
+
+    def run() -> None:
+        vocab = (grammar_tokenizer(tokenizer.folder / "tokenizer.json", None, tokenizer.eos_token_ids)
+                 if spec.kind == "grammar" else None)
+        check(spec, vocab)
+
+    await asyncio.to_thread(run)
+
+
+async def forced_tool_grammar(state: ServerState, body: ChatCompletionRequest) -> StructuredOutput | None:
+    choice, tools = body.tool_choice, [t.model_dump(exclude_none=True) for t in body.tools or []]
+    if choice == "required":
+        spec = tool_call_grammar(tools, None, body.parallel_tool_calls)
+    elif isinstance(choice, NamedToolChoice):
+        spec = tool_call_grammar(tools, choice.name, False)
+    else:
+        return None
+    try:
+        await _check_off_loop(state, spec)
+    except ValueError as e:
+        raise APIError(f"the tools' parameter schemas cannot be used: {e}", param="tools") from None
+    return spec
+
+
+def chat_prompt(state: ServerState, body: ChatCompletionRequest) -> list[int]:
+    tools = body.tools if body.tool_choice != "none" else None
+    ids = template_ids(state, body.messages, body.add_generation_prompt, tools, body.chat_template_kwargs)
+    tok = state.tokenizer
+    if body.add_special_tokens and tok.add_bos_token and tok.bos_token_id is not None:
+        ids = [tok.bos_token_id, *ids]  # vLLM's add_special_tokens on chat: the tokenizer's BOS before the template's
+    return ids
+
+
+def template_ids(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,
+                 tools: list[Tool] | None, kwargs: dict | None) -> list[int]:
+    dumped = [m.model_dump(exclude_none=True) for m in messages]
+    tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
+    rendered, extra = render_messages(dumped, tool_dicts, template_supports_tools(state.tokenizer.chat_template))
+    try:
+        return state.tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt,
+                                                   tokenize=True, **extra, **(kwargs or {}))
+    except Exception as e:  # the template raised on these messages
+        raise APIError(f"cannot apply the chat template: {e}", param="messages") from None
+
+
+def migrate(state: ServerState, body: Any, gen: Generation, params: Any) -> Any:
+    """The router's `migration` field: name token ids in the stream; resume after the ones given."""
+    migration = body.migration
+    if migration is None:
+        return params
+    if body.n != 1:
+        raise APIError("migration serves one choice (n = 1)", param="migration")
+    gen.report_tokens = True
+    done = migration.token_ids
+    if not done:
+        return params
+    if any(not 0 <= t < state.tokenizer.vocab_size for t in done):
+        raise APIError("migration.token_ids must be in [0, vocab size)", param="migration")
+    if params.max_tokens is not None and len(done) >= params.max_tokens:
+        raise APIError(f"migration resumes after {len(done)} tokens, but max_tokens is {params.max_tokens}",
+                       param="migration")
+    gen.request_id = migration.id or gen.request_id
+    gen.created = migration.created if migration.created is not None else gen.created
+    gen.resume_after(done, IncrementalDetokenizer(state.tokenizer, params).add(done))
+    return msgspec.structs.replace(params, prompt_logprobs=None)  # they went out with the first chunk
+
+
+def pd_params(body: Any) -> PDParams | None:
+    pd = body.pd
+    return None if pd is None else PDParams(pd.transfer_id, pd.role, pd.prefill_addr, pd.transport)
+
+
+def sampling_params(state: ServerState, body: Any, max_tokens: int | None, logprobs: int | None,
+                    structured: StructuredOutput | None, **overrides: Any) -> Any:
+    try:
+        params = body.sampling_params(max_tokens, logprobs, state.sampling_defaults, structured)
+        params = msgspec.structs.replace(params, **overrides) if overrides else params
+        params.check_vocab(state.tokenizer.vocab_size)
+        return params
+    except ValueError as e:  # a combination the field checks cannot see (min_tokens > max_tokens, ...)
+        raise APIError(str(e)) from None
+
+

@@ -1,0 +1,57 @@
+"""What operators and the router ask an instance: /health, /metrics, /v1/models, and the weights' release
+and reload (/clear_load_weight, /update_model_weight)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, Response
+
+from pdserve.api.state import APIError, ServerDep
+from pdserve.engine.engine_client import EngineError
+from pdserve.http.errors import error_body
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(state: ServerDep) -> Response:
+    if not state.engine.healthy:
+        return JSONResponse(error_body(state.engine.error or "engine is down", 503, "service_unavailable"),
+                            status_code=503)
+    if state.weights_cleared:
+        return JSONResponse(error_body("the model weights are cleared", 503, "service_unavailable"),
+                            status_code=503)
+    return Response(status_code=200)
+
+
+@router.api_route("/clear_load_weight", methods=["GET", "POST"])
+async def clear_load_weight(state: ServerDep) -> dict:
+    """Free the weights and the KV cache (mixed role); requests get 503 until they are loaded again."""
+    state.weights_cleared = True
+    try:
+        result = await state.engine.call("clear_weights", timeout=120)
+    except EngineError as e:
+        raise APIError(str(e), 500, "internal_server_error") from None
+    return {"status": "cleared", **result}
+
+
+@router.api_route("/update_model_weight", methods=["GET", "POST"])
+async def update_model_weight(state: ServerDep) -> dict:
+    """Load the weights from disk again and recreate the KV cache."""
+    try:
+        await state.engine.call("load_weights", timeout=600)
+    except EngineError as e:
+        raise APIError(str(e), 500, "internal_server_error") from None
+    state.weights_cleared = False
+    return {"status": "loaded"}
+
+
+@router.get("/v1/models")
+async def models(state: ServerDep) -> dict:
+    return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": 0,
+                                        "owned_by": "pdserve", "max_model_len": state.max_model_len}]}
+
+
+@router.get("/metrics")
+async def metrics(state: ServerDep) -> Response:
+    return await state.metrics.render(state.engine)
