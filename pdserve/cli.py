@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
-
-import msgspec
 
 from pdserve.config.engine_args import add_engine_args, engine_config_from_args
 from pdserve.loader.errors import ModelLoadError
@@ -109,7 +108,7 @@ def _generate(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             max_tokens=args.max_tokens)
     config = engine_config_from_args(args)
-    with LLM(**msgspec.structs.asdict(config)) as llm:
+    with LLM(**dataclasses.asdict(config)) as llm:
         if args.chat:
             outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
         else:

@@ -73,8 +73,8 @@ def serve(args: argparse.Namespace) -> int:
     if refusals := fastdeploy_refusals(args):
         raise ValueError("\n".join(refusals))
     # Bound now, before the engine loads for seconds: a port picked free by whoever started us cannot be
-    # taken meanwhile by a bind to port 0 of our own children (a CI run lost an instance so: its cache
-    # service got the HTTP port), and a port in use fails at once, not after the model has loaded.
+    # taken meanwhile by a bind to port 0 of our own children (the cache service's listener could get
+    # the HTTP port), and a port in use fails at once, not after the model has loaded.
     http_socket = listening_socket(host, port)
     http_socket.set_inheritable(False)
     metrics_port = settings.metrics_port or free_port(host)
