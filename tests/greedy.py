@@ -30,8 +30,9 @@ def compare_greedy(ref: Sequence, got: Sequence, margin_at: Callable[[int], floa
                    min_compared: int = MIN_COMPARED) -> int:
     """Equal token for token up to the first difference, which must be a near tie of the reference
     (`margin_at(i)`: its top-two log-probability gap at token i); returns how many tokens were compared.
-    A comparison that covered fewer than `min_compared` tokens (or the whole output, if shorter; never
-    zero) fails: a near tie that early, or an empty answer, shows nothing."""
+    A comparison that covered fewer than `min_compared` tokens (or the whole output, if shorter, but at least
+    one) fails: a near tie that early, or an empty answer, shows nothing. min_compared=0 is for callers that
+    require a share of many comparisons instead (assert_same_greedy_completions)."""
     compared = len(ref)
     for i, (a, b) in enumerate(zip(ref, got, strict=False)):
         if a != b:
@@ -43,7 +44,7 @@ def compare_greedy(ref: Sequence, got: Sequence, margin_at: Callable[[int], floa
             break
     else:
         assert len(ref) == len(got), f"{what}: {len(got)} vs {len(ref)} tokens in the reference"
-    needed = max(1, min(min_compared, len(ref)))
+    needed = max(1, min(min_compared, len(ref))) if min_compared else 0
     assert compared >= needed, (f"{what}: only {compared} tokens compared before a near tie (at least {needed}): "
                                 f"choose a prompt whose greedy answer has no near tie so early")
     return compared
@@ -70,3 +71,14 @@ def assert_same_greedy_completion(out, reference, what: str, min_compared: int =
     a, b = out.choices[0].logprobs, reference.choices[0].logprobs
     return compare_greedy(b.tokens, a.tokens, lambda i: top_two_gap(b.top_logprobs[i].values()), HTTP_NEAR_TIE,
                           what, min_compared)
+
+
+def assert_same_greedy_completions(outs: list, references: list, min_share: float) -> int:
+    """Many HTTP completions against their references: each equal up to a near tie, which may come at any
+    token of a single answer (prompts cut from a text at random), and together at least `min_share` of the
+    reference tokens compared. Returns the tokens compared."""
+    compared = sum(assert_same_greedy_completion(a, b, f"prompt {i}", min_compared=0)
+                   for i, (a, b) in enumerate(zip(outs, references, strict=True)))
+    total = sum(len(r.choices[0].logprobs.tokens) for r in references)
+    assert total and compared >= min_share * total, f"only {compared} of {total} tokens matched before near ties"
+    return compared

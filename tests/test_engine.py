@@ -12,13 +12,15 @@ from tests.greedy import assert_same_greedy
 
 pytestmark = pytest.mark.e2e  # starts pdserve processes or loads the model: not in `make test-fast`
 
+# Each prompt's first greedy tokens are clear choices (top-two margins of at least 0.375 in bf16 and 0.08 in
+# fp32 over the first four, measured alone), so a comparison covers at least tests/greedy.py's MIN_COMPARED.
 PROMPTS = [
-    "The capital of France is", "Water boils at a temperature of", "The largest planet in our solar system is",
-    "To make a cup of tea, you first", "The three primary colors are", "A haiku about autumn:\n",
-    "def fibonacci(n):\n", "The French word for cat is", "In 1969, the first person to walk on the moon was",
-    "Photosynthesis is the process by which", "The opposite of hot is", "A good way to learn a language is",
-    "The speed of light is approximately", "Shakespeare wrote the play", "My favourite fruit is the",
-    "Once upon a time, in a small village,",
+    "The capital of France is", "The boiling point of water in Fahrenheit is",
+    "The largest planet in our solar system is", "To make a cup of tea, you first", "The color of the sky is",
+    "Albert Einstein is famous for", "The chemical symbol for gold is", "The first month of the year is",
+    "In 1969, the first person to walk on the moon was", "Photosynthesis is the process by which",
+    "The opposite of hot is", "A good way to learn a language is", "The speed of light is approximately",
+    "Mount Everest is the", "The sun rises in the east and sets in the", "Once upon a time, in a small village,",
 ]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, logprobs=2)
 

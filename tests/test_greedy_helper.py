@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
-from tests.greedy import MIN_COMPARED, compare_greedy
+from tests.greedy import MIN_COMPARED, assert_same_greedy_completions, compare_greedy
 
 TIE, CLEAR = 0.0, 5.0  # the reference's top-two gap at a difference
 
@@ -33,3 +35,17 @@ def test_the_minimum_is_the_whole_output_when_it_is_shorter() -> None:
     assert compare_greedy([1, 2], [1, 2], lambda i: CLEAR, 0.1, "short") == 2
     with pytest.raises(AssertionError):
         compare_greedy([1, 2], [1, 9], lambda i: TIE, 0.1, "short, tied at once")
+
+
+def _completion(tokens: list[str], gap: float) -> SimpleNamespace:
+    """An openai Completion as the helper reads it: tokens and their top-two logprobs."""
+    logprobs = SimpleNamespace(tokens=tokens, top_logprobs=[{"a": 0.0, "b": -gap} for _ in tokens])
+    return SimpleNamespace(choices=[SimpleNamespace(logprobs=logprobs)])
+
+
+def test_many_completions_need_a_share_of_their_tokens_compared() -> None:
+    same = [_completion(list("abcdefgh"), TIE) for _ in range(4)]
+    early_tie = _completion(list("xbcdefgh"), TIE)  # ties at once: fine alone, not for all of them
+    assert assert_same_greedy_completions([*same[:3], early_tie], same, min_share=0.7) == 24
+    with pytest.raises(AssertionError):
+        assert_same_greedy_completions([early_tie] * 4, same, min_share=0.7)
