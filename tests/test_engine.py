@@ -17,9 +17,9 @@ pytestmark = pytest.mark.e2e  # starts pdserve processes or loads the model: not
 PROMPTS = [
     "The capital of France is", "The boiling point of water in Fahrenheit is",
     "The largest planet in our solar system is", "To make a cup of tea, you first", "The color of the sky is",
-    "Albert Einstein is famous for", "The chemical symbol for gold is", "The first month of the year is",
+    "The opposite of hot is", "The chemical symbol for gold is", "The first month of the year is",
     "In 1969, the first person to walk on the moon was", "Photosynthesis is the process by which",
-    "The opposite of hot is", "A good way to learn a language is", "The speed of light is approximately",
+    "Albert Einstein is famous for", "A good way to learn a language is", "The speed of light is approximately",
     "Mount Everest is the", "The sun rises in the east and sets in the", "Once upon a time, in a small village,",
 ]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, logprobs=2)
