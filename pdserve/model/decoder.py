@@ -20,6 +20,7 @@ from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.linear import DenseLinear, Linear, make_linear
 from pdserve.model.paged_attention import GatherBuffers, paged_attention
 from pdserve.model.rope import RotaryEmbedding
+from pdserve.model.tensor_parallel import TensorParallel
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -65,10 +66,12 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", max_positions: int | None = None,
-                 quantization: str | None = None) -> None:
+                 quantization: str | None = None, tp: TensorParallel | None = None) -> None:
         super().__init__()
         device = torch.device(device)
-        self.config = config
+        self.tp = tp or TensorParallel()
+        self.full_config = config  # the checkpoint's shapes
+        self.config = config = self.tp.shard_config(config)  # this rank's: its heads and MLP columns
         self.dtype = dtype
         kw = {"dtype": dtype, "device": device}
         self.embed = _param(config.vocab_size, config.hidden_size, **kw)
@@ -123,7 +126,7 @@ class DecoderModel(nn.Module):
             attn = paged_attention(q, k, v, cache, batch, self.scale, self.gather_buffers)
             if on_layer_done is not None:  # this layer's K/V are written: send them while the MLP runs
                 on_layer_done(i)
-            h = layer.o_proj.add_to(h, attn)
+            h = self._add_row_parallel(h, layer.o_proj, attn)
             x = rms_norm(h, layer.post_norm)
             gate_up = layer.gate_up_proj(x)
             if ops is None:
@@ -132,9 +135,15 @@ class DecoderModel(nn.Module):
             else:
                 act = gate_up.new_empty(gate_up.shape[0], c.intermediate_size)
                 ops.silu_and_mul(act, gate_up)
-            h = layer.down_proj.add_to(h, act)
+            h = self._add_row_parallel(h, layer.down_proj, act)
         last = rms_norm(h[batch.logits_indices], self.norm)
         return last if batch.return_hidden else self.lm_head_proj(last).float()
+
+    def _add_row_parallel(self, residual: torch.Tensor, linear: Linear, x: torch.Tensor) -> torch.Tensor:
+        """residual + linear(x), the product summed over the tensor-parallel ranks first."""
+        if self.tp.size == 1:
+            return linear.add_to(residual, x)
+        return residual + self.tp.all_reduce(linear(x))
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the fused parameters; every parameter must be filled once."""
@@ -162,6 +171,8 @@ class DecoderModel(nn.Module):
             target, rows = self._target(name, parts)
             if target is None:
                 raise ModelLoadError(f"unexpected weight {name!r} for a {c.model_type} model")
+            pieces = name.split(".")
+            tensor = self.tp.shard(pieces[-2] + (".bias" if pieces[-1] == "bias" else ""), tensor, self.full_config)
             dest = target[rows]
             if tuple(dest.shape) != tuple(tensor.shape):
                 raise ModelLoadError(f"weight {name!r} has shape {tuple(tensor.shape)}, "

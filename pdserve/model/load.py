@@ -10,6 +10,7 @@ from pdserve.loader.errors import ModelLoadError
 from pdserve.loader.hf_folder import iter_tensors, read_config
 from pdserve.model.config import ModelConfig
 from pdserve.model.decoder import DecoderModel
+from pdserve.model.tensor_parallel import TensorParallel
 from pdserve.utils.dtype_names import cpu_has_native_bf16
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -44,11 +45,13 @@ def load_config(folder: Path) -> ModelConfig:
 
 
 def load_decoder(folder: Path, dtype: torch.dtype, device: torch.device,
-                 max_positions: int | None = None, quantization: str | None = None) -> DecoderModel:
+                 max_positions: int | None = None, quantization: str | None = None,
+                 tp: TensorParallel | None = None) -> DecoderModel:
+    """The model, or with `tp` this rank's part of it (only its slices are kept)."""
     config = load_config(folder)
     try:
         model = DecoderModel(config, dtype=dtype, device=device, max_positions=max_positions,
-                             quantization=quantization)
+                             quantization=quantization, tp=tp)
     except RuntimeError as e:  # typically out of memory
         raise ModelLoadError(f"cannot allocate the model on {device}: {e}") from None
     model.load_weights(iter_tensors(folder))
