@@ -29,17 +29,16 @@ _MISSING = dataclasses.MISSING
 
 def option(default: Any = _MISSING, help: str = "", *, flag: str | None = None,
            type: Callable[[str], Any] | None = None, choices: Iterable[Any] | None = None,
-           group: str | None = None, env: str | None = None,
-           aliases: tuple[str, ...] = (), switch: bool = False, factory: Callable[[], Any] | None = None,
-           metavar: str | None = None) -> Any:
+           group: str | None = None, env: str | None = None, switch: bool = False,
+           factory: Callable[[], Any] | None = None) -> Any:
     """A dataclass field that is also a command-line flag.
 
-    flag: its name when not `--field-name`; aliases: more names (`-tp`); type: the parser of its text
+    flag: its name when not `--field-name`; type: the parser of its text
     (default: from the annotation); group: the --help section; env: an environment variable whose value is
     the default when set; switch: a bool given as `--flag` alone (store_true) rather than --flag/--no-flag.
     """
     meta = {"help": help, "flag": flag, "type": type, "choices": None if choices is None else list(choices),
-            "group": group, "env": env, "aliases": aliases, "switch": switch, "metavar": metavar}
+            "group": group, "env": env, "switch": switch}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata={"option": meta})
     return dataclasses.field(default=default, metadata={"option": meta})
@@ -81,11 +80,9 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, *, only: Iterable[str]
                 kwargs["choices"] = meta["choices"]
             elif isinstance(kind, type) and issubclass(kind, Enum):
                 kwargs["choices"] = list(kind)
-            if meta["metavar"]:
-                kwargs["metavar"] = meta["metavar"]
-            elif meta["flag"] and "choices" not in kwargs:  # the flag's name, not the field's, in --help
+            if meta["flag"] and "choices" not in kwargs:  # the flag's name, not the field's, in --help
                 kwargs["metavar"] = meta["flag"].lstrip("-").replace("-", "_").upper()
-        groups[meta["group"]].add_argument(flag_name(f), *meta["aliases"], **kwargs)
+        groups[meta["group"]].add_argument(flag_name(f), **kwargs)
 
 
 def from_args(cls: type[T], args: argparse.Namespace, **extra: Any) -> T:

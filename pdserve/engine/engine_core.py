@@ -34,10 +34,15 @@ from pdserve.engine.request_output import error_output, final_output
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.engine.worker_client import WorkerClient
 from pdserve.kv.layout import KVLayout
+from pdserve.kv.transfer_plan import TransferPlan
 from pdserve.utils.child_process import ChildDied
 from pdserve.utils.process import raise_if_stopping
 
 log = logging.getLogger("pdserve.engine")
+
+
+class StepFailed(Exception):
+    """The worker reported that a step failed; it is alive and takes the next one."""
 
 
 class EngineCore:
@@ -136,17 +141,10 @@ class EngineCore:
     def _run_copies_only(self) -> None:
         """A step with no chunks, for copies nothing scheduled would carry (a swap-in on an idle D,
         host-tier saves after the last request)."""
-        copies = self.copies.take()
-        step = ExecuteStep([], self._finished_on_worker, [], copies=copies)
-        self._finished_on_worker = []
         try:
-            done = self.worker.execute(step, while_waiting=self._during_step).copies_done
-        except RuntimeError as e:  # the worker reported it (it is alive): what the copies held goes back
-            if not self.worker.alive():
-                raise
+            self._execute([], [], [])
+        except StepFailed as e:
             log.error("block copies failed: %s", e)
-            done = [c.copy_id for c in copies]
-        self.copies.done(done)
 
     def _poll_connector(self) -> list[RequestOutput]:
         outputs = self.connector.poll()
@@ -206,15 +204,18 @@ class EngineCore:
                 time.sleep(0.001)  # nothing fits now (blocks held elsewhere); do not spin hot
             return []
         started = time.perf_counter()
-        result = self._execute(out)
-        if isinstance(result, list):  # the step failed: its requests' errors
-            return result
+        try:
+            result = self._execute(self._new_on_worker(out), self._chunks(out), self.connector.transfers(out.chunks))
+        except StepFailed as e:
+            return [o for c in out.chunks if (o := self._fail(c.request, f"the model step failed: {e}"))]
         return self._apply(out, result, time.perf_counter() - started)
 
-    def _execute(self, out: SchedulerOutput) -> StepResult | list[RequestOutput]:
+    def _execute(self, new_requests: list[NewRequest], chunks: list[Chunk],
+                 transfers: list[TransferPlan]) -> StepResult:
+        """One step on the worker, with the block copies queued for it. A failure the worker reported (it is
+        alive) raises StepFailed; its copies count as done (the worker runs them before the forward)."""
         copies = self.copies.take()
-        step = ExecuteStep(self._new_on_worker(out), self._finished_on_worker, self._chunks(out),
-                           self.connector.transfers(out.chunks), copies)
+        step = ExecuteStep(new_requests, self._finished_on_worker, chunks, transfers, copies)
         self._finished_on_worker = []
         try:
             result = self.worker.execute(step, while_waiting=self._during_step)
@@ -223,8 +224,8 @@ class EngineCore:
         except RuntimeError as e:
             if not self.worker.alive():
                 raise
-            self.copies.done([c.copy_id for c in copies])  # the worker runs them before the forward that failed
-            return [o for c in out.chunks if (o := self._fail(c.request, f"the model step failed: {e}"))]
+            self.copies.done([c.copy_id for c in copies])
+            raise StepFailed(str(e)) from None
         self.copies.done(result.copies_done)
         return result
 
