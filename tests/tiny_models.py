@@ -42,3 +42,26 @@ def hf_logits(model, token_ids: list[int]) -> torch.Tensor:
     """transformers' logits for every position of `token_ids` (one forward, no cache)."""
     with torch.no_grad():
         return model(torch.tensor([token_ids])).logits[0].float()
+
+
+def make_tiny_servable(folder: Path, name: str = "llama", seed: int = 0, **overrides):
+    """A tiny random model that `pdserve serve` can run: the embedded model's tokenizer files and vocabulary
+    size (so prompts are text), random weights of architecture `name`. Returns the transformers model."""
+    import json
+    import shutil
+
+    import transformers
+
+    from pdserve.loader import resolve_model_folder
+
+    embedded = resolve_model_folder(None)
+    vocab = json.loads((embedded / "config.json").read_text())["vocab_size"]
+    config_class, extra = ARCHITECTURES[name]
+    config = getattr(transformers, config_class)(**{**COMMON, **extra, "vocab_size": vocab, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.save_pretrained(folder)
+    for f in embedded.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "generation_config")):
+            shutil.copy(f, folder / f.name)
+    return model

@@ -23,7 +23,7 @@ from pdserve.config.flags import from_args
 from pdserve.deploy.cluster_auth import ENV
 from pdserve.engine.engine_client import EngineClient
 from pdserve.http.wire import Registration
-from pdserve.loader import model_name, resolve_model_folder
+from pdserve.loader import model_name, resolve_model_folder, tensor_parallel_refusal
 from pdserve.tokenization.tokenizer import Tokenizer
 from pdserve.transport.base import HOST_ID_ENV, host_id
 from pdserve.utils.memory import release_freed_memory
@@ -70,7 +70,10 @@ def serve(args: argparse.Namespace) -> int:
         os.environ[ENV] = settings.cluster_secret
     if settings.host_id:
         os.environ[HOST_ID_ENV] = settings.host_id
-    if refusals := fastdeploy_refusals(args):
+    refusals = fastdeploy_refusals(args)
+    if split := tensor_parallel_refusal(args.model, args.tensor_parallel_size):
+        refusals.append(split)
+    if refusals:
         raise ValueError("\n".join(refusals))
     # Bound now, before the engine loads for seconds: a port picked free by whoever started us cannot be
     # taken meanwhile by a bind to port 0 of our own children (the cache service's listener could get

@@ -54,7 +54,9 @@ class EngineConfig:
         None, "CPU: the memory the cache is sized from, e.g. 4G (default: available RAM)", type=parse_size,
         group=ENGINE)
     num_gpu_blocks_override: int | None = option(None, "number of KV blocks; skips the profile run", group=ENGINE)
-    tensor_parallel_size: int = option(1, "worker ranks of one instance (only 1 so far)", group=ENGINE)
+    tensor_parallel_size: int = option(
+        1, "worker ranks of one instance, each with its share of the attention heads, KV heads and MLP columns "
+        "(CPU: each on its own share of the instance's cores; CUDA: one GPU each)", group=ENGINE, aliases=("-tp",))
     quantization: str | None = option(  # "w8a8": opt-in int8 weights + dynamic int8 activations (CPU)
         None, "w8a8: opt-in, not exact: int8 weights and dynamic int8 activations (CPU, fbgemm)", group=ENGINE)
     swap_space: float = option(  # GB of host memory for the prefix cache's evicted blocks
@@ -129,8 +131,8 @@ class EngineConfig:
                              "--enable-prefix-caching")
         if self.pd_transfer_timeout <= 0:
             raise ValueError("--pd-transfer-timeout must be positive")
-        if self.tensor_parallel_size != 1:
-            raise ValueError("--tensor-parallel-size > 1 is not supported yet")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("--tensor-parallel-size must be at least 1")
 
     def encode(self) -> str:
         return base64.b64encode(msgspec.msgpack.encode(self)).decode()

@@ -121,9 +121,6 @@ def fastdeploy_refusals(args: argparse.Namespace) -> list[str]:
     if unknown:
         lines.append(f"--cache-transfer-protocol {','.join(unknown)}: not available; pdserve offers ipc (same host), "
                      "tcp (any host) and rdma (NIXL)")
-    if getattr(args, "tensor_parallel_size", 1) > 1:
-        lines.append(f"--tensor-parallel-size {args.tensor_parallel_size}: one device per instance today "
-                     "(tensor parallelism is not built yet)")
     if not lines:
         for f in unneeded:
             log.info("%s accepted, not needed: %s", f.name, f.unneeded)

@@ -30,15 +30,17 @@ _MISSING = dataclasses.MISSING
 def option(default: Any = _MISSING, help: str = "", *, flag: str | None = None,
            type: Callable[[str], Any] | None = None, choices: Iterable[Any] | None = None,
            group: str | None = None, env: str | None = None, switch: bool = False,
-           factory: Callable[[], Any] | None = None) -> Any:
+           factory: Callable[[], Any] | None = None, aliases: tuple[str, ...] = ()) -> Any:
     """A dataclass field that is also a command-line flag.
 
     flag: its name when not `--field-name`; type: the parser of its text
     (default: from the annotation); group: the --help section; env: an environment variable whose value is
-    the default when set; switch: a bool given as `--flag` alone (store_true) rather than --flag/--no-flag.
+    the default when set; switch: a bool given as `--flag` alone (store_true) rather than --flag/--no-flag;
+    aliases: other names of the flag (vLLM's short ones, `-tp`).
     """
     meta = {"help": help, "flag": flag, "type": type, "choices": None if choices is None else list(choices),
-            "group": group, "env": env, "switch": switch}
+            "group": group, "env": env, "switch": switch,
+            "aliases": aliases}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata={"option": meta})
     return dataclasses.field(default=default, metadata={"option": meta})
@@ -82,7 +84,7 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, *, only: Iterable[str]
                 kwargs["choices"] = list(kind)
             if meta["flag"] and "choices" not in kwargs:  # the flag's name, not the field's, in --help
                 kwargs["metavar"] = meta["flag"].lstrip("-").replace("-", "_").upper()
-        groups[meta["group"]].add_argument(flag_name(f), **kwargs)
+        groups[meta["group"]].add_argument(flag_name(f), *meta["aliases"], **kwargs)
 
 
 def from_args(cls: type[T], args: argparse.Namespace, **extra: Any) -> T:

@@ -5,6 +5,9 @@ layer as its forward pass finishes it; the messager writes that layer while the 
 next one (layer-wise streaming). Writes to one decode instance are batched per layer. After the last
 layer of a request's final chunk it flushes (the bytes are in D's memory) and reports `TransferDone`;
 only then does the engine send D *prefill done*.
+
+With tensor parallelism every rank of the worker sends both, for its heads of the layer; the messager writes
+a layer (all heads of its blocks, one byte range per block) once every rank has said it is done.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ class _Progress:
 class CacheMessager:
     IDLE_WRITER_SECONDS = 120.0
     def __init__(self, source: CacheBuffer, layout: KVLayout, report: Callable[[TransferDone], None],
-                 connect: Callable[[Endpoint, CacheBuffer], KVWriter] = open_writer) -> None:
+                 connect: Callable[[Endpoint, CacheBuffer], KVWriter] = open_writer, ranks: int = 1) -> None:
         self.source = source
         self.layout = layout
         self.report = report
@@ -43,13 +46,16 @@ class CacheMessager:
         self._writers: dict[Endpoint, KVWriter] = {}
         self._last_used: dict[Endpoint, float] = {}
         self._steps: dict[int, list[TransferPlan]] = {}
+        self.ranks = ranks
+        self._ranks_done: dict[tuple[int, int], int] = defaultdict(int)  # (step, layer) -> ranks done with it
+        self._finished = 0  # the last step whose every layer was written
         self._progress: dict[str, _Progress] = {}
 
     def handle(self, msg: MessagerInput) -> None:
         if isinstance(msg, StepTransfers):
-            # A step the worker never finished (it failed mid-forward) leaves an entry; steps run one
-            # at a time, so any older entry is such a leftover.
-            self._steps = {msg.step_id: msg.transfers}
+            if msg.step_id in self._steps or msg.step_id <= self._finished:  # another rank's copy of it
+                return
+            self._steps[msg.step_id] = msg.transfers
             for plan in msg.transfers:
                 progress = self._progress.setdefault(plan.transfer_id, _Progress(plan.deadline))
                 progress.deadline = max(progress.deadline, plan.deadline)
@@ -57,9 +63,20 @@ class CacheMessager:
         plans = self._steps.get(msg.step_id)
         if plans is None:
             return
+        key = (msg.step_id, msg.layer)
+        self._ranks_done[key] += 1
+        if self._ranks_done[key] < self.ranks:  # ranks send on their own sockets: a next step may come first
+            return
+        del self._ranks_done[key]
         self._write_layer(plans, msg)
         if msg.layer == self.layout.num_layers - 1:
-            del self._steps[msg.step_id]
+            self._finished = msg.step_id
+            # A step the worker never finished (it failed mid-forward) left an entry; steps run one at a
+            # time, so any older entry is such a leftover.
+            for old in [s for s in self._steps if s <= msg.step_id]:
+                del self._steps[old]
+            for old in [k for k in self._ranks_done if k[0] <= msg.step_id]:
+                del self._ranks_done[old]
             self._finish_step(plans)
 
     def extend(self, transfer_id: str, deadline: float) -> None:

@@ -91,7 +91,8 @@ class CacheService:
                                              config.advertise_host or config.pd_host)
                               for p in config.cache_transfer_protocol]
         elif config.splitwise_role == Role.PREFILL:
-            self.messager = CacheMessager(buffer, command.layout, report)  # type: ignore[arg-type]
+            self.messager = CacheMessager(buffer, command.layout, report,  # type: ignore[arg-type]
+                                          ranks=config.tensor_parallel_size)
             self.inbox = ctx.socket(zmq.PULL)
             self.inbox.setsockopt(zmq.LINGER, 0)
             self.inbox.bind(messager_address)

@@ -208,6 +208,10 @@ def layout_without_profile(config: EngineConfig, num_blocks: int) -> KVLayout:
 def start_processes(config: EngineConfig, ctx: zmq.Context, sockdir: str) -> StartedProcesses:
     """Run the table's row for this config, step by step; every wait has config.startup_timeout and
     names the process. On failure, what was started is stopped and the segment removed."""
+    from pdserve.loader import tensor_parallel_refusal
+
+    if refusal := tensor_parallel_refusal(config.model, config.tensor_parallel_size):  # before any process
+        raise ValueError(refusal)
     key = (config.num_gpu_blocks_override is None, config.splitwise_role == Role.MIXED, config.enable_prefix_caching,
            cache_in_device_memory(config))
     steps = TRUTH_TABLE[key]

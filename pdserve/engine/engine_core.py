@@ -97,7 +97,7 @@ class EngineCore:
                 else:
                     pending.extend(self._handle(msg))
             if not self.worker.alive():
-                raise ChildDied(f"the worker process exited (code {self.worker.proc.returncode})")  # no traceback
+                raise ChildDied(self.worker.exit_message())  # no traceback
             self._check_cache_service()
             self._poll_host_tier()
             pending.extend(self._poll_connector())

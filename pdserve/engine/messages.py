@@ -201,6 +201,7 @@ class WeightsCommand(msgspec.Struct, tag=True):
     """Free the weights and the KV cache ("clear"), or load both again from disk ("load")."""
 
     action: str
+    segment: str | None = None  # "load", a rank after the first: the cache segment rank 0 created again
 
 
 WorkerInput = ExecuteStep | WeightsCommand | CacheCommand | WorkerShutdown

@@ -1,9 +1,17 @@
-"""The engine's handle on its worker process: start it, set up its cache, send steps, notice its death."""
+"""The engine's handle on its worker processes, one per tensor-parallel rank: start them, set up their
+cache, send steps, notice a death.
+
+Every rank gets every message (a step's bytes are encoded once) and answers it; rank 0's answer is the one
+that counts (it samples), the others only confirm. A shared CPU cache is created by rank 0 and attached by
+the others after it, each then viewing its heads; a cache in device memory is every rank's own.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
+import msgspec
 import zmq
 
 from pdserve.config.engine import EngineConfig
@@ -26,46 +34,77 @@ WorkerDied = ChildDied
 
 class WorkerClient:
     def __init__(self, config: EngineConfig, ctx: zmq.Context, address: str) -> None:
+        """`address` is rank 0's socket; rank r's is `address` + r (for r > 0)."""
         self.config = config
-        self.child = ChildProcess("worker", "pdserve.worker", ["--config", config.encode()], ctx, address,
-                                  WorkerMessage)
-        self.proc = self.child.proc
+        n = config.tensor_parallel_size
+        rendezvous = f"{address.removeprefix('ipc://')}.ranks"
+        Path(rendezvous).unlink(missing_ok=True)  # gloo's file store must start empty
+        self.ranks = [ChildProcess("worker" if r == 0 else f"worker rank {r}", "pdserve.worker",
+                                   ["--config", config.encode(), "--rank", str(r), "--rendezvous", rendezvous],
+                                   ctx, address if r == 0 else f"{address}{r}", WorkerMessage) for r in range(n)]
+        self.child = self.ranks[0]
+        self._encoder = msgspec.msgpack.Encoder()
 
     def wait_loaded(self, timeout: float) -> WorkerLoaded:
-        msg = self.child.receive(timeout, what="load the model and run the profile run")
-        if isinstance(msg, WorkerError):
-            raise WorkerDied(msg.error)
-        assert isinstance(msg, WorkerLoaded)
-        return msg
+        """Every rank loaded its weights; the block count is the smallest rank's."""
+        loaded = [self._expect(rank, WorkerLoaded, timeout, "load the model and run the profile run")
+                  for rank in self.ranks]
+        first = loaded[0]
+        fewest = min(m.layout.num_blocks for m in loaded)
+        return msgspec.structs.replace(first, layout=first.layout.with_blocks(fewest))
 
     def setup_cache(self, command: CacheCommand, timeout: float) -> WorkerReady:
-        self.child.send(command)
+        """Rank 0 first: a shared segment it creates is the one the other ranks attach to."""
         what = "create the KV cache" if command.create else "attach to the KV cache"
-        msg = self.child.receive(timeout, what=what)
-        if isinstance(msg, WorkerError):
-            raise WorkerDied(msg.error)
-        assert isinstance(msg, WorkerReady)
-        return msg
+        self.child.send(command)
+        ready = self._expect(self.child, WorkerReady, timeout, what)
+        if not command.private and command.create:
+            command = msgspec.structs.replace(command, create=False, segment=ready.kv_cache_name)
+        for rank in self.ranks[1:]:
+            rank.send(command)
+        for rank in self.ranks[1:]:
+            self._expect(rank, WorkerReady, timeout, what)
+        return ready
 
     def execute(self, step: ExecuteStep, while_waiting: Callable[[], None] | None = None) -> StepResult:
-        """Run one step; `while_waiting` runs every 50 ms of it (a step can outlast a PD lease)."""
-        self.child.send(step)
-        msg = self.child.receive(None, what="finish a step", while_waiting=while_waiting, poll_ms=50)
-        if isinstance(msg, WorkerError):
-            raise RuntimeError(msg.error)
-        assert isinstance(msg, StepResult)
-        return msg
+        """Run one step on every rank; `while_waiting` runs every 50 ms of it (a step can outlast a PD lease)."""
+        payload = self._encoder.encode(step)
+        for rank in self.ranks:
+            rank.send_bytes(payload)
+        results = [rank.receive(None, what="finish a step", while_waiting=while_waiting, poll_ms=50)
+                   for rank in self.ranks]
+        for msg in results:
+            if isinstance(msg, WorkerError):
+                raise RuntimeError(msg.error)
+        assert isinstance(results[0], StepResult)
+        return results[0]
 
     def weights(self, action: str) -> WorkerOk:
+        """Free or load every rank's weights; on a load, rank 0 makes the shared cache again first."""
         self.child.send(WeightsCommand(action))
-        msg = self.child.receive(None, what=f"{action} its weights")
-        if isinstance(msg, WorkerError):
-            raise RuntimeError(msg.error)
-        assert isinstance(msg, WorkerOk)
-        return msg
+        ok = self._expect(self.child, WorkerOk, None, f"{action} its weights", RuntimeError)
+        for rank in self.ranks[1:]:
+            rank.send(WeightsCommand(action, ok.kv_cache_name))
+            self._expect(rank, WorkerOk, None, f"{action} its weights", RuntimeError)
+        return ok
 
     def alive(self) -> bool:
-        return self.child.alive()
+        return all(rank.alive() for rank in self.ranks)
+
+    def exit_message(self) -> str:
+        """Which rank's process exited, and its code."""
+        dead = [rank for rank in self.ranks if not rank.alive()]
+        return "; ".join(f"the {rank.name} process exited (code {rank.proc.returncode})" for rank in dead)
 
     def shutdown(self, timeout: float = 10.0, ask: bool = True) -> None:
-        self.child.shutdown(WorkerShutdown(), timeout, ask)
+        for rank in self.ranks:
+            rank.shutdown(WorkerShutdown(), timeout, ask)
+
+    @staticmethod
+    def _expect(rank: ChildProcess, kind: type, timeout: float | None, what: str,
+                error: type[Exception] = WorkerDied) -> object:
+        msg = rank.receive(timeout, what=what)
+        if isinstance(msg, WorkerError):
+            raise error(msg.error if rank.name == "worker" else f"{rank.name}: {msg.error}")
+        assert isinstance(msg, kind), f"{rank.name} answered {type(msg).__name__}, not {kind.__name__}"
+        return msg

@@ -50,6 +50,15 @@ class KVCache:
         shm = attach_segment(name, layout.nbytes)
         return cls(layout, _tensor_over(shm, layout), shm, owner=False)
 
+    def rank_view(self, rank: int, ranks: int) -> KVCache:
+        """Tensor-parallel rank `rank`'s heads of this cache, in place: a strided view of the same memory
+        (the caller keeps this cache open while it uses the view)."""
+        if ranks == 1:
+            return self
+        share = self.layout.rank_share(ranks)
+        heads = slice(rank * share.num_kv_heads, (rank + 1) * share.num_kv_heads)
+        return KVCache(share, self.tensor[:, :, :, :, heads])
+
     def close(self) -> None:
         """Drop this process's mapping; the creating process also removes the segment."""
         self.layers = []

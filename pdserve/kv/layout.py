@@ -1,7 +1,10 @@
 """The KV cache's layout, and where a block's KV lives in it as byte ranges: the only module that knows it.
 
 `[num_blocks, num_layers, 2 (K, V), block_size, kv_heads, head_dim]`, block-major: one layer of one
-block is one contiguous region, and a whole block is too. The cache (kv/cache.py) is allocated from
+block is one contiguous region, and a whole block is too. It is the instance's layout, every KV head of the
+model, whatever the tensor-parallel size: a rank computes with its heads' share (`rank_share`), a strided view
+of the same memory (or, in device memory, a cache of its own copied through host memory of this layout), so
+a P and a D of different TP sizes exchange the same byte ranges. The cache (kv/cache.py) is allocated from
 this description, the engine and the cache service pass it around (it is torch-free msgspec), and the
 transfers turn it into byte ranges. The transports move byte ranges between two cache buffers and
 know nothing of layers or blocks (SGLang's transfer arguments grew model-specific fields; ours stay
@@ -50,6 +53,12 @@ class KVLayout(msgspec.Struct, frozen=True):
         import torch
 
         return getattr(torch, self.dtype)
+
+    def rank_share(self, ranks: int) -> KVLayout:
+        """The layout of one tensor-parallel rank's part: its kv_heads / ranks heads of every block."""
+        if self.num_kv_heads % ranks:
+            raise ValueError(f"--tensor-parallel-size {ranks} does not divide the model's {self.num_kv_heads} KV heads")
+        return msgspec.structs.replace(self, num_kv_heads=self.num_kv_heads // ranks)
 
     def same_geometry(self, other: KVLayout) -> bool:
         """Everything but the block count must agree for P's blocks to be D's blocks."""

@@ -31,6 +31,7 @@ class StepTransfers(msgspec.Struct, tag=True):
 class LayerDone(msgspec.Struct, tag=True):
     step_id: int
     layer: int
+    rank: int = 0  # the tensor-parallel rank whose heads of the layer are done
 
 
 MessagerInput = StepTransfers | LayerDone

@@ -22,6 +22,17 @@ def resolve_model_folder(model: str | Path | None) -> Path:
     return path
 
 
+def tensor_parallel_refusal(model: str | Path | None, ranks: int) -> str | None:
+    """Why `model` cannot be split over `ranks` tensor-parallel ranks, naming the numbers (None: it can).
+    Read from config.json alone, before any process loads weights."""
+    if ranks == 1:
+        return None
+    from pdserve.loader.hf_folder import read_config
+    from pdserve.model.config import ModelConfig
+
+    return ModelConfig.from_hf_dict(read_config(resolve_model_folder(model))).tensor_parallel_refusal(ranks)
+
+
 def model_name(model: str | Path | None) -> str:
     """The name a server reports for `model` (as in /v1/models)."""
     if model is None:
@@ -30,4 +41,4 @@ def model_name(model: str | Path | None) -> str:
     return path.stem if path.is_file() else path.name
 
 
-__all__ = ["ModelLoadError", "model_name", "resolve_model_folder"]
+__all__ = ["ModelLoadError", "model_name", "resolve_model_folder", "tensor_parallel_refusal"]

@@ -55,6 +55,14 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def tensor_parallel_refusal(self, ranks: int) -> str | None:
+        """Why this model cannot be split over `ranks` tensor-parallel ranks (None: it can): naming the numbers."""
+        for what, n in (("attention heads", self.num_heads), ("KV heads", self.num_kv_heads),
+                        ("MLP intermediate size", self.intermediate_size)):
+            if n % ranks:
+                return f"--tensor-parallel-size {ranks} does not divide the model's {n} {what}"
+        return None
+
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         model_type = cfg.get("model_type")

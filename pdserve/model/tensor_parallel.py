@@ -32,10 +32,8 @@ class TensorParallel:
 
     def check(self, config: ModelConfig) -> None:
         """A model whose heads (or MLP width) do not divide by the rank count cannot be split: say which."""
-        for what, n in (("attention heads", config.num_heads), ("KV heads", config.num_kv_heads),
-                        ("MLP intermediate size", config.intermediate_size)):
-            if n % self.size:
-                raise ValueError(f"--tensor-parallel-size {self.size} does not divide the model's {n} {what}")
+        if refusal := config.tensor_parallel_refusal(self.size):
+            raise ValueError(refusal)
 
     def shard_config(self, config: ModelConfig) -> ModelConfig:
         """The shape of this rank's part of the model (its heads, its MLP columns)."""

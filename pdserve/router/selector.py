@@ -26,8 +26,9 @@ def pair_transport(prefill: Instance, decode: Instance) -> str | None:
 
 
 def compatible(prefill: Instance, decode: Instance) -> bool:
+    """Same model, dtype and cache geometry (the instance's KV layout, every head), and a shared transport;
+    tensor-parallel sizes may differ: both sides keep the whole layout, each rank its heads of it."""
     return (prefill.info.compatibility_key == decode.info.compatibility_key
-            and (prefill.info.tp_size == decode.info.tp_size or decode.info.tp_size == 1)
             and pair_transport(prefill, decode) is not None)
 
 

@@ -33,6 +33,10 @@ class ChildProcess:
 
     def send(self, msg: object, timeout: float | None = None) -> None:
         """Send once the child is connected (a PAIR socket without a peer would block forever)."""
+        self.send_bytes(self._encoder.encode(msg), timeout)
+
+    def send_bytes(self, payload: bytes, timeout: float | None = None) -> None:
+        """`send` of an encoded message (one encoding for several children)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self.sock.poll(self.POLL_MS, zmq.POLLOUT):
             raise_if_stopping()
@@ -40,7 +44,7 @@ class ChildProcess:
                 raise ChildDied(f"the {self.name} process exited (code {self.proc.returncode})")
             if deadline is not None and time.monotonic() > deadline:
                 raise ChildDied(f"the {self.name} process did not connect within {timeout:.0f} s")
-        self.sock.send(self._encoder.encode(msg))
+        self.sock.send(payload)
 
     def receive(self, timeout: float | None, what: str, while_waiting: Callable[[], None] | None = None,
                 poll_ms: int | None = None) -> object:

@@ -1,4 +1,6 @@
-"""Worker process entry: `python -m pdserve.worker --config B64 --address ipc://...`.
+"""Worker process entry: `python -m pdserve.worker --config B64 --address ipc://... [--rank R --rendezvous PATH]`.
+
+One process per tensor-parallel rank; each has its own socket to the engine and the same messages.
 
 Messages: -> WorkerLoaded (weights in, block count known); <- CacheCommand (create the cache, or
 attach to the cache service's); -> WorkerReady; then steps until WorkerShutdown.
@@ -22,6 +24,8 @@ from pdserve.worker import core_loan
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--address", required=True)
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--rendezvous", help="the file the tensor-parallel ranks meet through")
     args, config = child_entry("worker", parser, argv)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PAIR)
@@ -29,12 +33,15 @@ def main(argv: list[str] | None = None) -> int:
     sock.connect(args.address)
     encoder = msgspec.msgpack.Encoder()
     decoder = msgspec.msgpack.Decoder(WorkerInput)
-    worker = None
+    worker = tp = None
     try:
+        from pdserve.worker.ranks import join_ranks, leave_ranks
         from pdserve.worker.worker import Worker
 
         try:
-            worker = Worker(config, ctx)
+            tp = join_ranks(args.rank, config.tensor_parallel_size, args.rendezvous, config.device,
+                            config.startup_timeout)
+            worker = Worker(config, ctx, tp)
             sock.send(encoder.encode(worker.loaded_message()))
             command = decoder.decode(recv_until_stopped(sock))
             if isinstance(command, WorkerShutdown):
@@ -62,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if worker is not None:
             worker.close()
+        if tp is not None:
+            leave_ranks(tp)
         sock.close()
         ctx.term()
 

@@ -18,6 +18,7 @@ from pdserve.kv.layout import KVLayout
 from pdserve.loader import resolve_model_folder
 from pdserve.model import DecoderModel, ForwardBatch, SequenceChunk, default_device, load_decoder, resolve_dtype
 from pdserve.model.load import resolve_kv_cache_dtype
+from pdserve.model.tensor_parallel import TensorParallel
 from pdserve.sampling import Sampler
 
 log = logging.getLogger("pdserve.model")
@@ -33,6 +34,7 @@ class ModelRunner:
         max_model_len: int | None = None,
         quantization: str | None = None,
         kv_cache_dtype: str = "auto",
+        tp: TensorParallel | None = None,
     ) -> None:
         self.device = torch.device(device) if device else default_device()
         self.dtype = resolve_dtype(dtype, self.device)
@@ -40,9 +42,11 @@ class ModelRunner:
         self.folder = resolve_model_folder(model)
         self.block_size = block_size
         self._max_positions, self._quantization = max_model_len, quantization
+        self.tp = tp or TensorParallel()
         self.model: DecoderModel | None = None
         self.load_model()
-        self.config = self.model.config
+        self.config = self.model.config  # this rank's share (its heads); full_config is the checkpoint's
+        self.full_config = self.model.full_config
         self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
                                  self.config.max_position_embeddings)
         if max_model_len and max_model_len > self.max_model_len:
@@ -53,7 +57,7 @@ class ModelRunner:
 
     def load_model(self) -> None:
         self.model = load_decoder(self.folder, self.dtype, self.device, max_positions=self._max_positions,
-                                  quantization=self._quantization)
+                                  quantization=self._quantization, tp=self.tp)
 
     def release(self) -> None:
         """Free the weights and the KV cache (POST /clear_load_weight); load_model() brings weights back."""
@@ -65,9 +69,12 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    def layout(self, num_blocks: int) -> KVLayout:
+        """The instance's cache layout (every KV head, whatever this rank's share)."""
+        return KVLayout.for_model(self.full_config, num_blocks, self.block_size, self.kv_cache_dtype)
+
     def allocate_kv_cache(self, num_blocks: int) -> KVCache:
-        layout = KVLayout.for_model(self.config, num_blocks, self.block_size, self.kv_cache_dtype)
-        self.kv_cache = KVCache.allocate(layout, self.device)
+        self.kv_cache = KVCache.allocate(self.layout(num_blocks).rank_share(self.tp.size), self.device)
         return self.kv_cache
 
     def logits(self, chunks: list[SequenceChunk], is_dummy_or_profile_run: bool = False,
@@ -96,6 +103,11 @@ class ModelRunner:
             rows.extend(range(offset, offset + n) if i in every else [offset + n - 1])
             offset += n
         return self.project(hidden[torch.tensor(rows, device=hidden.device)]), per_chunk
+
+    def forward_only(self, chunks: list[SequenceChunk], on_layer_done: Callable[[int], None] | None = None) -> None:
+        """A tensor-parallel rank other than the first: its share of the forward pass (its heads into its
+        cache, its part of every all-reduce); rank 0 projects and samples."""
+        self._forward(chunks, False, on_layer_done, (), return_hidden=True)
 
     @torch.inference_mode()
     def project(self, hidden: torch.Tensor) -> torch.Tensor:

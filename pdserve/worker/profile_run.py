@@ -4,7 +4,8 @@
 
 Device memory is the GPU's on CUDA; on CPU it is --kv-cache-memory when given, else the RAM
 available now (less what other pdserve caches may still fill, at most /dev/shm's room) plus what this
-process already holds for weights. Peak activations come from a
+process already holds for weights. Tensor-parallel ranks on a CPU share that memory: each sizes from its
+1/N of it, for its 1/N of every block; the engine takes the smallest rank's count. Peak activations come from a
 dummy forward at the largest batch the scheduler may build (--max-num-batched-tokens tokens over
 up to --max-num-seqs sequences): the CUDA allocator's peak, or on CPU the resident-set growth,
 sampled while it runs. The dummy run has no KV cache and is flagged `is_dummy_or_profile_run`,
@@ -21,7 +22,6 @@ import psutil
 import torch
 
 from pdserve.config.engine import EngineConfig
-from pdserve.kv.layout import KVLayout
 from pdserve.model import SequenceChunk
 from pdserve.utils.shm_room import free_host_memory
 from pdserve.worker.model_runner import ModelRunner
@@ -68,9 +68,10 @@ def profile_num_blocks(runner: ModelRunner, config: EngineConfig) -> ProfileResu
         held_elsewhere = max(device_memory - free - torch.cuda.memory_allocated(runner.device), 0)
     else:
         peak = _cpu_peak_growth(lambda: runner.logits(chunks, is_dummy_or_profile_run=True))
-        device_memory = config.kv_cache_memory or (free_host_memory() + weights)
+        ranks = runner.tp.size  # on one host's RAM
+        device_memory = (config.kv_cache_memory or (free_host_memory() + ranks * weights)) // ranks
         held_elsewhere = 0
-    layout = KVLayout.for_model(runner.config, 1, config.block_size, runner.kv_cache_dtype)
+    layout = runner.layout(1).rank_share(runner.tp.size)
     cache_bytes = int(device_memory * config.gpu_memory_utilization) - weights - peak - held_elsewhere
     num_blocks = max(cache_bytes // layout.block_bytes, 0)
     result = ProfileResult(device_memory, weights, peak, cache_bytes, num_blocks, held_elsewhere)

@@ -29,9 +29,9 @@ from pdserve.engine.messages import (
     WorkerReady,
 )
 from pdserve.kv.cache import KVCache
-from pdserve.kv.layout import KVLayout
 from pdserve.kv.transfer_plan import LayerDone, StepTransfers
 from pdserve.model import SequenceChunk
+from pdserve.model.tensor_parallel import TensorParallel
 from pdserve.sampling import SamplerOutput, SamplingRow, make_generator, skip_draws
 from pdserve.spec_decode.verifier import accepted_tokens, position_rows, rewind
 from pdserve.structured.matcher import GrammarCompiler, SequenceGrammar, allowed_tokens
@@ -49,12 +49,17 @@ class KVCacheTooSmall(ValueError):
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, ctx: zmq.Context | None = None) -> None:
+    """One tensor-parallel rank (the only one when --tensor-parallel-size is 1). Every rank runs every step's
+    forward pass on its heads; rank 0 alone projects to logits, samples and keeps the sampling state."""
+
+    def __init__(self, config: EngineConfig, ctx: zmq.Context | None = None, tp: TensorParallel | None = None
+                 ) -> None:
         self.config = config
         self.ctx = ctx
+        self.tp = tp or TensorParallel()
         self.runner = ModelRunner(config.model, dtype=config.dtype, device=config.device,
                                   block_size=config.block_size, max_model_len=config.max_model_len,
-                                  quantization=config.quantization, kv_cache_dtype=config.kv_cache_dtype)
+                                  quantization=config.quantization, kv_cache_dtype=config.kv_cache_dtype, tp=self.tp)
         self.profile: dict = {}
         if config.num_gpu_blocks_override is not None:
             num_blocks = config.num_gpu_blocks_override
@@ -63,14 +68,15 @@ class Worker:
             self.profile = result.as_dict()
             num_blocks = result.num_blocks
         self._check_fits(num_blocks)
-        self.layout = KVLayout.for_model(self.runner.config, num_blocks, config.block_size,
-                                         self.runner.kv_cache_dtype)
+        self.layout = self.runner.layout(num_blocks)  # the instance's (every KV head); this rank views its share
         self.rows: dict[str, SamplingRow] = {}
         self.grammar_compiler = GrammarCompiler(self.runner.folder / "tokenizer.json", self.runner.config.vocab_size)
         self._cache_command: CacheCommand | None = None
+        self._shared: KVCache | None = None  # the instance's shared segment, CPU (rank_view of it is the cache)
         self._messager: zmq.Socket | None = None
         self._announcer: LayerAnnouncer | None = None  # cache in device memory: signals after the copies
-        self.host: dict[str, KVCache] = {}  # cache in device memory: the cache service's segments by role
+        self.host: dict[str, KVCache] = {}  # cache in device memory: this rank's share of the service's segments
+        self._mapped: list[KVCache] = []  # the whole segments the views above (and a shared cache) are of
         self.copier: KVCopier | None = None
         self._encoder = msgspec.msgpack.Encoder()
         self._step_id = 0
@@ -85,7 +91,9 @@ class Worker:
             self.layout = self.layout.with_blocks(command.num_blocks)
         self._open_cache()
         for segment in command.host_segments:
-            self.host[segment.role] = KVCache.attach_shared(self.layout.with_blocks(segment.num_blocks), segment.name)
+            whole = KVCache.attach_shared(self.layout.with_blocks(segment.num_blocks), segment.name)
+            self._mapped.append(whole)
+            self.host[segment.role] = whole.rank_view(self.tp.rank, self.tp.size)
         if command.private:
             self.copier = KVCopier(lambda: self.runner.kv_cache, self.host, self.runner.device)
         if command.messager_address is not None and command.private:
@@ -105,23 +113,30 @@ class Worker:
                  layout.num_blocks * self.config.block_size, layout.num_blocks // per_request,
                  self.runner.max_model_len,
                  "".join(f"; {s.role} {s.name} ({s.num_blocks} blocks)" for s in command.host_segments))
-        cache = self.runner.kv_cache
         return WorkerReady(num_blocks=layout.num_blocks, max_model_len=self.runner.max_model_len,
-                           vocab_size=self.runner.config.vocab_size, kv_cache_name=cache.shm_name,
+                           vocab_size=self.runner.config.vocab_size, kv_cache_name=self._segment_name(),
                            profile=self.profile)
 
+    def _segment_name(self) -> str | None:
+        return self._shared.shm_name if self._shared is not None else None
+
     def _open_cache(self) -> None:
+        """This rank's cache: its own in device memory, or its heads' view of the instance's shared segment
+        (which rank 0 creates in mixed role, the other ranks attaching after it)."""
         command = self._cache_command
         assert command is not None
+        self._shared = None
         if command.private:
-            self.runner.kv_cache = KVCache.allocate(self.layout, self.runner.device)
-        elif self.runner.device.type != "cpu":
+            self.runner.kv_cache = KVCache.allocate(self.layout.rank_share(self.tp.size), self.runner.device)
+            return
+        if self.runner.device.type != "cpu":
             raise ValueError(f"the startup plan put the KV cache in shared host memory, but this worker's device is "
                              f"{self.runner.device}; a device cache takes the staging path (pass --device to choose)")
-        elif command.create:
-            self.runner.kv_cache = KVCache.create_shared(self.layout)
+        if command.create:
+            self._shared = KVCache.create_shared(self.layout)
         else:
-            self.runner.kv_cache = KVCache.attach_shared(self.layout, command.segment)
+            self._shared = KVCache.attach_shared(self.layout, command.segment)
+        self.runner.kv_cache = self._shared.rank_view(self.tp.rank, self.tp.size)
 
     def weights(self, command: WeightsCommand) -> WorkerOk:
         """Free the weights and this worker's cache mapping (the segment itself when the worker owns
@@ -129,15 +144,22 @@ class Worker:
         if command.action == "clear":
             self.rows.clear()
             self.runner.release()
+            if self._shared is not None:
+                self._shared.close()
+                self._shared = None
         elif command.action == "load":
             if self.runner.model is None:
                 self.runner.load_model()
+                if command.segment is not None:  # a rank after the first: the segment rank 0 made again
+                    self._cache_command = msgspec.structs.replace(self._cache_command, segment=command.segment)
                 self._open_cache()
         else:
             raise ValueError(f"unknown weights action {command.action!r}")
-        return WorkerOk(self.runner.kv_cache.shm_name if self.runner.kv_cache is not None else None)
+        return WorkerOk(self._segment_name())
 
     def execute(self, step: ExecuteStep) -> StepResult:
+        if self.tp.rank > 0:
+            return self._execute_share(step)
         for request_id in step.finished_ids:
             self.rows.pop(request_id, None)
         for new in step.new_requests:
@@ -176,6 +198,18 @@ class Worker:
         out = self.runner.sampler(logits, flat_rows, grammar_mask)
         return StepResult(sampled=self._accept(ids, rows, drafts, out, states), prompt_logprobs=prompt_logprobs,
                           copies_done=copies_done)
+
+    def _execute_share(self, step: ExecuteStep) -> StepResult:
+        """A rank after the first: the step's copies and forward pass on its heads, nothing to sample."""
+        if self._announcer is not None and self._announcer.error is not None:
+            raise RuntimeError(self._announcer.error)
+        copies_done = self._run_copies(step.copies)
+        if step.chunks:
+            chunks = [SequenceChunk(c.token_ids, c.num_computed, c.block_table) for c in step.chunks]
+            self.runner.forward_only(chunks, self._stream_layers(step))
+        if self.copier is not None:
+            self.copier.synchronize()
+        return StepResult(sampled=[], copies_done=copies_done)
 
     def _run_copies(self, copies: list[BlockCopy]) -> list[int]:
         """Launch the engine's block copies, in order; the forward pass after them sees what they copied
@@ -269,9 +303,9 @@ class Worker:
         if not step.transfers or self._messager is None:
             return None
         self._step_id += 1
-        step_id, sock, encode = self._step_id, self._messager, self._encoder.encode
+        step_id, sock, encode, rank = self._step_id, self._messager, self._encoder.encode, self.tp.rank
         sock.send(encode(StepTransfers(step_id, step.transfers)))
-        return lambda layer: sock.send(encode(LayerDone(step_id, layer)))
+        return lambda layer: sock.send(encode(LayerDone(step_id, layer, rank)))
 
     def _stage_layers(self, step: ExecuteStep):  # noqa: ANN202 - Callable[[int], None]
         """Prefill role, cache in device memory: as each layer is done, copy its new blocks device ->
@@ -289,7 +323,7 @@ class Worker:
                 events.append(copier.copy(DEVICE, "staging", whole, whole))
             if computed:
                 events.append(copier.copy(DEVICE, "staging", computed, computed, layer))
-            announcer.send(encode(LayerDone(step_id, layer)), events)
+            announcer.send(encode(LayerDone(step_id, layer, self.tp.rank)), events)
 
         return layer_done
 
@@ -302,7 +336,7 @@ class Worker:
         if self.copier is not None:
             self.copier.close()
         self.runner.release()
-        for cache in self.host.values():
+        for cache in [*self._mapped, *([self._shared] if self._shared is not None else [])]:
             cache.close()
 
     def _check_fits(self, num_blocks: int) -> None:

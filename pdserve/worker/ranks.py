@@ -1,0 +1,56 @@
+"""A worker process's place among its instance's tensor-parallel ranks: the process group (gloo on a CPU,
+NCCL on CUDA, met through a file in the engine's socket folder), its device, and on a CPU its own cores.
+
+vLLM's CPU build binds one OpenMP thread set per rank (VLLM_CPU_OMP_THREADS_BIND); ours splits the cores the
+instance may use (its affinity, which `pdserve launch` sets) into one contiguous share per rank, so two
+ranks never compute on one core. Fewer cores than ranks: the ranks share them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+
+import torch
+
+from pdserve.model.tensor_parallel import TensorParallel
+
+log = logging.getLogger("pdserve.worker")
+
+
+def core_share(cores: list[int], rank: int, ranks: int) -> list[int]:
+    """Rank `rank`'s contiguous share of `cores` (all of them when there are fewer cores than ranks)."""
+    if len(cores) < ranks:
+        return cores
+    per, extra = divmod(len(cores), ranks)
+    start = rank * per + min(rank, extra)
+    return cores[start:start + per + (rank < extra)]
+
+
+def bind_cores(rank: int, ranks: int) -> list[int]:
+    """Pin this process (and torch's threads) to its share of the instance's cores."""
+    cores = sorted(os.sched_getaffinity(0))
+    mine = core_share(cores, rank, ranks)
+    os.sched_setaffinity(0, mine)
+    torch.set_num_threads(len(mine))
+    return mine
+
+
+def join_ranks(rank: int, ranks: int, rendezvous: str, device: str | None, timeout: float) -> TensorParallel:
+    """Join the instance's process group (every rank calls it at start); a lone rank joins nothing."""
+    if ranks == 1:
+        return TensorParallel()
+    cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(rank)
+    else:
+        log.info("tensor-parallel rank %d of %d on cores %s", rank, ranks, bind_cores(rank, ranks))
+    torch.distributed.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{rendezvous}", rank=rank,
+                                         world_size=ranks, timeout=datetime.timedelta(seconds=timeout))
+    return TensorParallel(rank, ranks)
+
+
+def leave_ranks(tp: TensorParallel) -> None:
+    if tp.size > 1 and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
