@@ -199,8 +199,24 @@ def test_launch_on_a_gpu_machine_plans_prefill_and_decode_instances(monkeypatch:
 
     def args(*instance_args: str) -> argparse.Namespace:
         return argparse.Namespace(prefill=1, decode=1, mixed=0, host="127.0.0.1", separate_hosts=False,
-                                  instance_args=list(instance_args))
+                                  prefill_tensor_parallel_size=None, decode_tensor_parallel_size=None)
 
     monkeypatch.setenv("PDSERVE_GPU_PRESENT", "1")
     assert [s.role for s in plan(args())] == ["prefill", "decode"]
-    assert [s.role for s in plan(args("--device", "cpu"))] == ["prefill", "decode"]
+    assert [s.role for s in plan(args(), ["--device", "cpu"])] == ["prefill", "decode"]
+
+
+def test_launch_gives_each_role_its_tensor_parallel_size_and_cores_in_proportion() -> None:
+    import argparse
+
+    from pdserve.deploy.launch import plan, split_cpus
+
+    settings = argparse.Namespace(prefill=1, decode=1, mixed=0, host="127.0.0.1", separate_hosts=False,
+                                  prefill_tensor_parallel_size=2, decode_tensor_parallel_size=None)
+    specs = plan(settings, ["-tp", "3", "--dtype", "float32"])
+    assert [s.tensor_parallel_size for s in specs] == [2, 3]
+    assert specs[0].command("http://r", ["-tp", "3"])[-2:] == ["--tensor-parallel-size", "2"]  # the role's wins
+    assert [s.tensor_parallel_size for s in plan(settings, [])] == [2, 1]
+    cores = split_cpus([3, 1])
+    if cores[0] is not None and len(os.sched_getaffinity(0)) >= 4:
+        assert len(cores[0]) > len(cores[1]) and not cores[0] & cores[1]

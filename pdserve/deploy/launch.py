@@ -33,7 +33,13 @@ from pdserve.api.serve import DEMO_REQUEST, free_port
 from pdserve.config.flags import add_flags, from_args, to_flags
 from pdserve.config.roles import Role
 from pdserve.deploy.cluster_auth import ENV
-from pdserve.deploy.settings import ROUTER_DEFAULTS, ROUTER_FLAGS, LaunchSettings, role_counts
+from pdserve.deploy.settings import (
+    ROUTER_DEFAULTS,
+    ROUTER_FLAGS,
+    LaunchSettings,
+    role_counts,
+    tensor_parallel_sizes,
+)
 from pdserve.deploy.supervisor import Supervisor
 from pdserve.router.settings import RouterSettings
 from pdserve.utils.dtype_names import gpu_present
@@ -58,13 +64,14 @@ class InstanceSpec:
     metrics_port: int
     pd_comm_port: int | None  # prefill and decode: fixed, so a restarted instance comes back where it was
     host_id: str | None = None  # None: the machine's own
+    tensor_parallel_size: int = 1
 
     def command(self, router_url: str, extra: list[str]) -> list[str]:
         host_id = ["--host-id", self.host_id] if self.host_id else []
         pd_port = ["--pd-comm-port", str(self.pd_comm_port)] if self.pd_comm_port else []
         return [sys.executable, "-m", "pdserve.cli", "serve", "--splitwise-role", self.role, "--host", self.host,
                 "--port", str(self.port), "--metrics-port", str(self.metrics_port), *pd_port,
-                "--router", router_url, *host_id, *extra]
+                "--router", router_url, *host_id, *extra, "--tensor-parallel-size", str(self.tensor_parallel_size)]
 
 
 @dataclass(frozen=True)
@@ -98,32 +105,37 @@ def instance_hosts(router_host: str, n: int) -> list[str]:
     return [router_host] * n
 
 
-def plan(launch: LaunchSettings) -> list[InstanceSpec]:
+def plan(launch: LaunchSettings, instance_args: list[str] = ()) -> list[InstanceSpec]:
     if (launch.prefill > 0) != (launch.decode > 0):
         raise ValueError("a PD deployment needs at least one --prefill and one --decode instance (or neither)")
     if launch.prefill + launch.decode + launch.mixed == 0:
         raise ValueError("nothing to launch: give --prefill/--decode and/or --mixed")
     names = [(role, f"{role}-{i}") for role, count in role_counts(launch).items() for i in range(count)]
     hosts = instance_hosts(launch.host, len(names))
+    tp = tensor_parallel_sizes(launch, list(instance_args))
     return [InstanceSpec(name, role, host, free_port(host), free_port(host),
                          free_port(host) if role != Role.MIXED else None,
-                         f"launch-{host}" if launch.separate_hosts else None)
+                         f"launch-{host}" if launch.separate_hosts else None, tp[role])
             for (role, name), host in zip(names, hosts, strict=True)]
 
 
-def split_cpus(n: int) -> list[set[int] | None]:
-    """Cores for n instances: contiguous shares of this process's cores (one core each, shared round
-    robin, when there are more instances than cores). Torch threads of co-located instances that all
-    spin on every core slow each other down several-fold; pinned, each runs at its share's speed."""
+def split_cpus(weights: list[int]) -> list[set[int] | None]:
+    """Cores for instances of these weights (their TP sizes): contiguous shares of this process's cores in
+    proportion (an instance's ranks split its share, worker/ranks.py); one core each, shared round robin,
+    when there are no more cores than instances. Torch threads of co-located instances that all spin on
+    every core slow each other down several-fold; pinned, each runs at its share's speed."""
+    n = len(weights)
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     if not cores or n <= 1:
         return [None] * n
     if n >= len(cores):
         return [{cores[i % len(cores)]} for i in range(n)]
-    per, extra = divmod(len(cores), n)
-    out, start = [], 0
-    for i in range(n):
-        size = per + (i < extra)
+    total, out, start = sum(weights), [], 0
+    for i, weight in enumerate(weights):
+        left_for_others = n - i - 1
+        size = max(1, min(round(len(cores) * weight / total), len(cores) - start - left_for_others))
+        if i == n - 1:
+            size = len(cores) - start
         out.append(set(cores[start:start + size]))
         start += size
     return out
@@ -138,7 +150,8 @@ def lend_cores(specs: list[InstanceSpec], cpu_sets: list[set[int] | None],
     decodes = [i for i, s in enumerate(specs) if s.role == Role.DECODE]
     for p, d in zip(prefills, decodes, strict=False):
         own, lent = cpu_sets[d], cpu_sets[p]
-        if not own or not lent or own & lent:
+        ranked = specs[p].tensor_parallel_size > 1 or specs[d].tensor_parallel_size > 1  # ranks pin their own cores
+        if not own or not lent or own & lent or ranked:
             continue
         flag = core_loan.create_flag(flags_dir / f"{specs[p].name}.flag")
         envs[p] = {core_loan.LEND_ENV: str(flag)}
@@ -168,7 +181,7 @@ def memory_shares(instance_args: list[str], n: int) -> list[str]:
 def launch(args: argparse.Namespace) -> int:
     settings = from_args(LaunchSettings, args)
     router_settings = from_args(RouterSettings, args, host=settings.host, port=settings.port)
-    specs = plan(settings)
+    specs = plan(settings, args.instance_args)
     router_url = f"http://{settings.host}:{settings.port}"
     deployment = Supervisor({ENV: os.environ.get(ENV) or secrets.token_hex(16)})
     stop = threading.Event()
@@ -187,7 +200,7 @@ def launch(args: argparse.Namespace) -> int:
             deployment.start(r.name, r.command(router_settings))
         registrations = registration_urls(settings.host, settings.port, routers)
         pinned = settings.cpu_binding != "none" and _cpu_only()
-        cpu_sets = split_cpus(len(specs)) if pinned else [None] * len(specs)
+        cpu_sets = split_cpus([s.tensor_parallel_size for s in specs]) if pinned else [None] * len(specs)
         envs: list[dict[str, str]] = [{} for _ in specs]
         shares = memory_shares(args.instance_args, len(specs))
         if shares:

@@ -34,8 +34,24 @@ class LaunchSettings:
         choices=("auto", "lend", "pin", "none"))
     separate_hosts: bool = option(
         False, "give each instance its own host id, so prefill and decode use tcp as across machines", switch=True)
+    prefill_tensor_parallel_size: int | None = option(
+        None, "tensor-parallel ranks of each prefill instance (default: --tensor-parallel-size, else 1)")
+    decode_tensor_parallel_size: int | None = option(
+        None, "tensor-parallel ranks of each decode instance (default: --tensor-parallel-size, else 1); P and D may "
+              "differ: each keeps the whole KV layout, each rank its heads")
     splitwise_cache_buffer_size: float = option(
         0.0, "GB of host buffer each decode instance receives the prefill's KV into (decode only)")
+
+
+def tensor_parallel_sizes(launch: Any, instance_args: list[str]) -> dict[Role, int]:
+    """Each role's TP size: its own flag, else the --tensor-parallel-size (-tp) given to every instance, else 1."""
+    common = 1
+    for i, arg in enumerate(instance_args):
+        name, _, value = arg.partition("=")
+        if name in ("--tensor-parallel-size", "-tp"):
+            common = int(value or instance_args[i + 1])
+    return {Role.PREFILL: launch.prefill_tensor_parallel_size or common,
+            Role.DECODE: launch.decode_tensor_parallel_size or common, Role.MIXED: common}
 
 
 def role_counts(launch: Any) -> dict[Role, int]:

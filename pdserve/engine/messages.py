@@ -190,7 +190,7 @@ class CacheCommand(msgspec.Struct, tag=True):
     messager_address: str | None = None  # prefill role: where to send StepTransfers / LayerDone
     private: bool = False  # create it in the worker's own (device) memory, not in a shared segment
     host_segments: list[HostSegment] = []  # private: the host memory the worker copies through
-    num_blocks: int | None = None  # private: fewer blocks than profiled (its staging must fit /dev/shm)
+    num_blocks: int | None = None  # fewer blocks than this rank profiled: the smallest rank's; staging's room
 
 
 class WorkerShutdown(msgspec.Struct, tag=True):

@@ -43,6 +43,7 @@ class WorkerClient:
                                    ["--config", config.encode(), "--rank", str(r), "--rendezvous", rendezvous],
                                    ctx, address if r == 0 else f"{address}{r}", WorkerMessage) for r in range(n)]
         self.child = self.ranks[0]
+        self.num_blocks: int | None = None  # the smallest rank's block count, once loaded
         self._encoder = msgspec.msgpack.Encoder()
 
     def wait_loaded(self, timeout: float) -> WorkerLoaded:
@@ -50,12 +51,14 @@ class WorkerClient:
         loaded = [self._expect(rank, WorkerLoaded, timeout, "load the model and run the profile run")
                   for rank in self.ranks]
         first = loaded[0]
-        fewest = min(m.layout.num_blocks for m in loaded)
-        return msgspec.structs.replace(first, layout=first.layout.with_blocks(fewest))
+        self.num_blocks = min(m.layout.num_blocks for m in loaded)
+        return msgspec.structs.replace(first, layout=first.layout.with_blocks(self.num_blocks))
 
     def setup_cache(self, command: CacheCommand, timeout: float) -> WorkerReady:
         """Rank 0 first: a shared segment it creates is the one the other ranks attach to."""
         what = "create the KV cache" if command.create else "attach to the KV cache"
+        if command.num_blocks is None and self.num_blocks is not None:  # every rank: the smallest rank's count
+            command = msgspec.structs.replace(command, num_blocks=self.num_blocks)
         self.child.send(command)
         ready = self._expect(self.child, WorkerReady, timeout, what)
         if not command.private and command.create:
@@ -71,8 +74,14 @@ class WorkerClient:
         payload = self._encoder.encode(step)
         for rank in self.ranks:
             rank.send_bytes(payload)
-        results = [rank.receive(None, what="finish a step", while_waiting=while_waiting, poll_ms=50)
-                   for rank in self.ranks]
+
+        def waiting() -> None:  # a rank that died leaves the others waiting in an all-reduce: say which
+            if not self.alive():
+                raise WorkerDied(self.exit_message())
+            if while_waiting is not None:
+                while_waiting()
+
+        results = [rank.receive(None, what="finish a step", while_waiting=waiting, poll_ms=50) for rank in self.ranks]
         for msg in results:
             if isinstance(msg, WorkerError):
                 raise RuntimeError(msg.error)

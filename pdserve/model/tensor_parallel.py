@@ -12,6 +12,7 @@ added by rank 0 only, so the sum holds it once. A rank's KV cache holds its KV h
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,7 @@ class TensorParallel:
     rank: int = 0
     size: int = 1
     group: Any = None  # the torch.distributed process group of the instance's ranks (None: the default group)
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # an in-place sum over ranks (CPU: shared memory)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
@@ -49,8 +51,11 @@ class TensorParallel:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over ranks, in place (a no-op on one rank)."""
-        if self.size > 1:
-            torch.distributed.all_reduce(x, group=self.group)
+        if self.size == 1:
+            return x
+        if self.reduce is not None:
+            return self.reduce(x)
+        torch.distributed.all_reduce(x, group=self.group)
         return x
 
     def shard(self, kind: str, tensor: torch.Tensor, full: ModelConfig) -> torch.Tensor:

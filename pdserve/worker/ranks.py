@@ -14,9 +14,12 @@ import os
 
 import torch
 
+from pdserve.kernels import cpu_ops
 from pdserve.model.tensor_parallel import TensorParallel
+from pdserve.worker.shm_all_reduce import ShmAllReduce
 
 log = logging.getLogger("pdserve.worker")
+GLOO_ENV = "PDSERVE_TP_GLOO"  # "1": all-reduce over gloo even where the shared-memory one is built (comparisons)
 
 
 def core_share(cores: list[int], rank: int, ranks: int) -> list[int]:
@@ -48,9 +51,20 @@ def join_ranks(rank: int, ranks: int, rendezvous: str, device: str | None, timeo
         log.info("tensor-parallel rank %d of %d on cores %s", rank, ranks, bind_cores(rank, ranks))
     torch.distributed.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{rendezvous}", rank=rank,
                                          world_size=ranks, timeout=datetime.timedelta(seconds=timeout))
-    return TensorParallel(rank, ranks)
+    return TensorParallel(rank, ranks, reduce=None if cuda else shm_all_reduce(rank, ranks))
+
+
+def shm_all_reduce(rank: int, ranks: int) -> ShmAllReduce | None:
+    """The shared-memory all-reduce when the CPU kernels are built (every rank decides alike); else gloo."""
+    ops = cpu_ops()
+    if ops is None or os.environ.get(GLOO_ENV) == "1":
+        log.info("tensor-parallel all-reduce over gloo")
+        return None
+    return ShmAllReduce(rank, ranks, ops)
 
 
 def leave_ranks(tp: TensorParallel) -> None:
+    if isinstance(tp.reduce, ShmAllReduce):
+        tp.reduce.close()
     if tp.size > 1 and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
