@@ -127,8 +127,8 @@ def show(rows: dict[str, dict | str], base: str) -> None:
     print(f"\nratios to {base} (TPOT and prefill: lower is better; throughput: higher is better)")
     for name, r in rows.items():
         if name != base and not isinstance(r, str) and not isinstance(b, str):
-            print(f"  {name:<24} TPOT {r['tpot_ms'] / b['tpot_ms']:.2f}x  prefill {r['prefill_ms'] / b['prefill_ms']:.2f}x"
-                  f"  throughput {r['tok_s'] / b['tok_s']:.2f}x")
+            print(f"  {name:<24} TPOT {r['tpot_ms'] / b['tpot_ms']:.2f}x  "
+                  f"prefill {r['prefill_ms'] / b['prefill_ms']:.2f}x  throughput {r['tok_s'] / b['tok_s']:.2f}x")
 
 
 def main() -> None:
