@@ -272,7 +272,7 @@ class _Startup:
         self.worker = WorkerClient(self.config, self.ctx, f"ipc://{self.sockdir}/w")
         self.loaded = self.worker.wait_loaded(self.timeout)
         self.log.record("loaded", WORKER, num_blocks=self.loaded.layout.num_blocks,
-                        profile_run=bool(self.loaded.profile))
+                        profile_run=bool(self.loaded.profile), weights_resident=self.worker.weights_resident)
         if self.layout is not None and self.layout != self.loaded.layout:
             raise RuntimeError(f"the worker's KV layout {self.loaded.layout} differs from the cache service's "
                                f"{self.layout}")

@@ -237,6 +237,7 @@ class WorkerLoaded(msgspec.Struct, tag=True):
     max_model_len: int
     vocab_size: int
     profile: dict
+    weights_resident: int = 0  # bytes the process's resident set grew by while it loaded the weights
 
 
 class WorkerReady(msgspec.Struct, tag=True):

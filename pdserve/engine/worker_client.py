@@ -44,6 +44,7 @@ class WorkerClient:
                                    ctx, address if r == 0 else f"{address}{r}", WorkerMessage) for r in range(n)]
         self.child = self.ranks[0]
         self.num_blocks: int | None = None  # the smallest rank's block count, once loaded
+        self.weights_resident: list[int] = []  # per rank, bytes its weights took (RSS growth while loading)
         self._encoder = msgspec.msgpack.Encoder()
 
     def wait_loaded(self, timeout: float) -> WorkerLoaded:
@@ -51,6 +52,7 @@ class WorkerClient:
         loaded = [self._expect(rank, WorkerLoaded, timeout, "load the model and run the profile run")
                   for rank in self.ranks]
         first = loaded[0]
+        self.weights_resident = [m.weights_resident for m in loaded]
         self.num_blocks = min(m.layout.num_blocks for m in loaded)
         return msgspec.structs.replace(first, layout=first.layout.with_blocks(self.num_blocks))
 

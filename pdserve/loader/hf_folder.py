@@ -44,13 +44,15 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def iter_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_tensors(folder: Path, sliced: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint; `sliced`: as safetensors slices, read only where indexed (a
+    tensor-parallel rank reads its part of each weight, never the whole)."""
     from safetensors import SafetensorError, safe_open
 
     for path in safetensors_files(folder):
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    yield name, f.get_slice(name) if sliced else f.get_tensor(name)
         except (SafetensorError, OSError) as e:
             raise ModelLoadError(f"{path} is not a readable safetensors file ({e})") from None

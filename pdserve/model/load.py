@@ -54,5 +54,5 @@ def load_decoder(folder: Path, dtype: torch.dtype, device: torch.device,
                              quantization=quantization, tp=tp)
     except RuntimeError as e:  # typically out of memory
         raise ModelLoadError(f"cannot allocate the model on {device}: {e}") from None
-    model.load_weights(iter_tensors(folder))
+    model.load_weights(iter_tensors(folder, sliced=tp is not None and tp.size > 1))
     return model

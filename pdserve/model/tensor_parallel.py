@@ -58,10 +58,11 @@ class TensorParallel:
         torch.distributed.all_reduce(x, group=self.group)
         return x
 
-    def shard(self, kind: str, tensor: torch.Tensor, full: ModelConfig) -> torch.Tensor:
-        """This rank's slice of a checkpoint tensor of a projection (`q_proj`, `down_proj`, ...) or a bias."""
+    def shard(self, kind: str, tensor: Any, full: ModelConfig) -> torch.Tensor:
+        """This rank's slice of a checkpoint tensor of a projection (`q_proj`, `down_proj`, ...) or a bias.
+        `tensor` may be a safetensors slice (the file's tensor not yet read): then only this rank's part is read."""
         if self.size == 1:
-            return tensor
+            return _read(tensor)
         head_dim = full.head_dim
         column = {"q_proj": full.num_heads * head_dim, "k_proj": full.num_kv_heads * head_dim,
                   "v_proj": full.num_kv_heads * head_dim, "gate_proj": full.intermediate_size,
@@ -71,6 +72,15 @@ class TensorParallel:
             return tensor[self.part(column[projection])]
         if projection in ("o_proj", "down_proj"):  # input columns split; the bias is added once
             if is_bias:
-                return tensor if self.rank == 0 else torch.zeros_like(tensor)
-            return tensor[:, self.part(tensor.shape[1])]
-        return tensor  # norms, embedding, LM head: replicated
+                return _read(tensor) if self.rank == 0 else torch.zeros_like(_read(tensor))
+            return tensor[:, self.part(_shape(tensor)[1])]
+        return _read(tensor)  # norms, embedding, LM head: replicated
+
+
+def _read(tensor: Any) -> torch.Tensor:
+    """A tensor, or the whole of a safetensors slice."""
+    return tensor if isinstance(tensor, torch.Tensor) else tensor[:]
+
+
+def _shape(tensor: Any) -> tuple[int, ...]:
+    return tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else tuple(tensor.get_shape())

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 
 import msgspec
+import psutil
 import torch
 import zmq
 
@@ -57,9 +58,11 @@ class Worker:
         self.config = config
         self.ctx = ctx
         self.tp = tp or TensorParallel()
+        before = psutil.Process().memory_info().rss
         self.runner = ModelRunner(config.model, dtype=config.dtype, device=config.device,
                                   block_size=config.block_size, max_model_len=config.max_model_len,
                                   quantization=config.quantization, kv_cache_dtype=config.kv_cache_dtype, tp=self.tp)
+        self.weights_resident = psutil.Process().memory_info().rss - before  # what loading the weights took
         self.profile: dict = {}
         if config.num_gpu_blocks_override is not None:
             num_blocks = config.num_gpu_blocks_override
@@ -83,7 +86,7 @@ class Worker:
 
     def loaded_message(self) -> WorkerLoaded:
         return WorkerLoaded(self.layout, self.runner.max_model_len, self.runner.config.vocab_size,
-                            self.profile)
+                            self.profile, self.weights_resident)
 
     def setup_cache(self, command: CacheCommand) -> WorkerReady:
         self._cache_command = command

@@ -1,0 +1,217 @@
+"""Tensor parallel through the servers: `pdserve serve -tp 2` answers as transformers does (fp32 greedy), keeps
+what apps send working, and a dead rank takes the instance down cleanly; a prefill and a decode instance of
+different TP sizes exchange the KV cache (both keep the instance's whole layout, each rank viewing its heads).
+
+The embedded model's 9 heads and 3 KV heads split only at TP=3, so these run a tiny random llama with the
+embedded model's tokenizer (4 heads, 2 KV heads). Prompts are token ids chosen so that transformers' top two
+logits stay more than MIN_MARGIN apart at every generated position: a difference is then a bug, not a tie.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+
+from tests.servers import Server, metrics, segments, wait_for
+from tests.test_launch import Launch
+from tests.tiny_models import make_tiny_servable
+
+pytestmark = pytest.mark.e2e
+
+NEW_TOKENS, MIN_MARGIN, NUM_PROMPTS = 12, 0.01, 8
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]], list[list[int]]]:
+    """(model folder, prompts, transformers' greedy continuations)."""
+    folder = tmp_path_factory.mktemp("tp") / "model"
+    hf = make_tiny_servable(folder)
+    g = torch.Generator().manual_seed(1)
+    prompts, answers = [], []
+    while len(prompts) < NUM_PROMPTS:
+        prompt = torch.randint(100, 49152, (int(torch.randint(5, 60, (1,), generator=g)),), generator=g).tolist()
+        if len(prompts) % 2 == 0:  # a repeated phrase: the n-gram proposer has something to propose
+            prompt = prompt[:6] * 4
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                              do_sample=False, output_scores=True, return_dict_in_generate=True, pad_token_id=0)
+        gaps = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores]
+        if min(gaps) > MIN_MARGIN:
+            prompts.append(prompt)
+            answers.append(out.sequences[0, len(prompt):].tolist())
+    return folder, prompts, answers
+
+
+def _completions(url: str, prompts: list[list[int]]) -> list[str]:
+    """The greedy text of each prompt, all sent at once."""
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", timeout=120)
+
+    def one(prompt: list[int]) -> list[int]:
+        r = client.completions.create(model="model", prompt=prompt, max_tokens=NEW_TOKENS, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        return r.choices[0].text
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, prompts))
+
+
+def _texts(folder: Path, answers: list[list[int]]) -> list[str]:
+    from pdserve.tokenization.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(folder)
+    return [tokenizer.decode(a) for a in answers]
+
+
+SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+                   "disable_by_batch_size": 16})
+
+
+def test_tp2_serves_transformers_greedy_with_app_features_and_a_dead_rank_ends_it(tiny, tmp_path: Path) -> None:
+    folder, prompts, answers = tiny
+    before = segments()
+    server = Server(tmp_path, "--model", str(folder), "--dtype", "float32", "-tp", "2", "--num-gpu-blocks-override",
+                    "128", "--speculative-config", SPEC)
+    try:
+        ranks = server.children("pdserve.worker")
+        assert len(ranks) == 2
+        if len(os.sched_getaffinity(0)) == 2:  # each rank on a core of its own
+            assert sorted(r.cpu_affinity() for r in ranks) == [[0], [1]]
+        expected = _texts(folder, answers)
+        assert _completions(server.url, prompts) == expected
+        wait_for(lambda: metrics(server.metrics_port)["pdserve_spec_decode_num_draft_tokens"] > 0, 5,
+                 "no proposal was verified across the ranks")  # metrics refresh each second
+
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", timeout=60)
+        choice = client.completions.create(model="model", prompt=prompts[0], max_tokens=8, temperature=0,
+                                           extra_body={"structured_outputs": {"choice": ["north", "south"]}})
+        assert choice.choices[0].text in ("north", "south")
+        scored = client.completions.create(model="model", prompt=prompts[1], max_tokens=1, temperature=0, echo=True,
+                                           logprobs=1)
+        hf_prompt_logprobs = _hf_prompt_logprobs(folder, prompts[1])
+        ours = scored.choices[0].logprobs.token_logprobs[1:len(prompts[1])]
+        torch.testing.assert_close(torch.tensor(ours), hf_prompt_logprobs, atol=1e-3, rtol=0)
+
+        assert httpx.post(f"{server.url}/clear_load_weight", timeout=60).status_code == 200
+        assert httpx.post(f"{server.url}/update_model_weight", timeout=120).status_code == 200
+        assert _completions(server.url, prompts[:2]) == expected[:2]
+
+        (rank1,) = [r for r in ranks if "--rank 1" in " ".join(r.cmdline())]
+        rank1.send_signal(signal.SIGKILL)
+        server.proc.wait(60)
+        assert server.proc.returncode == 1, server.log()
+        assert "worker rank 1 process exited" in server.log()
+        server.wait_gone(20)
+    finally:
+        if server.proc.poll() is None:
+            server.stop()
+    assert segments() <= before
+
+
+def _hf_prompt_logprobs(folder: Path, prompt: list[int]) -> torch.Tensor:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    return logprobs[:-1].gather(1, torch.tensor(prompt[1:])[:, None]).squeeze(1)
+
+
+@pytest.mark.parametrize("prefill_tp,decode_tp,transport", [("2", "1", "ipc"), ("1", "2", "tcp")])
+def test_prefill_and_decode_of_different_tp_sizes_answer_as_transformers(tiny, tmp_path: Path, prefill_tp: str,
+                                                                         decode_tp: str, transport: str) -> None:
+    folder, prompts, answers = tiny
+    before = segments()
+    hosts = ["--separate-hosts"] if transport == "tcp" else []
+    launch = Launch(tmp_path, "--prefill", "1", "--decode", "1", "--routers", "1", "--pd-policy", "always",
+                    "--prefill-tensor-parallel-size", prefill_tp, "--decode-tensor-parallel-size", decode_tp, *hosts,
+                    "--model", str(folder), "--dtype", "float32", "--num-gpu-blocks-override", "128")
+    try:
+        assert _completions(launch.url, prompts) == _texts(folder, answers)
+        prefill = next(i for name, i in launch.instances().items() if name.startswith("prefill"))
+        key = f'pdserve_kv_transfers_by_protocol{{protocol="{transport}"}}'
+        wait_for(lambda: metrics(prefill["metrics_port"], prefill["host"]).get(key, 0) >= NUM_PROMPTS, 10,
+                 f"the prefill instance did not report {NUM_PROMPTS} transfers over {transport}")
+    finally:
+        if launch.proc.poll() is None:
+            launch.proc.send_signal(signal.SIGINT)
+            try:
+                launch.proc.wait(60)
+            except Exception:
+                launch.kill()
+                raise
+    deadline = time.monotonic() + 20
+    while segments() - before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert segments() <= before, segments() - before
+
+
+def test_a_dead_decode_frees_the_blocks_of_a_tp2_prefill(tiny, tmp_path: Path) -> None:
+    """P (TP=2) has handed a long prompt to both ranks when D dies: the transfer fails, and every block P
+    held for it comes back (one block manager for all ranks)."""
+    from tests.servers import Router
+
+    folder = tiny[0]
+    before = segments()
+    router = Router(tmp_path / "router")
+    flags = ["--model", str(folder), "--dtype", "float32", "--cache-transfer-protocol", "tcp", "--router", router.url,
+             "--pd-transfer-timeout", "4", "--max-model-len", "512"]
+    p = Server(tmp_path / "p", "--splitwise-role", "prefill", "-tp", "2", "--num-gpu-blocks-override", "100", *flags)
+    d = Server(tmp_path / "d", "--splitwise-role", "decode", "--num-gpu-blocks-override", "100", *flags)
+    ranks = p.children("pdserve.worker")
+    try:
+        router.wait_pairs(2)
+        for rank in ranks:
+            rank.suspend()
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(httpx.post, f"{router.url}/v1/completions", timeout=60,
+                                 json={"prompt": list(range(1000, 1440)), "max_tokens": 8, "temperature": 0})
+            wait_for(lambda: metrics(d.metrics_port)["pdserve_num_requests_preallocated"] >= 1, 20,
+                     "D did not preallocate")
+            d.kill()
+            for rank in ranks:
+                rank.resume()
+            r = answer.result(60)
+        assert r.status_code != 200 or "error" in r.text
+        d.wait_gone()
+        wait_for(lambda: metrics(p.metrics_port)["pdserve_kv_cache_free_blocks"] == 100, 30,
+                 "P did not free its blocks after D died")
+        ok = httpx.post(f"{p.url}/v1/completions", timeout=60, json={"prompt": "Hi", "max_tokens": 2})
+        assert ok.status_code == 200
+    finally:
+        for rank in ranks:
+            if rank.is_running():
+                rank.resume()
+        for s in (p, router):
+            s.stop()
+        if d.proc.poll() is None:
+            d.stop()
+    assert segments() <= before
+
+
+def test_a_rank_holds_only_its_share_of_the_weights(tmp_path: Path) -> None:
+    """The embedded model (9 heads, 3 KV heads: TP=3) in fp32: each rank's resident set grows by at most 0.6x
+    of what one worker's did while loading (its third of every split weight plus the replicated embedding, read
+    from the file a slice at a time, never whole)."""
+    grown = {}
+    for tp in ("1", "3"):
+        log = tmp_path / f"startup-{tp}.jsonl"
+        server = Server(tmp_path / tp, "--dtype", "float32", "-tp", tp, "--num-gpu-blocks-override", "32",
+                        "--max-model-len", "512", "--startup-log", str(log))
+        try:
+            (loaded,) = [e for e in map(json.loads, log.read_text().splitlines()) if e["event"] == "loaded"]
+            grown[tp] = loaded["weights_resident"]
+        finally:
+            server.stop()
+    (whole,) = grown["1"]
+    assert whole > 400 << 20, grown  # fp32: 540 MB of weights
+    assert len(grown["3"]) == 3 and max(grown["3"]) <= 0.6 * whole, grown
+    print(f"weights resident: TP=1 {whole / 2**20:.0f} MiB; TP=3 ranks {[round(g / 2**20) for g in grown['3']]} MiB")
