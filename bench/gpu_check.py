@@ -14,7 +14,10 @@
    bandwidth into the pinned segment against a plain pinned tensor (goal >= 80%) and a pageable one;
    then 1P1D on the one GPU in two processes (prefill and decode instance, KV over ipc through host
    staging) against a mixed instance: greedy output equal;
-6. a PASS/FAIL line per check and an exit code (0: all passed). `--only pd` runs 5 alone (~2 min).
+6. tensor parallel (issue 36), on a machine with two GPUs or more: the offline LLM at TP=2 (NCCL, one GPU per
+   rank) on bench/parallel.py's model (8 heads, 2 KV heads) gives TP=1's greedy tokens (fp32), and its
+   batch-1 decode TPOT beside TP=1's; with one GPU it says SKIP;
+7. a PASS/FAIL line per check and an exit code (0: all passed). `--only pd` runs 5 alone (~2 min), `--only tp` 6.
 
 `--device cpu` runs the same script on a CPU machine (a smoke test of the script itself).
 """
@@ -281,23 +284,52 @@ def throughput(vllm_python: str | None) -> tuple[bool, str]:
     return out.returncode == 0, "\n".join(f"  {r.strip()}" for r in rows) or out.stderr[-2000:]
 
 
+def check_tensor_parallel(device: str) -> tuple[bool, str]:
+    """TP=2 against TP=1 on the same GPUs: equal fp32 greedy tokens; decode TPOT of each."""
+    import torch
+
+    if device.startswith("cuda") and torch.cuda.device_count() < 2:
+        return True, f"  SKIP: {torch.cuda.device_count()} GPU(s); tensor parallel needs two"
+    sys.path.insert(0, str(ROOT / "bench"))
+    from parallel import bench_model
+
+    from pdserve import LLM, SamplingParams
+
+    folder = bench_model()
+    prompts = [{"prompt_token_ids": [100 + 37 * i + j for j in range(24)]} for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    tokens, tpot = {}, {}
+    for tp in (1, 2):
+        with LLM(str(folder), tensor_parallel_size=tp, dtype="float32", device=device, max_model_len=1024) as llm:
+            tokens[tp] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            m = llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=64, ignore_eos=True),
+                             use_tqdm=False)[0].metrics
+            tpot[tp] = (m.last_token_time - m.first_token_time) / 63 * 1000
+    same = tokens[1] == tokens[2]
+    return same, (f"  greedy tokens TP=2 {'equal' if same else 'DIFFER from'} TP=1; batch-1 decode TPOT "
+                  f"TP=1 {tpot[1]:.2f} ms, TP=2 {tpot[2]:.2f} ms")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--vllm-python", default=None)
     ap.add_argument("--out", default=str(ROOT / "bench-results" / "gpu_check"))
     ap.add_argument("--skip-throughput", action="store_true")
-    ap.add_argument("--only", choices=["pd"], default=None, help="run only the PD part (issue 28)")
+    ap.add_argument("--only", choices=["pd", "tp"], default=None,
+                    help="run only the PD part (issue 28) or the tensor-parallel part (issue 36)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results: list[tuple[str, bool, str]] = []
     start = time.monotonic()
-    if args.only != "pd":
+    if args.only is None:
         results += mixed_checks(args, out)
     checks = (("staging copies (KVCopier: ordering, pinned bandwidth)", lambda: check_staging_copies(args.device)),
               ("1P1D on one device equals mixed (cache in device memory)",
-               lambda: check_pd_on_one_device(args.device, out)))
+               lambda: check_pd_on_one_device(args.device, out)),
+              ("tensor parallel: TP=2 equals TP=1 (NCCL)", lambda: check_tensor_parallel(args.device)))
+    checks = tuple(c for c in checks if args.only is None or ("tensor" in c[0]) == (args.only == "tp"))
     for name, check in checks:
         try:
             results.append((name, *check()))

@@ -86,6 +86,7 @@ class DecoderModel(nn.Module):
         # ForwardBatch must carry the gather + SDPA path's metadata.
         self.kernels = kernels_for(config, device)
         self.quantization = quantization
+        self.lm_head_part: Linear | None = None
 
     @property
     def uses_paged_kernel(self) -> bool:
@@ -187,11 +188,25 @@ class DecoderModel(nn.Module):
             layer.build_linears(self.quantization)
         # The lm_head is usually the embedding too (tied), so its matrix stays.
         self.lm_head_proj = make_linear(self.lm_head, None, self.quantization)
+        self.lm_head_part = None  # tensor parallel: this rank's vocabulary share, for the sampled logits
+        if self.tp.size > 1 and c.vocab_size % self.tp.size == 0:
+            self.lm_head_part = make_linear(self.lm_head[self.tp.part(c.vocab_size)], None, self.quantization)
+
+    @property
+    def vocab_parallel(self) -> bool:
+        return self.lm_head_part is not None
+
+    def vocab_parallel_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """fp32 logits of `hidden`'s rows, each rank projecting its share of the vocabulary: rank 0 gets them
+        whole, the other ranks None (every rank must call it, with the same rows)."""
+        with torch.inference_mode():
+            return self.tp.gather_to_first(self.lm_head_part(hidden).float().contiguous())
 
     def weight_bytes(self) -> int:
         """Parameters plus the packed or int8 copies that replaced some of them."""
         dense = sum(p.numel() * p.element_size() for p in self.parameters())
         copies = [lin for layer in self.layers for lin in layer.linears()] + [self.lm_head_proj]
+        copies += [self.lm_head_part] if self.lm_head_part is not None else []
         return dense + sum(lin.nbytes for lin in copies if not isinstance(lin, DenseLinear))
 
     def _target(self, name: str, parts: dict[str, tuple[str, slice]]) -> tuple[torch.Tensor | None, slice]:

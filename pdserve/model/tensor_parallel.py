@@ -5,7 +5,9 @@ Attention heads and KV heads are split into contiguous ranges, rank i taking hea
 are column-parallel (each rank computes its heads' projections), o is row-parallel (each rank multiplies its
 heads' part of the attention output; the all-reduce sums them). The MLP likewise: gate/up by intermediate
 columns, down by rows. Embedding, norms and LM head are replicated (the embedded model's vocabulary matrix is
-its largest tensor and also its tied LM head; splitting it is a later measurement). A row-parallel bias is
+its largest tensor and also its tied LM head). The logits the sampler needs are computed vocabulary-parallel (each
+rank its 1/N of the vocabulary, gathered on rank 0, which samples); rank 0 keeps the whole LM head for prompt
+scoring, which it does alone. A row-parallel bias is
 added by rank 0 only, so the sum holds it once. A rank's KV cache holds its KV heads only.
 """
 
@@ -27,6 +29,7 @@ class TensorParallel:
     size: int = 1
     group: Any = None  # the torch.distributed process group of the instance's ranks (None: the default group)
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # an in-place sum over ranks (CPU: shared memory)
+    gather: Callable[[torch.Tensor], torch.Tensor | None] | None = None  # ranks' columns side by side on rank 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
@@ -57,6 +60,16 @@ class TensorParallel:
             return self.reduce(x)
         torch.distributed.all_reduce(x, group=self.group)
         return x
+
+    def gather_to_first(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Rank 0: every rank's [rows, cols] side by side in rank order, [rows, size * cols]; other ranks: None."""
+        if self.size == 1:
+            return x
+        if self.gather is not None:
+            return self.gather(x)
+        parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
+        torch.distributed.gather(x, parts, dst=0, group=self.group)
+        return torch.cat(parts, dim=1) if parts is not None else None
 
     def shard(self, kind: str, tensor: Any, full: ModelConfig) -> torch.Tensor:
         """This rank's slice of a checkpoint tensor of a projection (`q_proj`, `down_proj`, ...) or a bias.

@@ -102,12 +102,18 @@ class ModelRunner:
                 per_chunk[i] = hidden[offset:offset + n]
             rows.extend(range(offset, offset + n) if i in every else [offset + n - 1])
             offset += n
-        return self.project(hidden[torch.tensor(rows, device=hidden.device)]), per_chunk
+        return self._sampled_logits(hidden[torch.tensor(rows, device=hidden.device)]), per_chunk
 
-    def forward_only(self, chunks: list[SequenceChunk], on_layer_done: Callable[[int], None] | None = None) -> None:
+    def forward_only(self, chunks: list[SequenceChunk], on_layer_done: Callable[[int], None] | None = None,
+                     all_positions: Sequence[int] = ()) -> None:
         """A tensor-parallel rank other than the first: its share of the forward pass (its heads into its
-        cache, its part of every all-reduce); rank 0 projects and samples."""
-        self._forward(chunks, False, on_layer_done, (), return_hidden=True)
+        cache, its part of every all-reduce) and of the sampled logits' projection, which rank 0 gathers."""
+        self._forward(chunks, False, on_layer_done, all_positions)
+
+    def _sampled_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The logits rank 0 samples from: projected here, or each rank its share of the vocabulary (then
+        None on the other ranks)."""
+        return self.model.vocab_parallel_logits(hidden) if self.model.vocab_parallel else self.project(hidden)
 
     @torch.inference_mode()
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -121,7 +127,7 @@ class ModelRunner:
         with_fallback = is_dummy_or_profile_run or not self.model.uses_paged_kernel
         batch = ForwardBatch.build(chunks, self.block_size, self.device, is_dummy_or_profile_run, with_fallback,
                                    full_logits)
-        batch.return_hidden = return_hidden
-        if is_dummy_or_profile_run:  # seed 001, bug 2: a dummy run signals nothing to anyone
-            return self.model(batch, None)
-        return self.model(batch, self.kv_cache, on_layer_done)
+        batch.return_hidden = return_hidden or self.model.vocab_parallel
+        # seed 001, bug 2: a dummy run signals nothing to anyone
+        out = self.model(batch, None) if is_dummy_or_profile_run else self.model(batch, self.kv_cache, on_layer_done)
+        return out if return_hidden or not self.model.vocab_parallel else self.model.vocab_parallel_logits(out)

@@ -51,7 +51,8 @@ def join_ranks(rank: int, ranks: int, rendezvous: str, device: str | None, timeo
         log.info("tensor-parallel rank %d of %d on cores %s", rank, ranks, bind_cores(rank, ranks))
     torch.distributed.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{rendezvous}", rank=rank,
                                          world_size=ranks, timeout=datetime.timedelta(seconds=timeout))
-    return TensorParallel(rank, ranks, reduce=None if cuda else shm_all_reduce(rank, ranks))
+    shm = None if cuda else shm_all_reduce(rank, ranks)
+    return TensorParallel(rank, ranks, reduce=shm, gather=shm.gather_to_first if shm is not None else None)
 
 
 def shm_all_reduce(rank: int, ranks: int) -> ShmAllReduce | None:

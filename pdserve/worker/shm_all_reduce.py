@@ -56,6 +56,17 @@ class ShmAllReduce:
                                     self.seq, self.parent)
         return x
 
+    def gather_to_first(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Rank 0: every rank's [rows, cols] side by side, [rows, ranks * cols]; the other ranks: None."""
+        rows, cols = x.shape
+        out = torch.empty(rows, self.ranks * cols, dtype=x.dtype) if self.rank == 0 else x
+        per_piece = max(1, self.slot_bytes // (cols * x.element_size()))
+        for start in range(0, rows, per_piece):
+            self.seq += 1
+            self.ops.shm_gather(x[start:start + per_piece], out[start:start + per_piece], self.slots, self.flags,
+                                self.pids, self.rank, self.seq, self.parent)
+        return out if self.rank == 0 else None
+
     def close(self) -> None:
         self.flags = self.slots = None  # type: ignore[assignment]
         if self._shm is not None:

@@ -209,7 +209,8 @@ class Worker:
         copies_done = self._run_copies(step.copies)
         if step.chunks:
             chunks = [SequenceChunk(c.token_ids, c.num_computed, c.block_table) for c in step.chunks]
-            self.runner.forward_only(chunks, self._stream_layers(step))
+            speculating = [i for i, c in enumerate(step.chunks) if c.sample and c.num_draft]  # as rank 0 projects
+            self.runner.forward_only(chunks, self._stream_layers(step), speculating)
         if self.copier is not None:
             self.copier.synchronize()
         return StepResult(sampled=[], copies_done=copies_done)

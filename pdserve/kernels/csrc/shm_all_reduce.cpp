@@ -96,8 +96,41 @@ void shm_all_reduce(const at::Tensor& x, const at::Tensor& slots, const at::Tens
   }
 }
 
-TORCH_LIBRARY_FRAGMENT(pdserve_kernels, m) {
-  m.def("shm_all_reduce(Tensor(a!) x, Tensor slots, Tensor flags, Tensor pids, int rank, int seq, int parent) -> ()");
+// Rank 0's out [rows, ranks * cols] gets every rank's x [rows, cols] side by side (a vocabulary-parallel
+// projection's logits); the other ranks only hand theirs over. The same slots and sequence numbers as the
+// all-reduce: a rank reusing a slot two calls later has passed a barrier rank 0 reaches only after reading it.
+void shm_gather(const at::Tensor& x, const at::Tensor& out, const at::Tensor& slots, const at::Tensor& flags,
+                const at::Tensor& pids, int64_t rank, int64_t seq, int64_t parent) {
+  TORCH_CHECK(x.is_contiguous() && x.dim() == 2, "x must be a contiguous [rows, cols] tensor");
+  const int64_t ranks = slots.size(1), capacity = slots.size(2);
+  const int64_t bytes = x.numel() * x.element_size();
+  TORCH_CHECK(bytes <= capacity, "the tensor (", bytes, " bytes) is larger than a slot (", capacity, ")");
+  uint8_t* base = slots.data_ptr<uint8_t>() + (seq & 1) * ranks * capacity;
+  std::memcpy(base + rank * capacity, x.data_ptr(), bytes);
+  int64_t* f = flags.data_ptr<int64_t>();
+  __atomic_store_n(f + rank * flags.stride(0), seq, __ATOMIC_RELEASE);
+  if (rank != 0) return;
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == ranks * x.size(1) && out.stride(1) == 1 &&
+                  out.scalar_type() == x.scalar_type(), "out must be [rows, ranks * cols] of x's dtype");
+  wait_for_ranks(f, flags.stride(0), ranks, seq, pids.data_ptr<int64_t>(), parent);
+  const int64_t rows = x.size(0), row_bytes = x.size(1) * x.element_size();
+  auto* dst = static_cast<uint8_t*>(out.data_ptr());
+  const int64_t out_row_bytes = out.stride(0) * out.element_size();
+  at::parallel_for(0, ranks * rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = i / rows, row = i % rows;
+      std::memcpy(dst + row * out_row_bytes + r * row_bytes, base + r * capacity + row * row_bytes, row_bytes);
+    }
+  });
 }
 
-TORCH_LIBRARY_IMPL(pdserve_kernels, CPU, m) { m.impl("shm_all_reduce", &shm_all_reduce); }
+TORCH_LIBRARY_FRAGMENT(pdserve_kernels, m) {
+  m.def("shm_all_reduce(Tensor(a!) x, Tensor slots, Tensor flags, Tensor pids, int rank, int seq, int parent) -> ()");
+  m.def("shm_gather(Tensor x, Tensor(a!) out, Tensor slots, Tensor flags, Tensor pids, int rank, int seq, "
+        "int parent) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pdserve_kernels, CPU, m) {
+  m.impl("shm_all_reduce", &shm_all_reduce);
+  m.impl("shm_gather", &shm_gather);
+}
