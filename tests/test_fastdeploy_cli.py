@@ -44,7 +44,7 @@ def test_the_seed_command_line_names_each_flag_pdserve_lacks():
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 2, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("pdserve: error:")]
-    refused = ["--data-parallel-size 16", "--enable-expert-parallel", "--scheduler-name dp", "--ips",
+    refused = ["--enable-expert-parallel", "--scheduler-name dp", "--ips",
                "--quantization block_wise_fp8", "--tensor-parallel-size 4"]  # rdma is served (NIXL)
     assert len(errors) == len(refused), proc.stderr
     for flag, line in zip(refused, errors, strict=True):

@@ -14,9 +14,9 @@ import openai
 import pytest
 import yaml
 
+from pdserve.balancing.policies import CacheAware, LeastRequests, LeastTokens, PowerOfTwo, RoundRobin, RoutedRequest
 from pdserve.deploy.cluster_auth import SIGNATURE_HEADER, sign_body
 from pdserve.http.wire import Registration
-from pdserve.router.policies import CacheAware, LeastRequests, LeastTokens, PowerOfTwo, RoundRobin, RoutedRequest
 from pdserve.router.prefill_decider import PrefillDecider
 from pdserve.router.registry import Instance, Registry
 from pdserve.router.selector import Selector, compatible, pair_transport

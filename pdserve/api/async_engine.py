@@ -99,6 +99,13 @@ class AsyncEngine:
         finally:
             self._calls.pop(call_id, None)
 
+    async def stats_by_rank(self) -> list[tuple[int, dict | None]]:
+        """The engine's `stats`, as the one data-parallel rank (None when it cannot answer)."""
+        try:
+            return [(0, await self.call("stats"))]
+        except (EngineError, TimeoutError):
+            return [(0, None)]
+
     async def _send(self, msg: object) -> None:
         try:
             await self._inputs.send(self._encoder.encode(msg))

@@ -6,8 +6,8 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pdserve.api.async_engine import AsyncEngine
+from pdserve.api.data_parallel import DataParallelEngine
 from pdserve.api.generation import Generation
-from pdserve.engine.engine_client import EngineError
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -15,6 +15,10 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 class ServerMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+
+        def ranked(name: str, doc: str) -> Gauge:  # engine state, one series per data-parallel rank
+            return Gauge(name, doc, ["dp_rank"], registry=r)
+
         self.requests = Counter("pdserve_requests", "finished requests by outcome", ["finish_reason"], registry=r)
         self.in_flight = Gauge("pdserve_requests_in_flight", "requests being served", registry=r)
         self.prompt_tokens = Counter("pdserve_prompt_tokens", "prompt tokens of finished requests", registry=r)
@@ -27,73 +31,68 @@ class ServerMetrics:
                              buckets=LATENCY_BUCKETS, registry=r)
         self.queue = Histogram("pdserve_request_queue_time_seconds", "engine arrival to first scheduled",
                                buckets=LATENCY_BUCKETS, registry=r)
-        self.running = Gauge("pdserve_num_requests_running", "requests in the running batch", registry=r)
-        self.waiting = Gauge("pdserve_num_requests_waiting", "requests waiting for admission", registry=r)
-        self.kv_usage = Gauge("pdserve_kv_cache_usage_ratio", "share of KV blocks in use", registry=r)
-        self.free_blocks = Gauge("pdserve_kv_cache_free_blocks", "free KV blocks", registry=r)
-        self.prefix_queries = Gauge("pdserve_prefix_cache_queried_tokens", "prompt tokens looked up", registry=r)
-        self.prefix_hits = Gauge("pdserve_prefix_cache_hit_tokens", "prompt tokens served from cache", registry=r)
-        self.prefix_hit_rate = Gauge("pdserve_prefix_cache_hit_rate", "hit tokens / queried tokens", registry=r)
-        self.preemptions = Gauge("pdserve_num_preemptions", "requests preempted so far", registry=r)
-        self.total_blocks = Gauge("pdserve_kv_cache_total_blocks", "KV blocks in the cache", registry=r)
+        self.running = ranked("pdserve_num_requests_running", "requests in the running batch")
+        self.waiting = ranked("pdserve_num_requests_waiting", "requests waiting for admission")
+        self.kv_usage = ranked("pdserve_kv_cache_usage_ratio", "share of KV blocks in use")
+        self.free_blocks = ranked("pdserve_kv_cache_free_blocks", "free KV blocks")
+        self.prefix_queries = ranked("pdserve_prefix_cache_queried_tokens", "prompt tokens looked up")
+        self.prefix_hits = ranked("pdserve_prefix_cache_hit_tokens", "prompt tokens served from cache")
+        self.prefix_hit_rate = ranked("pdserve_prefix_cache_hit_rate", "hit tokens / queried tokens")
+        self.preemptions = ranked("pdserve_num_preemptions", "requests preempted so far")
+        self.total_blocks = ranked("pdserve_kv_cache_total_blocks", "KV blocks in the cache")
         # PD disaggregation (prefill instances send, decode instances receive)
-        self.kv_sent = Gauge("pdserve_kv_transfer_bytes_sent", "KV bytes written into decode instances", registry=r)
-        self.kv_received = Gauge("pdserve_kv_transfer_bytes_received", "KV bytes received from prefill instances",
-                                 registry=r)
-        self.transfers_ok = Gauge("pdserve_kv_transfers_ok", "KV transfers completed", registry=r)
-        self.transfers_failed = Gauge("pdserve_kv_transfers_failed", "KV transfers that failed", registry=r)
+        self.kv_sent = ranked("pdserve_kv_transfer_bytes_sent", "KV bytes written into decode instances")
+        self.kv_received = ranked("pdserve_kv_transfer_bytes_received", "KV bytes received from prefill instances")
+        self.transfers_ok = ranked("pdserve_kv_transfers_ok", "KV transfers completed")
+        self.transfers_failed = ranked("pdserve_kv_transfers_failed", "KV transfers that failed")
         self.transfer_seconds = Histogram("pdserve_kv_transfer_seconds",
                                           "prefill: first scheduled to last layer written; decode: cache info "
                                           "sent to prefill done", buckets=LATENCY_BUCKETS, registry=r)
-        self.transfer_gbps = Gauge("pdserve_kv_transfer_gbps", "KV bytes over transfer seconds, last refresh",
-                                   registry=r)
-        self.preallocated = Gauge("pdserve_num_requests_preallocated",
-                                  "decode: requests holding blocks while their KV arrives", registry=r)
-        self.queued_for_blocks = Gauge("pdserve_num_requests_queued_for_blocks",
-                                       "decode: PD requests waiting for free blocks", registry=r)
+        self.transfer_gbps = ranked("pdserve_kv_transfer_gbps", "KV bytes over transfer seconds, last refresh")
+        self.preallocated = ranked("pdserve_num_requests_preallocated",
+                                  "decode: requests holding blocks while their KV arrives")
+        self.queued_for_blocks = ranked("pdserve_num_requests_queued_for_blocks",
+                                       "decode: PD requests waiting for free blocks")
         self.transfers_by_protocol = Gauge("pdserve_kv_transfers_by_protocol",
                                            "prefill: KV transfers completed, by transport", ["protocol"], registry=r)
-        self.refused_control = Gauge("pdserve_pd_refused_control_messages",
-                                     "control messages refused: forged, replayed or from another cluster", registry=r)
-        self.refused_kv = Gauge("pdserve_kv_refused_connections",
-                                "decode: KV data connections refused (no or another --cluster-secret)", registry=r)
-        self.blocks_skipped = Gauge("pdserve_kv_blocks_skipped",
-                                    "decode: prompt blocks not transferred, found in this instance's prefix cache",
-                                    registry=r)
+        self.refused_control = ranked("pdserve_pd_refused_control_messages",
+                                     "control messages refused: forged, replayed or from another cluster")
+        self.refused_kv = ranked("pdserve_kv_refused_connections",
+                                 "decode: KV data connections refused (no or another --cluster-secret)")
+        self.blocks_skipped = ranked("pdserve_kv_blocks_skipped",
+                                    "decode: prompt blocks not transferred, found in this instance's prefix cache")
         # decode role with --splitwise-cache-buffer-size (seed 002)
-        self.buffer_blocks = Gauge("pdserve_splitwise_buffer_blocks", "blocks of the splitwise cache buffer",
-                                   registry=r)
-        self.buffer_used = Gauge("pdserve_splitwise_buffer_blocks_used", "buffer blocks holding KV", registry=r)
+        self.buffer_blocks = ranked("pdserve_splitwise_buffer_blocks", "blocks of the splitwise cache buffer")
+        self.buffer_used = ranked("pdserve_splitwise_buffer_blocks_used", "buffer blocks holding KV")
         self.buffered = Gauge("pdserve_num_requests_buffered",
                               "PD requests whose KV is in the buffer, waiting for (or being copied to) cache blocks",
-                              registry=r)
-        self.swap_in_bytes = Gauge("pdserve_kv_swap_in_bytes", "KV bytes copied buffer -> cache", registry=r)
+                              ["dp_rank"], registry=r)
+        self.swap_in_bytes = ranked("pdserve_kv_swap_in_bytes", "KV bytes copied buffer -> cache")
         self.swap_in_seconds = Histogram("pdserve_kv_swap_in_seconds", "one request's copy buffer -> cache",
                                          buckets=(0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1), registry=r)
         self.buffer_wait_seconds = Histogram("pdserve_splitwise_buffer_wait_seconds",
                                              "KV complete in the buffer -> copy into the cache started",
                                              buckets=(0.001, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30), registry=r)
         # the host prefix tier (--swap-space)
-        self.host_blocks = Gauge("pdserve_host_cache_blocks", "blocks of the host prefix tier", registry=r)
+        self.host_blocks = ranked("pdserve_host_cache_blocks", "blocks of the host prefix tier")
         self.host_used = Gauge("pdserve_host_cache_blocks_used", "host tier blocks holding KV (or being written)",
-                               registry=r)
-        self.host_hits = Gauge("pdserve_host_cache_hit_blocks", "prompt blocks served from the host tier",
-                               registry=r)
-        self.host_swap_ins = Gauge("pdserve_host_cache_swap_in_blocks", "blocks copied host tier -> cache",
-                                   registry=r)
-        self.host_swap_outs = Gauge("pdserve_host_cache_swap_out_blocks", "blocks copied cache -> host tier",
-                                    registry=r)
-        self.host_swap_in_seconds = Gauge("pdserve_host_cache_swap_in_seconds",
-                                          "engine time spent waiting for host tier -> cache copies", registry=r)
+                               ["dp_rank"], registry=r)
+        self.host_hits = ranked("pdserve_host_cache_hit_blocks", "prompt blocks served from the host tier")
+        self.host_swap_ins = ranked("pdserve_host_cache_swap_in_blocks", "blocks copied host tier -> cache")
+        self.host_swap_outs = ranked("pdserve_host_cache_swap_out_blocks", "blocks copied cache -> host tier")
+        self.host_swap_in_seconds = ranked("pdserve_host_cache_swap_in_seconds",
+                                          "engine time spent waiting for host tier -> cache copies")
         # --speculative-config (vLLM's spec_decode names)
-        self.spec_drafts = Gauge("pdserve_spec_decode_num_drafts", "sequence steps that carried proposals",
-                                 registry=r)
-        self.spec_draft_tokens = Gauge("pdserve_spec_decode_num_draft_tokens", "tokens proposed", registry=r)
-        self.spec_accepted = Gauge("pdserve_spec_decode_num_accepted_tokens", "proposed tokens accepted", registry=r)
+        self.spec_drafts = ranked("pdserve_spec_decode_num_drafts", "sequence steps that carried proposals")
+        self.spec_draft_tokens = ranked("pdserve_spec_decode_num_draft_tokens", "tokens proposed")
+        self.spec_accepted = ranked("pdserve_spec_decode_num_accepted_tokens", "proposed tokens accepted")
+        self.dp_served = ranked("pdserve_data_parallel_requests", "requests sent to each data-parallel rank")
+        self.dp_restarts = ranked("pdserve_data_parallel_restarts", "times a data-parallel rank's engine was started "
+                                 "again")
         self.spec_accepted_per_pos = Gauge("pdserve_spec_decode_num_accepted_tokens_per_pos",
                                            "proposals accepted at each position of a proposal", ["position"],
                                            registry=r)
-        self._last_bytes = 0
+        self._last_bytes: dict[str, int] = {}
 
     def request_started(self) -> None:
         self.in_flight.inc()
@@ -116,74 +115,82 @@ class ServerMetrics:
         if t.first_token is not None and t.last_token is not None and gen.completion_tokens > 1:
             self.tpot.observe((t.last_token - t.first_token) / (gen.completion_tokens - 1))
 
-    async def render(self, engine: AsyncEngine) -> Response:
+    async def render(self, engine: AsyncEngine | DataParallelEngine) -> Response:
         await self.refresh(engine)
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
-    async def refresh(self, engine: AsyncEngine) -> None:
-        """Set the engine gauges from a fresh `stats` call (left as they were if the engine cannot answer)."""
-        try:
-            stats = await engine.call("stats")
-        except (EngineError, TimeoutError):
-            stats = None
-        if stats:
-            self.running.set(stats["running"])
-            self.waiting.set(stats["waiting"])
-            self.kv_usage.set(stats["kv_usage"])
-            self.free_blocks.set(stats["free_blocks"])
-            self.prefix_queries.set(stats["prefix_cache_queried_tokens"])
-            self.prefix_hits.set(stats["prefix_cache_hit_tokens"])
-            q = stats["prefix_cache_queried_tokens"]
-            self.prefix_hit_rate.set(stats["prefix_cache_hit_tokens"] / q if q else 0.0)
-            self.preemptions.set(stats["num_preemptions"])
-            self.total_blocks.set(stats["num_blocks"])
-            self.preallocated.set(stats["preallocated"])
-            if "host_blocks" in stats:
-                self._refresh_host_tier(stats)
-            if "kv_bytes_sent" in stats:
-                self._refresh_pd(stats)
-            if "spec_decode_num_drafts" in stats:
-                self._refresh_spec_decode(stats)
+    async def refresh(self, engine: AsyncEngine | DataParallelEngine) -> None:
+        """Set the engine gauges from fresh `stats` calls, labelled by data-parallel rank (a rank that cannot
+        answer keeps its values)."""
+        by_protocol: dict[str, float] = {}
+        for rank, stats in await engine.stats_by_rank():
+            if stats:
+                self._refresh_rank(str(rank), stats)
+                for protocol, n in stats.get("kv_transfers_by_protocol", {}).items():
+                    by_protocol[protocol] = by_protocol.get(protocol, 0) + n
+        for protocol, n in by_protocol.items():
+            self.transfers_by_protocol.labels(protocol).set(n)
+        if isinstance(engine, DataParallelEngine):
+            for r in engine.ranks:
+                self.dp_served.labels(str(r.rank)).set(r.served)
+                self.dp_restarts.labels(str(r.rank)).set(len(r.restarts))
 
-    def _refresh_spec_decode(self, stats: dict) -> None:
-        self.spec_drafts.set(stats["spec_decode_num_drafts"])
-        self.spec_draft_tokens.set(stats["spec_decode_num_draft_tokens"])
-        self.spec_accepted.set(stats["spec_decode_num_accepted_tokens"])
+    def _refresh_rank(self, rank: str, stats: dict) -> None:
+        self.running.labels(rank).set(stats["running"])
+        self.waiting.labels(rank).set(stats["waiting"])
+        self.kv_usage.labels(rank).set(stats["kv_usage"])
+        self.free_blocks.labels(rank).set(stats["free_blocks"])
+        self.prefix_queries.labels(rank).set(stats["prefix_cache_queried_tokens"])
+        self.prefix_hits.labels(rank).set(stats["prefix_cache_hit_tokens"])
+        q = stats["prefix_cache_queried_tokens"]
+        self.prefix_hit_rate.labels(rank).set(stats["prefix_cache_hit_tokens"] / q if q else 0.0)
+        self.preemptions.labels(rank).set(stats["num_preemptions"])
+        self.total_blocks.labels(rank).set(stats["num_blocks"])
+        self.preallocated.labels(rank).set(stats["preallocated"])
+        if "host_blocks" in stats:
+            self._refresh_host_tier(rank, stats)
+        if "kv_bytes_sent" in stats:
+            self._refresh_pd(rank, stats)
+        if "spec_decode_num_drafts" in stats:
+            self._refresh_spec_decode(rank, stats)
+
+    def _refresh_spec_decode(self, rank: str, stats: dict) -> None:
+        self.spec_drafts.labels(rank).set(stats["spec_decode_num_drafts"])
+        self.spec_draft_tokens.labels(rank).set(stats["spec_decode_num_draft_tokens"])
+        self.spec_accepted.labels(rank).set(stats["spec_decode_num_accepted_tokens"])
         for pos, n in enumerate(stats["spec_decode_num_accepted_tokens_per_pos"]):
             self.spec_accepted_per_pos.labels(position=str(pos)).set(n)
 
-    def _refresh_host_tier(self, stats: dict) -> None:
-        self.host_blocks.set(stats["host_blocks"])
-        self.host_used.set(stats["host_blocks_used"])
-        self.host_hits.set(stats["host_hit_blocks"])
-        self.host_swap_ins.set(stats["host_swap_in_blocks"])
-        self.host_swap_outs.set(stats["host_swap_out_blocks"])
-        self.host_swap_in_seconds.set(stats["host_swap_in_seconds"])
+    def _refresh_host_tier(self, rank: str, stats: dict) -> None:
+        self.host_blocks.labels(rank).set(stats["host_blocks"])
+        self.host_used.labels(rank).set(stats["host_blocks_used"])
+        self.host_hits.labels(rank).set(stats["host_hit_blocks"])
+        self.host_swap_ins.labels(rank).set(stats["host_swap_in_blocks"])
+        self.host_swap_outs.labels(rank).set(stats["host_swap_out_blocks"])
+        self.host_swap_in_seconds.labels(rank).set(stats["host_swap_in_seconds"])
 
-    def _refresh_pd(self, stats: dict) -> None:
-        self.kv_sent.set(stats["kv_bytes_sent"])
-        self.kv_received.set(stats["kv_bytes_received"])
-        self.transfers_ok.set(stats["kv_transfers_ok"])
-        self.transfers_failed.set(stats["kv_transfers_failed"])
-        self.queued_for_blocks.set(stats.get("pd_queued_for_blocks", 0))
-        self.refused_control.set(stats.get("pd_refused_control_messages", 0))
-        self.refused_kv.set(stats.get("kv_refused_connections", 0))
-        self.blocks_skipped.set(stats.get("pd_kv_blocks_skipped", 0))
+    def _refresh_pd(self, rank: str, stats: dict) -> None:
+        self.kv_sent.labels(rank).set(stats["kv_bytes_sent"])
+        self.kv_received.labels(rank).set(stats["kv_bytes_received"])
+        self.transfers_ok.labels(rank).set(stats["kv_transfers_ok"])
+        self.transfers_failed.labels(rank).set(stats["kv_transfers_failed"])
+        self.queued_for_blocks.labels(rank).set(stats.get("pd_queued_for_blocks", 0))
+        self.refused_control.labels(rank).set(stats.get("pd_refused_control_messages", 0))
+        self.refused_kv.labels(rank).set(stats.get("kv_refused_connections", 0))
+        self.blocks_skipped.labels(rank).set(stats.get("pd_kv_blocks_skipped", 0))
         if "pd_buffer_blocks" in stats:
-            self.buffer_blocks.set(stats["pd_buffer_blocks"])
-            self.buffer_used.set(stats["pd_buffer_blocks_used"])
-            self.buffered.set(stats["pd_buffered_requests"])
-            self.swap_in_bytes.set(stats["kv_swap_in_bytes"])
+            self.buffer_blocks.labels(rank).set(stats["pd_buffer_blocks"])
+            self.buffer_used.labels(rank).set(stats["pd_buffer_blocks_used"])
+            self.buffered.labels(rank).set(stats["pd_buffered_requests"])
+            self.swap_in_bytes.labels(rank).set(stats["kv_swap_in_bytes"])
             for s in stats["kv_swap_in_seconds"]:
                 self.swap_in_seconds.observe(s)
             for s in stats["pd_buffer_wait_seconds"]:
                 self.buffer_wait_seconds.observe(s)
-        for protocol, n in stats.get("kv_transfers_by_protocol", {}).items():
-            self.transfers_by_protocol.labels(protocol).set(n)
         seconds = stats["kv_transfer_seconds"]
         for s in seconds:
             self.transfer_seconds.observe(s)
         moved = stats["kv_bytes_sent"] + stats["kv_bytes_received"]
         if seconds and sum(seconds) > 0:
-            self.transfer_gbps.set((moved - self._last_bytes) / sum(seconds) / 1e9)
-        self._last_bytes = moved
+            self.transfer_gbps.labels(rank).set((moved - self._last_bytes.get(rank, 0)) / sum(seconds) / 1e9)
+        self._last_bytes[rank] = moved

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import socket
@@ -12,22 +13,28 @@ import socket
 import uvicorn
 
 from pdserve.api.async_engine import AsyncEngine
+from pdserve.api.data_parallel import DataParallelEngine, EngineRank
 from pdserve.api.metrics import ServerMetrics
 from pdserve.api.sampling_defaults import load_sampling_defaults
 from pdserve.api.server import build_app
 from pdserve.api.settings import ServerSettings
 from pdserve.api.state import ServerState
+from pdserve.config.engine import EngineConfig
 from pdserve.config.engine_args import engine_config_from_args
 from pdserve.config.fastdeploy_flags import fastdeploy_refusals
 from pdserve.config.flags import from_args
+from pdserve.config.roles import Role
 from pdserve.deploy.cluster_auth import ENV
 from pdserve.engine.engine_client import EngineClient
 from pdserve.http.wire import Registration
 from pdserve.loader import model_name, resolve_model_folder, tensor_parallel_refusal
 from pdserve.tokenization.tokenizer import Tokenizer
 from pdserve.transport.base import HOST_ID_ENV, host_id
+from pdserve.utils.cores import core_share, my_cores, visible_gpus
+from pdserve.utils.dtype_names import gpu_present
 from pdserve.utils.memory import release_freed_memory
 from pdserve.utils.process import die_with_parent, exit_on_sigterm
+from pdserve.utils.shm_room import free_host_memory
 from pdserve.utils.uvicorn_run import listening_socket, serve_and_announce, server_config
 
 log = logging.getLogger("pdserve.serve")
@@ -89,21 +96,17 @@ def serve(args: argparse.Namespace) -> int:
     tokenizer = Tokenizer(folder)
     release_freed_memory()  # what parsing tokenizer.json left in the heap
     sampling_defaults = load_sampling_defaults(settings.generation_config, folder)
-    client = EngineClient(config, name)
+    engine = start_engines(config, name, settings.data_parallel_size, args.pd_comm_port or [])
     try:
+        ready = engine.ranks[0].engine.client.ready if isinstance(engine, DataParallelEngine) else engine.client.ready
         metrics = ServerMetrics()
-        state = ServerState(AsyncEngine(client), tokenizer, name, client.ready.max_model_len, settings.max_concurrency,
-                            metrics, api_key=settings.api_key, sampling_defaults=sampling_defaults,
-                            tool_call_parser=settings.tool_call_parser)
-        ready = client.ready
+        state = ServerState(engine, tokenizer, name, ready.max_model_len, settings.max_concurrency, metrics,
+                            api_key=settings.api_key, sampling_defaults=sampling_defaults,
+                            tool_call_parser=settings.tool_call_parser, data_parallel_size=settings.data_parallel_size)
         if settings.router:
             state.router_urls = settings.router
-            state.instance = Registration(
-                role=ready.role, url=f"http://{advertise}:{port}", host=advertise, host_id=host_id(),
-                pid=os.getpid(), metrics_port=metrics_port, model=name,
-                pd_comm=f"{advertise}:{ready.pd_comm_port}" if ready.pd_comm_port else None,
-                transports=ready.transports, tp_size=config.tensor_parallel_size,
-                block_size=ready.block_size, compatibility_key=ready.compatibility_key).model_dump()
+            state.instances = registrations(engine, f"http://{advertise}:{port}", advertise, metrics_port, name,
+                                            config.tensor_parallel_size)
         from prometheus_client import start_http_server
 
         metrics_reservation.close()
@@ -111,17 +114,64 @@ def serve(args: argparse.Namespace) -> int:
         server = uvicorn.Server(server_config(build_app(state), host, port))
         state.request_shutdown = lambda: setattr(server, "should_exit", True)
         asyncio.run(serve_and_announce(server, _announcement(host, port, metrics_port, name, ready.role,
-                                                             ready.pd_comm_port),
+                                                             ready.pd_comm_port, settings.data_parallel_size),
                                        sockets=[http_socket]))
     finally:
-        client.close()
+        engine.close() if isinstance(engine, DataParallelEngine) else engine.client.close()
         http_socket.close()
         metrics_reservation.close()
     return state.exit_code
 
 
-def _announcement(host: str, port: int, metrics_port: int, name: str, role: str, pd_comm_port: int | None) -> str:
+def start_engines(config: EngineConfig, name: str, ranks: int, pd_ports: list[int]) -> AsyncEngine | DataParallelEngine:
+    """One engine, or `ranks` data-parallel ones started side by side, each on its share of this process's
+    cores, rank r with the r-th --pd-comm-port (a free one past the list) and its own startup log."""
+    if ranks == 1:
+        return AsyncEngine(EngineClient(config, name))
+    memory = config.kv_cache_memory or (None if gpu_present() else free_host_memory())  # CPU: shared by the ranks
+    configs = [dataclasses.replace(config, pd_comm_port=pd_ports[r] if r < len(pd_ports) else None,
+                                   kv_cache_memory=memory // ranks if memory else None,
+                                   startup_log=f"{config.startup_log}.dp{r}" if config.startup_log and r else
+                                   config.startup_log) for r in range(ranks)]
+    gpus, per_rank = visible_gpus(), config.tensor_parallel_size
+
+    def start(rank_config: EngineConfig, rank: int) -> EngineClient:
+        """Starts rank `rank`'s engine process (from this thread) without waiting for it to be ready."""
+        mine = gpus[rank * per_rank:(rank + 1) * per_rank] if len(gpus) >= ranks * per_rank else []
+        return EngineClient(rank_config, name, core_share(my_cores(), rank, ranks) or None,
+                            {"CUDA_VISIBLE_DEVICES": ",".join(mine)} if mine else None, wait=False)
+
+    clients = [start(c, r) for r, c in enumerate(configs)]  # side by side; each waited for below
+    try:
+        for client in clients:
+            client.wait_ready()
+    except BaseException:
+        for client in clients:
+            client.close(ask=False)
+        raise
+    return DataParallelEngine([EngineRank(r, c, AsyncEngine(client))
+                               for r, (c, client) in enumerate(zip(configs, clients, strict=True))], start)
+
+
+def registrations(engine: AsyncEngine | DataParallelEngine, url: str, advertise: str, metrics_port: int, name: str,
+                  tp_size: int) -> list[dict]:
+    """What this server registers with the router: itself, or in PD roles each data-parallel rank as its own
+    endpoint (`/dp/R`, its own control-plane port), since the router pairs ranks, not servers."""
+    clients = ([(f"{url}/dp/{r.rank}", r.engine.client) for r in engine.ranks] if isinstance(engine, DataParallelEngine)
+               else [(url, engine.client)])
+    if clients[0][1].ready.role == Role.MIXED:
+        clients = [(url, clients[0][1])]  # the server balances its ranks itself
+    return [Registration(role=c.ready.role, url=u, host=advertise, host_id=host_id(), pid=os.getpid(),
+                         metrics_port=metrics_port, model=name,
+                         pd_comm=f"{advertise}:{c.ready.pd_comm_port}" if c.ready.pd_comm_port else None,
+                         transports=c.ready.transports, tp_size=tp_size, block_size=c.ready.block_size,
+                         compatibility_key=c.ready.compatibility_key).model_dump() for u, c in clients]
+
+
+def _announcement(host: str, port: int, metrics_port: int, name: str, role: str, pd_comm_port: int | None,
+                  data_parallel_size: int = 1) -> str:
     pd = f", pd-comm-port {pd_comm_port}" if pd_comm_port else ""
+    pd += f", {data_parallel_size} data-parallel ranks" if data_parallel_size > 1 else ""
     example = DEMO_REQUEST
     return (f"pdserve: serving {name} on http://{host}:{port} (OpenAI API under /v1, metrics on port {metrics_port}, "
             f"role {role}{pd})\n  curl http://{host}:{port}/v1/chat/completions "

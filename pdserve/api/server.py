@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+from pdserve.api.data_parallel import DataParallelPrefix
 from pdserve.api.errors import add_error_handlers
 from pdserve.api.registration import register_forever
 from pdserve.api.routes import openai, operations, tokens
@@ -29,8 +30,8 @@ def build_app(state: ServerState) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.engine.start()
         tasks = [asyncio.create_task(_refresh_metrics(state)), asyncio.create_task(_exit_when_engine_dies(state))]
-        if state.instance:
-            tasks += [asyncio.create_task(register_forever(url, state.instance)) for url in state.router_urls]
+        tasks += [asyncio.create_task(register_forever(url, instance)) for url in state.router_urls
+                  for instance in state.instances]
         yield
         for task in tasks:
             task.cancel()
@@ -41,6 +42,8 @@ def build_app(state: ServerState) -> FastAPI:
     app.state.server = state
     if state.api_key:
         app.middleware("http")(bearer_auth(state.api_key))
+    if state.data_parallel_size > 1:  # outermost: /dp/R/... is rank R's (the router's address of it)
+        app.add_middleware(DataParallelPrefix, ranks=state.data_parallel_size)
     add_error_handlers(app)
     for routes in (operations, openai, tokens):
         app.include_router(routes.router)

@@ -31,6 +31,10 @@ class ServerSettings:
     metrics_port: int | None = option(None, "Prometheus port (default: a free port, logged)", group=SERVER)
     served_model_name: str | None = option(None, "the model name clients send (default: from the path)", group=SERVER)
     max_concurrency: int = option(256, "requests in flight before answering 429", group=SERVER)
+    data_parallel_size: int = option(
+        1, "engine replicas behind this server, each with its own scheduler, KV cache and workers (and its share of "
+           "the cores); requests are balanced by load and prompt prefix; in PD roles each registers as its own "
+           "endpoint (/dp/R), with the R-th port of --pd-comm-port", group=SERVER, aliases=("-dp",))
     router: list[str] | None = option(
         None, "router URL to register with, e.g. http://127.0.0.1:8000 (host:port means http://host:port); a "
               "comma-separated list registers with each (several routers of one deployment)",

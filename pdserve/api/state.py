@@ -10,6 +10,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from pdserve.api.async_engine import AsyncEngine
+from pdserve.api.data_parallel import DataParallelEngine
 from pdserve.api.metrics import ServerMetrics
 from pdserve.tokenization.tokenizer import Tokenizer
 
@@ -23,7 +24,7 @@ class APIError(Exception):
 
 @dataclass
 class ServerState:
-    engine: AsyncEngine
+    engine: AsyncEngine | DataParallelEngine
     tokenizer: Tokenizer
     model_name: str
     max_model_len: int
@@ -32,12 +33,13 @@ class ServerState:
     in_flight: int = 0
     weights_cleared: bool = False
     router_urls: list[str] = field(default_factory=list)  # --router: register with each every few seconds
-    instance: dict | None = None  # what to register: role, url, control-plane address, transports
+    instances: list[dict] = field(default_factory=list)  # what to register (one per data-parallel rank in PD)
     api_key: str | None = None  # --api-key: /v1 requests must carry it as a Bearer token
     sampling_defaults: dict | None = None  # the model's generation_config values for omitted fields
     request_shutdown: Callable[[], None] | None = None  # stops the HTTP server (set by `pdserve serve`)
     exit_code: int = 0  # 1 once the engine died
     tool_call_parser: str = "hermes"  # --tool-call-parser
+    data_parallel_size: int = 1  # engine is a DataParallelEngine when above 1
 
 
 async def server_state(request: Request) -> ServerState:

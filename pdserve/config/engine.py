@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from pdserve.config.fastdeploy_flags import first_port
+from pdserve.config.fastdeploy_flags import first_port, per_rank_ports
 from pdserve.config.flags import option
 from pdserve.config.roles import Role
 from pdserve.spec_decode.config import SpeculativeConfig, speculative_config
@@ -75,7 +75,7 @@ class EngineConfig:
         group=PD)
     pd_comm_port: int | None = option(  # control plane (ZMQ); None: a free port, reported at startup
         None, "control-plane port of a prefill/decode instance (default: a free port); FastDeploy's per-rank list "
-        "'9800,9801' is accepted, its first port used", type=first_port, group=PD)
+        "'9800,9801' gives each data-parallel rank its own", type=per_rank_ports, group=PD)
     rdma_comm_port: int | None = option(  # the rdma transport's UCX TCP listeners (None: UCX picks)
         None, "the rdma transport's listen port (UCX's TCP listeners; default: UCX picks); FastDeploy's per-rank "
         "list is accepted, its first port used", flag="--rdma-comm-ports", type=first_port, group=PD)

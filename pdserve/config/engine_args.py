@@ -13,4 +13,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace, **extra: object) -> EngineConfig:
+    """The config of data-parallel rank 0 (--pd-comm-port's first port; `pdserve serve` gives the others theirs)."""
+    ports = getattr(args, "pd_comm_port", None)
+    if isinstance(ports, list) and "pd_comm_port" not in extra:
+        extra["pd_comm_port"] = ports[0]
     return from_args(EngineConfig, args, **extra)

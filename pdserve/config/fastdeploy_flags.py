@@ -5,9 +5,8 @@ Each FastDeploy flag is one row below: what FastDeploy means by it and what pdse
 log), or a refusal test (the value asks for something pdserve does not have: the start ends with
 exit 2 and one line per such flag, naming it and saying what pdserve offers instead).
 
-FastDeploy's comma lists give one value per data-parallel rank. pdserve runs one rank per instance,
-so the first value is the one used; `--data-parallel-size` above 1 is refused until data
-parallelism exists (start one instance per rank behind `pdserve router` instead).
+FastDeploy's comma lists give one value per data-parallel rank: `--pd-comm-port` gives each of pdserve's
+data-parallel ranks (`--data-parallel-size`, a server setting) its own; of the others the first value is used.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ from typing import Any
 
 log = logging.getLogger("pdserve.serve")
 
-ROUTER_INSTEAD = "start one pdserve instance per rank and pair them with `pdserve router` (--router URL)"
 
 
 def per_rank_ports(text: str) -> list[int]:
@@ -58,16 +56,11 @@ class FDFlag:
     refuse: Callable[[Any], str | None] = lambda value: None  # the reason a value cannot be served, or None
 
 
-def _above_one(what: str) -> Callable[[Any], str | None]:
-    return lambda n: f"{what}; {ROUTER_INSTEAD}" if n > 1 else None
-
-
 FLAGS: tuple[FDFlag, ...] = (
     FDFlag("--engine-worker-queue-port", per_rank_ports,
            unneeded="the engine and its worker talk over unix sockets in the instance's IPC folder"),
     FDFlag("--cache-queue-port", per_rank_ports,
            unneeded="the cache service is reached over a unix socket in the instance's IPC folder"),
-    FDFlag("--data-parallel-size", int, refuse=_above_one("one data-parallel rank per instance")),
     FDFlag("--workers", int, refuse=lambda n: "one HTTP process per instance (raise --max-concurrency); for more "
            "throughput start more instances behind `pdserve router`" if n > 1 else None),
     FDFlag("--enable-expert-parallel", None,

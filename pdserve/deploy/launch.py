@@ -37,6 +37,7 @@ from pdserve.deploy.settings import (
     ROUTER_DEFAULTS,
     ROUTER_FLAGS,
     LaunchSettings,
+    instance_flag,
     role_counts,
     tensor_parallel_sizes,
 )
@@ -65,6 +66,16 @@ class InstanceSpec:
     pd_comm_port: int | None  # prefill and decode: fixed, so a restarted instance comes back where it was
     host_id: str | None = None  # None: the machine's own
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+
+    @property
+    def endpoints(self) -> int:
+        """What it registers with the router: each data-parallel rank in PD roles, itself when mixed."""
+        return self.data_parallel_size if self.role != Role.MIXED else 1
+
+    @property
+    def cores_wanted(self) -> int:
+        return self.tensor_parallel_size * self.data_parallel_size
 
     def command(self, router_url: str, extra: list[str]) -> list[str]:
         host_id = ["--host-id", self.host_id] if self.host_id else []
@@ -113,14 +124,15 @@ def plan(launch: LaunchSettings, instance_args: list[str] = ()) -> list[Instance
     names = [(role, f"{role}-{i}") for role, count in role_counts(launch).items() for i in range(count)]
     hosts = instance_hosts(launch.host, len(names))
     tp = tensor_parallel_sizes(launch, list(instance_args))
+    dp = instance_flag(list(instance_args), ("--data-parallel-size", "-dp"), 1)
     return [InstanceSpec(name, role, host, free_port(host), free_port(host),
                          free_port(host) if role != Role.MIXED else None,
-                         f"launch-{host}" if launch.separate_hosts else None, tp[role])
+                         f"launch-{host}" if launch.separate_hosts else None, tp[role], dp)
             for (role, name), host in zip(names, hosts, strict=True)]
 
 
 def split_cpus(weights: list[int]) -> list[set[int] | None]:
-    """Cores for instances of these weights (their TP sizes): contiguous shares of this process's cores in
+    """Cores for instances of these weights (their TP x DP sizes): contiguous shares of this process's cores in
     proportion (an instance's ranks split its share, worker/ranks.py); one core each, shared round robin,
     when there are no more cores than instances. Torch threads of co-located instances that all spin on
     every core slow each other down several-fold; pinned, each runs at its share's speed."""
@@ -150,7 +162,7 @@ def lend_cores(specs: list[InstanceSpec], cpu_sets: list[set[int] | None],
     decodes = [i for i, s in enumerate(specs) if s.role == Role.DECODE]
     for p, d in zip(prefills, decodes, strict=False):
         own, lent = cpu_sets[d], cpu_sets[p]
-        ranked = specs[p].tensor_parallel_size > 1 or specs[d].tensor_parallel_size > 1  # ranks pin their own cores
+        ranked = specs[p].cores_wanted > 1 or specs[d].cores_wanted > 1  # ranks pin their own cores
         if not own or not lent or own & lent or ranked:
             continue
         flag = core_loan.create_flag(flags_dir / f"{specs[p].name}.flag")
@@ -200,7 +212,7 @@ def launch(args: argparse.Namespace) -> int:
             deployment.start(r.name, r.command(router_settings))
         registrations = registration_urls(settings.host, settings.port, routers)
         pinned = settings.cpu_binding != "none" and _cpu_only()
-        cpu_sets = split_cpus([s.tensor_parallel_size for s in specs]) if pinned else [None] * len(specs)
+        cpu_sets = split_cpus([s.cores_wanted for s in specs]) if pinned else [None] * len(specs)
         envs: list[dict[str, str]] = [{} for _ in specs]
         shares = memory_shares(args.instance_args, len(specs))
         if shares:
@@ -216,7 +228,7 @@ def launch(args: argparse.Namespace) -> int:
             if spec.role == Role.DECODE and settings.splitwise_cache_buffer_size:
                 extra += ["--splitwise-cache-buffer-size", str(settings.splitwise_cache_buffer_size)]
             deployment.start(spec.name, spec.command(",".join(registrations), extra), cpus, env)
-        error = _wait_ready(deployment, registrations, len(specs), settings.ready_timeout, stop)
+        error = _wait_ready(deployment, registrations, sum(s.endpoints for s in specs), settings.ready_timeout, stop)
         if error:
             print(f"pdserve launch: {error}", file=sys.stderr, flush=True)
             return 1

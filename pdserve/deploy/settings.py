@@ -43,13 +43,19 @@ class LaunchSettings:
         0.0, "GB of host buffer each decode instance receives the prefill's KV into (decode only)")
 
 
+def instance_flag(instance_args: list[str], names: tuple[str, ...], default: int) -> int:
+    """The value of an integer flag given to every instance (its last occurrence), else `default`."""
+    value = default
+    for i, arg in enumerate(instance_args):
+        name, _, given = arg.partition("=")
+        if name in names:
+            value = int(given or instance_args[i + 1])
+    return value
+
+
 def tensor_parallel_sizes(launch: Any, instance_args: list[str]) -> dict[Role, int]:
     """Each role's TP size: its own flag, else the --tensor-parallel-size (-tp) given to every instance, else 1."""
-    common = 1
-    for i, arg in enumerate(instance_args):
-        name, _, value = arg.partition("=")
-        if name in ("--tensor-parallel-size", "-tp"):
-            common = int(value or instance_args[i + 1])
+    common = instance_flag(instance_args, ("--tensor-parallel-size", "-tp"), 1)
     return {Role.PREFILL: launch.prefill_tensor_parallel_size or common,
             Role.DECODE: launch.decode_tensor_parallel_size or common, Role.MIXED: common}
 

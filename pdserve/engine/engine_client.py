@@ -43,7 +43,12 @@ class EngineError(RuntimeError):
 class EngineClient:
     POLL_MS = 200
 
-    def __init__(self, config: EngineConfig, model_name: str = "") -> None:
+    def __init__(self, config: EngineConfig, model_name: str = "", cpus: list[int] | None = None,
+                 env: dict[str, str] | None = None, wait: bool = True) -> None:
+        """`cpus`: the cores the engine and its workers may use (a data-parallel rank's share; None: ours);
+        `env`: more environment for it (a data-parallel rank's CUDA_VISIBLE_DEVICES); `wait=False`: return once
+        the process is started, `wait_ready()` later (the thread that starts it must outlive it: the engine's
+        parent-death signal follows the starting thread, not the process)."""
         sweep_stale()
         self._dir = tempfile.mkdtemp(prefix=ipc_folder_prefix(os.getpid()))
         self.ctx = zmq.Context()
@@ -58,14 +63,21 @@ class EngineClient:
                                       "--input", f"ipc://{Path(self._dir) / 'input'}",
                                       "--output", f"ipc://{Path(self._dir) / 'output'}",
                                       "--model-name", model_name, "--sockdir", str(Path(self._dir) / "engine")],
-                                     env=child_env())
+                                     env={**child_env(), **(env or {})},
+                                     preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(EngineMessage)
         self._call_ids = itertools.count()
         self._buffered: list[RequestOutput] = []
         self._closed = False
+        self._startup_timeout = config.startup_timeout
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Until the engine says it is ready (EngineReady, kept as `ready`); its failure raises EngineError."""
         try:
-            msg = self._receive(config.startup_timeout, "start")
+            msg = self._receive(self._startup_timeout, "start")
             if isinstance(msg, EngineDead):
                 raise EngineError(msg.error)
             if not isinstance(msg, EngineReady):

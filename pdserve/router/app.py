@@ -10,13 +10,13 @@ from contextlib import asynccontextmanager
 import aiohttp
 from fastapi import FastAPI
 
+from pdserve.balancing.policies import Policy, make_policy
 from pdserve.deploy.cluster_auth import SignatureCheck
 from pdserve.http.auth import bearer_auth
 from pdserve.http.wire import Registration
 from pdserve.router.forward import Forwarder
 from pdserve.router.health import HealthChecker
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.policies import Policy, make_policy
 from pdserve.router.prefill_decider import PrefillDecider
 from pdserve.router.prompt import PromptReader
 from pdserve.router.registry import Registry

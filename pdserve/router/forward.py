@@ -27,11 +27,11 @@ from dataclasses import dataclass
 import aiohttp
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pdserve.balancing.policies import RoutedRequest
 from pdserve.http.errors import PD_ERROR, error_body
 from pdserve.http.wire import PDRequest
 from pdserve.router.exchange import BROKEN, Exchange, cancel_response, close_late_response, drain, pump
 from pdserve.router.migration import AnswerSoFar, can_migrate
-from pdserve.router.policies import RoutedRequest
 from pdserve.router.registry import Instance, Registry
 from pdserve.router.selector import Route, Selector
 from pdserve.router.sse import DONE, error_event, server_error, take_token_ids, whole_events

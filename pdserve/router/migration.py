@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, replace
 
-from pdserve.router.policies import RoutedRequest
+from pdserve.balancing.policies import RoutedRequest
 from pdserve.router.registry import Instance, Registry
 
 MIGRATING_PATHS = ("/v1/completions", "/v1/chat/completions")

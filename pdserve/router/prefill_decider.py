@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.router.policies import RoutedRequest
-from pdserve.router.prefix_index import PrefixIndex
+from pdserve.balancing.policies import RoutedRequest
+from pdserve.balancing.prefix_index import PrefixIndex
 from pdserve.router.registry import Instance
 
 PD_POLICIES = ("always", "conditional")

@@ -8,8 +8,8 @@ A prompt the router cannot read is left for the instance to reject with its own 
 
 from __future__ import annotations
 
+from pdserve.balancing.policies import RoutedRequest
 from pdserve.http.chat_content import template_messages
-from pdserve.router.policies import RoutedRequest
 from pdserve.tokenization.tokenizer import Tokenizer
 from pdserve.tool_calling.prompt import render_messages, template_supports_tools
 

@@ -50,6 +50,10 @@ class Instance:
     def role(self) -> str:
         return self.info.role
 
+    @property
+    def block_size(self) -> int | None:
+        return self.info.block_size
+
     def as_dict(self) -> dict:
         return {**self.info.model_dump(), "healthy": self.healthy, "static": self.static,
                 "in_flight_requests": self.in_flight_requests, "in_flight_tokens": self.in_flight_tokens,

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pdserve.balancing.policies import Policy, RoutedRequest
 from pdserve.config.roles import Role
-from pdserve.router.policies import Policy, RoutedRequest
 from pdserve.router.prefill_decider import Decision, PrefillDecider
 from pdserve.router.registry import Instance, Registry
 from pdserve.transport import choose_protocol

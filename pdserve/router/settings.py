@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve.balancing.policies import POLICIES
 from pdserve.config.flags import option
 from pdserve.deploy.cluster_auth import ENV
-from pdserve.router.policies import POLICIES
 from pdserve.router.prefill_decider import PD_POLICIES
 
 API_KEY_ENV = "PDSERVE_API_KEY"

@@ -16,25 +16,16 @@ import torch
 
 from pdserve.kernels import cpu_ops
 from pdserve.model.tensor_parallel import TensorParallel
+from pdserve.utils.cores import core_share, my_cores
 from pdserve.worker.shm_all_reduce import ShmAllReduce
 
 log = logging.getLogger("pdserve.worker")
 GLOO_ENV = "PDSERVE_TP_GLOO"  # "1": all-reduce over gloo even where the shared-memory one is built (comparisons)
 
 
-def core_share(cores: list[int], rank: int, ranks: int) -> list[int]:
-    """Rank `rank`'s contiguous share of `cores` (all of them when there are fewer cores than ranks)."""
-    if len(cores) < ranks:
-        return cores
-    per, extra = divmod(len(cores), ranks)
-    start = rank * per + min(rank, extra)
-    return cores[start:start + per + (rank < extra)]
-
-
 def bind_cores(rank: int, ranks: int) -> list[int]:
     """Pin this process (and torch's threads) to its share of the instance's cores."""
-    cores = sorted(os.sched_getaffinity(0))
-    mine = core_share(cores, rank, ranks)
+    mine = core_share(my_cores(), rank, ranks)
     os.sched_setaffinity(0, mine)
     torch.set_num_threads(len(mine))
     return mine

@@ -1,6 +1,8 @@
-"""Tensor parallel through the servers: `pdserve serve -tp 2` answers as transformers does (fp32 greedy), keeps
-what apps send working, and a dead rank takes the instance down cleanly; a prefill and a decode instance of
-different TP sizes exchange the KV cache (both keep the instance's whole layout, each rank viewing its heads).
+"""Parallelism through the servers. Tensor parallel: `pdserve serve -tp 2` answers as transformers does (fp32
+greedy), keeps what apps send working, and a dead rank takes the instance down cleanly; a prefill and a decode
+instance of different TP sizes exchange the KV cache (both keep the instance's whole layout, each rank viewing its
+heads). Data parallel: `-dp 2` spreads requests over two engines and answers the same; a rank whose worker dies
+comes back while the other serves; in PD roles each rank is an endpoint the router pairs.
 
 The embedded model's 9 heads and 3 KV heads split only at TP=3, so these run a tiny random llama with the
 embedded model's tokenizer (4 heads, 2 KV heads). Prompts are token ids chosen so that transformers' top two
@@ -215,3 +217,65 @@ def test_a_rank_holds_only_its_share_of_the_weights(tmp_path: Path) -> None:
     assert whole > 400 << 20, grown  # fp32: 540 MB of weights
     assert len(grown["3"]) == 3 and max(grown["3"]) <= 0.6 * whole, grown
     print(f"weights resident: TP=1 {whole / 2**20:.0f} MiB; TP=3 ranks {[round(g / 2**20) for g in grown['3']]} MiB")
+
+
+def test_dp2_spreads_requests_answers_the_same_and_heals_a_dead_rank(tiny, tmp_path: Path) -> None:
+    folder, prompts, answers = tiny
+    before = segments()
+    server = Server(tmp_path, "--model", str(folder), "--dtype", "float32", "-dp", "2", "--num-gpu-blocks-override",
+                    "128")
+    try:
+        expected = _texts(folder, answers)
+        assert _completions(server.url, prompts) == expected
+        wait_for(lambda: all(metrics(server.metrics_port).get(f'pdserve_data_parallel_requests{{dp_rank="{r}"}}', 0)
+                             > 0 for r in (0, 1)), 5, "requests did not land on both ranks")
+        engines = server.children("pdserve.engine")
+        assert len(engines) == 2
+        if len(os.sched_getaffinity(0)) == 2:  # each rank's engine (and its worker) on a core of its own
+            assert sorted(e.cpu_affinity() for e in engines) == [[0], [1]]
+        # rank 1 is asked by name (/dp/1/...), as a router addresses a rank's PD endpoint
+        assert _completions(f"{server.url}/dp/1", prompts[:2]) == expected[:2]
+
+        (worker,) = [w for w in server.children("pdserve.worker") if w.parent().pid == engines[1].pid]
+        worker.kill()
+        wait_for(lambda: httpx.get(f"{server.url}/dp/1/health", timeout=5).status_code == 503, 15,
+                 "the dead rank still says it is healthy")
+        assert _completions(server.url, prompts[:4]) == expected[:4]  # the other rank serves meanwhile
+        assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
+        wait_for(lambda: httpx.get(f"{server.url}/dp/1/health", timeout=5).status_code == 200, 60,
+                 "the dead rank did not come back")
+        assert _completions(f"{server.url}/dp/1", prompts[:2]) == expected[:2]
+        assert server.proc.poll() is None
+        assert metrics(server.metrics_port)['pdserve_data_parallel_restarts{dp_rank="1"}'] == 1
+    finally:
+        server.stop()
+    assert segments() <= before
+
+
+def test_each_data_parallel_rank_is_a_pd_endpoint_the_router_pairs(tiny, tmp_path: Path) -> None:
+    folder, prompts, answers = tiny
+    before = segments()
+    launch = Launch(tmp_path, "--prefill", "1", "--decode", "1", "--routers", "1", "--pd-policy", "always",
+                    "--model", str(folder), "--dtype", "float32", "--num-gpu-blocks-override", "128",
+                    "--data-parallel-size", "2")
+    try:
+        endpoints = launch.instances()
+        assert sorted(endpoints) == ["decode-0", "decode-1", "prefill-0", "prefill-1"], endpoints
+        assert {e["url"].rsplit("/dp/", 1)[1] for e in endpoints.values()} == {"0", "1"}
+        prefill_ports = {e["pd_comm"] for name, e in endpoints.items() if name.startswith("prefill")}
+        assert len(prefill_ports) == 2 and None not in prefill_ports  # each P rank its own control plane
+        assert _completions(launch.url, prompts) == _texts(folder, answers)
+        served = [i["served"] for i in httpx.get(f"{launch.url}/registered", timeout=5).json()["instances"]]
+        assert all(n > 0 for n in served), served
+    finally:
+        if launch.proc.poll() is None:
+            launch.proc.send_signal(signal.SIGINT)
+            try:
+                launch.proc.wait(60)
+            except Exception:
+                launch.kill()
+                raise
+    deadline = time.monotonic() + 20
+    while segments() - before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert segments() <= before, segments() - before

@@ -1,6 +1,7 @@
-"""How the router picks one instance among the healthy candidates of a role.
+"""How one endpoint is picked among the healthy candidates: the router's instances of a role, or an API
+server's data-parallel engine ranks.
 
-Loads are what the router itself has in flight on each instance (requests and prompt tokens), as
+Loads are what the picker itself has in flight on each candidate (requests and prompt tokens), as
 FastDeploy's and SGLang's routers count them: no scrape on the request path.
 """
 
@@ -10,10 +11,27 @@ import itertools
 import random
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
 
+from pdserve.balancing.prefix_index import PrefixIndex
 from pdserve.engine.block_pool import hash_block
-from pdserve.router.prefix_index import PrefixIndex
-from pdserve.router.registry import Instance
+
+
+class Candidate(Protocol):
+    """What a policy reads of an endpoint (the router's Instance, the API server's engine rank)."""
+
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def block_size(self) -> int | None: ...
+
+    in_flight_requests: int
+    in_flight_tokens: int  # prompt tokens of the requests in flight
+    served: int  # requests sent there
+
+
+Instance = TypeVar("Instance", bound=Candidate)
 
 POLICIES = ("round_robin", "random", "power_of_two", "least_tokens", "least_requests", "cache_aware")
 
@@ -96,7 +114,7 @@ class CacheAware(Policy):
         self._fallback = LeastTokens()
 
     def choose(self, candidates: list[Instance], request: RoutedRequest) -> Instance:
-        block_size = candidates[0].info.block_size or 64
+        block_size = candidates[0].block_size or 64
         hashes = request.block_hashes(block_size)
         chosen = None
         if hashes and not self._imbalanced(candidates):
