@@ -14,9 +14,10 @@
    bandwidth into the pinned segment against a plain pinned tensor (goal >= 80%) and a pageable one;
    then 1P1D on the one GPU in two processes (prefill and decode instance, KV over ipc through host
    staging) against a mixed instance: greedy output equal;
-6. tensor parallel (issue 36), on a machine with two GPUs or more: the offline LLM at TP=2 (NCCL, one GPU per
-   rank) on bench/parallel.py's model (8 heads, 2 KV heads) gives TP=1's greedy tokens (fp32), and its
-   batch-1 decode TPOT beside TP=1's; with one GPU it says SKIP;
+6. tensor and data parallel (issue 36), on a machine with two GPUs or more: the offline LLM at TP=2 (NCCL, one
+   GPU per rank) on bench/parallel.py's model (8 heads, 2 KV heads) gives TP=1's greedy tokens (fp32), and its
+   batch-1 decode TPOT beside TP=1's; `pdserve serve -dp 2` (one GPU per rank) answers alike from both ranks
+   (/dp/0 and /dp/1); with one GPU each says SKIP;
 7. a PASS/FAIL line per check and an exit code (0: all passed). `--only pd` runs 5 alone (~2 min), `--only tp` 6.
 
 `--device cpu` runs the same script on a CPU machine (a smoke test of the script itself).
@@ -310,6 +311,42 @@ def check_tensor_parallel(device: str) -> tuple[bool, str]:
                   f"TP=1 {tpot[1]:.2f} ms, TP=2 {tpot[2]:.2f} ms")
 
 
+def check_data_parallel(device: str, out: Path) -> tuple[bool, str]:
+    """`serve -dp 2`: each rank on its own GPU; the same greedy answers from rank 0 and rank 1."""
+    import torch
+
+    if device.startswith("cuda") and torch.cuda.device_count() < 2:
+        return True, f"  SKIP: {torch.cuda.device_count()} GPU(s); two data-parallel ranks need two"
+    sys.path.insert(0, str(ROOT / "bench"))
+    from parallel import bench_model
+
+    port = free_port()
+    with open(out / "serve-dp2.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "serve", "--port", str(port), "--model",
+                                 str(bench_model()), "--dtype", "float32", "-dp", "2", "--device", device,
+                                 "--max-model-len", "1024"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(1)
+        else:
+            return False, f"  the server did not start (see {out / 'serve-dp2.log'})"
+        prompts = [[100 + 37 * i + j for j in range(24)] for i in range(4)]
+        answers = {r: [httpx.post(f"{url}/dp/{r}/v1/completions", timeout=120, json={
+            "prompt": p, "max_tokens": 24, "temperature": 0, "ignore_eos": True}).json()["choices"][0]["text"]
+            for p in prompts] for r in (0, 1)}
+        same = answers[0] == answers[1]
+        return same, f"  rank 0 and rank 1 answers {'equal' if same else 'DIFFER'} (4 prompts, fp32 greedy)"
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
@@ -317,7 +354,7 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "bench-results" / "gpu_check"))
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--only", choices=["pd", "tp"], default=None,
-                    help="run only the PD part (issue 28) or the tensor-parallel part (issue 36)")
+                    help="run only the PD part (issue 28) or the tensor/data-parallel part (issue 36)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -328,8 +365,9 @@ def main() -> int:
     checks = (("staging copies (KVCopier: ordering, pinned bandwidth)", lambda: check_staging_copies(args.device)),
               ("1P1D on one device equals mixed (cache in device memory)",
                lambda: check_pd_on_one_device(args.device, out)),
-              ("tensor parallel: TP=2 equals TP=1 (NCCL)", lambda: check_tensor_parallel(args.device)))
-    checks = tuple(c for c in checks if args.only is None or ("tensor" in c[0]) == (args.only == "tp"))
+              ("tensor parallel: TP=2 equals TP=1 (NCCL)", lambda: check_tensor_parallel(args.device)),
+              ("data parallel: -dp 2, one GPU per rank", lambda: check_data_parallel(args.device, out)))
+    checks = tuple(c for c in checks if args.only is None or ("parallel" in c[0]) == (args.only == "tp"))
     for name, check in checks:
         try:
             results.append((name, *check()))

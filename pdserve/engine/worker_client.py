@@ -77,9 +77,8 @@ class WorkerClient:
         for rank in self.ranks:
             rank.send_bytes(payload)
 
-        def waiting() -> None:  # a rank that died leaves the others waiting in an all-reduce: say which
-            if not self.alive():
-                raise WorkerDied(self.exit_message())
+        def waiting() -> None:
+            self._check_alive()
             if while_waiting is not None:
                 while_waiting()
 
@@ -102,6 +101,11 @@ class WorkerClient:
     def alive(self) -> bool:
         return all(rank.alive() for rank in self.ranks)
 
+    def _check_alive(self) -> None:
+        """A rank that died leaves the others waiting (in the rendezvous, in an all-reduce): say which."""
+        if not self.alive():
+            raise WorkerDied(self.exit_message())
+
     def exit_message(self) -> str:
         """Which rank's process exited, and its code."""
         dead = [rank for rank in self.ranks if not rank.alive()]
@@ -111,10 +115,9 @@ class WorkerClient:
         for rank in self.ranks:
             rank.shutdown(WorkerShutdown(), timeout, ask)
 
-    @staticmethod
-    def _expect(rank: ChildProcess, kind: type, timeout: float | None, what: str,
+    def _expect(self, rank: ChildProcess, kind: type, timeout: float | None, what: str,
                 error: type[Exception] = WorkerDied) -> object:
-        msg = rank.receive(timeout, what=what)
+        msg = rank.receive(timeout, what=what, while_waiting=self._check_alive)
         if isinstance(msg, WorkerError):
             raise error(msg.error if rank.name == "worker" else f"{rank.name}: {msg.error}")
         assert isinstance(msg, kind), f"{rank.name} answered {type(msg).__name__}, not {kind.__name__}"
