@@ -12,8 +12,9 @@ request generates what it is asked to. Figures:
   128, all submitted at once: generated tokens per second of wall time.
 `--gloo` adds TP=N with the all-reduce over gloo (the fallback) to show what the shared-memory one saves.
 `--pd` instead runs 1P1D through `pdserve launch --pd-policy always` at P/D TP sizes 1/1, N/1 and 1/N: eight
-1,000-token prompts one after another, and P's KV bytes sent over its transfer seconds (first scheduled to last
-layer written: layer-wise streaming overlaps the prefill, so this is the rate the prefill lets the KV leave).
+1,000-token prompts one after another: the KV bytes P sent (the same byte ranges whatever the TP sizes: both keep
+the instance's layout), P's transfer seconds (first scheduled to last layer written: layer-wise streaming overlaps
+the prefill, so this is prefill-bound, not the transport's bandwidth, which bench/kv_transfer.py measures) and TTFT.
 """
 
 from __future__ import annotations
@@ -173,9 +174,9 @@ def show_pd(folder: Path, tp: int) -> None:
     for protocol in ("ipc", "tcp"):
         rows = {(p, d): run_pd(folder, p, d, protocol) for p, d in ((1, 1), (tp, 1), (1, tp))}
         same = rows[(1, 1)]["gbps"]
-        print(f"\n{protocol}: P TP / D TP   KV MiB sent   GB/s (P's bytes / transfer seconds)   ratio   TTFT p50 ms")
+        print(f"\n{protocol}: P TP / D TP   KV MiB sent   MB/s over P's transfer seconds   ratio   TTFT p50 ms")
         for (p, d), r in rows.items():
-            print(f"  {p} / {d}{'':<12}{r['mib']:>9.0f}   {r['gbps']:>10.2f}{'':<27}{r['gbps'] / same:>5.2f}x"
+            print(f"  {p} / {d}{'':<12}{r['mib']:>9.0f}   {r['gbps'] * 1000:>10.1f}{'':<22}{r['gbps'] / same:>5.2f}x"
                   f"   {r['ttft_ms']:>8.0f}")
 
 
