@@ -128,11 +128,8 @@ class DataParallelEngine:
             await self.ranks[r].engine.abort(ids)
 
     async def call(self, method: str, timeout: float = 10.0) -> dict:
-        """A rank's utility call when the request named one; else every rank's (clearing and loading weights),
-        their counts summed."""
-        routed = ROUTED_RANK.get()
-        if routed is not None:
-            return await self.ranks[routed].engine.call(method, timeout)
+        """Every rank's utility call (clearing and loading weights: the server's weights, whichever path it came
+        by), their counts summed."""
         results = [await r.engine.call(method, timeout) for r in self.ranks]
         merged: dict = {}
         for result in results:
