@@ -63,3 +63,18 @@ def test_a_model_whose_heads_do_not_divide_is_refused_naming_them() -> None:
     assert TensorParallel(1, 3).shard_config(config).num_kv_heads == 1
     with pytest.raises(ValueError, match="3 KV heads"):
         TensorParallel(0, 9).shard_config(config)
+
+
+def test_the_embedded_model_splits_at_three_and_a_generate_at_two_exits_2_naming_the_heads() -> None:
+    import subprocess
+    import sys
+
+    from pdserve.loader import tensor_parallel_refusal
+    from tests.servers import REPO
+
+    assert tensor_parallel_refusal(None, 3) is None and tensor_parallel_refusal(None, 1) is None
+    proc = subprocess.run([sys.executable, "-m", "pdserve.cli", "generate", "-tp", "2", "--prompt", "Hi"],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 2
+    assert "pdserve: error: --tensor-parallel-size 2 does not divide the model's 9 attention heads" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -22,7 +22,7 @@ import msgspec
 from pdserve.config.engine import EngineConfig
 from pdserve.engine.engine_client import EngineClient
 from pdserve.engine.messages import RequestOutput as EngineOutput
-from pdserve.loader import model_name, resolve_model_folder
+from pdserve.loader import model_name, resolve_model_folder, tensor_parallel_refusal
 from pdserve.offline.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pdserve.sampling import SamplingParams
 from pdserve.tokenization.detokenizer import IncrementalDetokenizer
@@ -44,6 +44,8 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_flags: Any) -> None:
         self.config = EngineConfig(model=str(model) if model is not None else None, **engine_flags)
         self.tokenizer = Tokenizer(resolve_model_folder(model))  # converts a GGUF once, before the worker starts
+        if refusal := tensor_parallel_refusal(model, self.config.tensor_parallel_size):  # before any process
+            raise ValueError(refusal)
         self.engine = EngineClient(self.config, model_name(model))
         self._finalizer = weakref.finalize(self, self.engine.close)
         self._ids = itertools.count()
