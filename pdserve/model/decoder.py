@@ -144,7 +144,7 @@ class DecoderModel(nn.Module):
         """residual + linear(x), the product summed over the tensor-parallel ranks first."""
         if self.tp.size == 1:
             return linear.add_to(residual, x)
-        return residual + self.tp.all_reduce(linear(x))
+        return residual.add_(self.tp.all_reduce(linear(x)))  # the residual stream is this forward's own tensor
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the fused parameters; every parameter must be filled once."""

@@ -50,6 +50,10 @@ class ShmAllReduce:
         """The sum of `x` over the ranks, in place (x is contiguous: a projection's output)."""
         flat = x.view(-1)
         per_piece = self.slot_bytes // x.element_size()
+        if flat.numel() <= per_piece:  # a decode step's, and most prefills': one call
+            self.seq += 1
+            self.ops.shm_all_reduce(flat, self.slots, self.flags, self.pids, self.rank, self.seq, self.parent)
+            return x
         for start in range(0, flat.numel(), per_piece):
             self.seq += 1
             self.ops.shm_all_reduce(flat[start:start + per_piece], self.slots, self.flags, self.pids, self.rank,
