@@ -65,7 +65,8 @@ FLAGS: tuple[FDFlag, ...] = (
            "throughput start more instances behind `pdserve router`" if n > 1 else None),
     FDFlag("--enable-expert-parallel", None,
            refuse=lambda on: "no expert parallelism: pdserve serves dense models" if on else None),
-    FDFlag("--disable-custom-all-reduce", None, unneeded="one device per instance: no all-reduce"),
+    FDFlag("--disable-custom-all-reduce", None,
+           unneeded="CPU ranks sum through pdserve's own shared-memory all-reduce, CUDA ranks through NCCL"),
     FDFlag("--scheduler-name", str, refuse=lambda name: None if name == "local" else (
         f"no {name!r} (Redis) scheduler: `pdserve router` pairs prefill and decode instances; give each "
         "instance --router URL")),
