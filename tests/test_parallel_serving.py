@@ -127,10 +127,9 @@ def _hf_prompt_logprobs(folder: Path, prompt: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("prefill_tp,decode_tp,transport,cache", [
-    ("2", "1", "ipc", "shared"),
     ("1", "2", "tcp", "shared, decode buffer"),  # D's ranks take what P wrote into D's host buffer
     ("2", "1", "ipc", "device"),  # each rank's own cache, copied through its view of the host staging
-])
+])  # P(TP=2) with a shared cache -> D(TP=1) over tcp: test_a_dead_decode_frees_the_blocks_of_a_tp2_prefill
 def test_prefill_and_decode_of_different_tp_sizes_answer_as_transformers(
         tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, prefill_tp: str, decode_tp: str, transport: str,
         cache: str) -> None:
@@ -167,11 +166,12 @@ def _stop(launch: Launch, segments_before: set[str]) -> None:
 
 
 def test_a_dead_decode_frees_the_blocks_of_a_tp2_prefill(tiny, tmp_path: Path) -> None:
-    """P (TP=2) has handed a long prompt to both ranks when D dies: the transfer fails, and every block P
-    held for it comes back (one block manager for all ranks)."""
+    """P (TP=2, its cache shared by its ranks) answers through D (TP=1) over tcp as transformers does; then it has
+    handed a long prompt to both ranks when D dies: the transfer fails, and every block P held for it comes back
+    (one block manager for all ranks)."""
     from tests.servers import Router
 
-    folder = tiny[0]
+    folder, prompts, answers = tiny
     before = segments()
     router = Router(tmp_path / "router")
     flags = ["--model", str(folder), "--dtype", "float32", "--cache-transfer-protocol", "tcp", "--router", router.url,
@@ -181,6 +181,8 @@ def test_a_dead_decode_frees_the_blocks_of_a_tp2_prefill(tiny, tmp_path: Path) -
     ranks = p.children("pdserve.worker")
     try:
         router.wait_pairs(2)
+        assert _completions(router.url, prompts) == _texts(folder, answers)
+        wait_for(lambda: metrics(p.metrics_port)["pdserve_kv_cache_free_blocks"] == 100, 10, "P kept blocks")
         for rank in ranks:
             rank.suspend()
         with ThreadPoolExecutor(1) as pool:
