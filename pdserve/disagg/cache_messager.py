@@ -47,7 +47,7 @@ class CacheMessager:
         self._last_used: dict[Endpoint, float] = {}
         self._steps: dict[int, list[TransferPlan]] = {}
         self.ranks = ranks
-        self._ranks_done: dict[tuple[int, int], int] = defaultdict(int)  # (step, layer) -> ranks done with it
+        self._ranks_done: dict[tuple[int, int], set[int]] = defaultdict(set)  # (step, layer) -> ranks done with it
         self._finished = 0  # the last step whose every layer was written
         self._progress: dict[str, _Progress] = {}
 
@@ -64,8 +64,8 @@ class CacheMessager:
         if plans is None:
             return
         key = (msg.step_id, msg.layer)
-        self._ranks_done[key] += 1
-        if self._ranks_done[key] < self.ranks:  # ranks send on their own sockets: a next step may come first
+        self._ranks_done[key].add(msg.rank)
+        if len(self._ranks_done[key]) < self.ranks:  # ranks send on their own sockets: a next step may come first
             return
         del self._ranks_done[key]
         self._write_layer(plans, msg)
