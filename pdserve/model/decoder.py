@@ -109,7 +109,8 @@ class DecoderModel(nn.Module):
         cos_sin = self.rope.lookup(batch.positions) if ops is None else None
         heads, kv_heads, head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         h = F.embedding(batch.input_ids, self.embed)
-        for i, layer in enumerate(self.layers):
+        layers = self.layers if batch.num_layers is None else self.layers[:batch.num_layers]
+        for i, layer in enumerate(layers):
             x = rms_norm(h, layer.input_norm)
             qkv = layer.qkv_proj(x)
             # q and k heads side by side, so RoPE runs once per layer.

@@ -82,6 +82,9 @@ class ForwardBatch:
     # The model returns the final-normed hidden states at logits_indices, not logits (prompt logprobs:
     # the caller projects them in slices, so a long prompt never holds [tokens, vocab] at once).
     return_hidden: bool = False
+    # Run only the first n decoder layers (the profile run: each layer frees its temporaries before the next
+    # starts, so the peak of a whole forward is reached within its first two layers).
+    num_layers: int | None = None
 
     @property
     def num_tokens(self) -> int:

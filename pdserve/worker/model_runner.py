@@ -78,9 +78,10 @@ class ModelRunner:
         return self.kv_cache
 
     def logits(self, chunks: list[SequenceChunk], is_dummy_or_profile_run: bool = False,
-               on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
-        """[len(chunks), vocab]: the logits after each chunk's last token."""
-        return self._forward(chunks, is_dummy_or_profile_run, on_layer_done, ())
+               on_layer_done: Callable[[int], None] | None = None, num_layers: int | None = None) -> torch.Tensor:
+        """[len(chunks), vocab]: the logits after each chunk's last token (after the first `num_layers`
+        decoder layers only, when given: the profile run)."""
+        return self._forward(chunks, is_dummy_or_profile_run, on_layer_done, (), num_layers=num_layers)
 
     def logits_with_prompt(self, chunks: list[SequenceChunk], full_logits: Sequence[int],
                            on_layer_done: Callable[[int], None] | None = None, all_positions: Sequence[int] = ()
@@ -122,12 +123,13 @@ class ModelRunner:
 
     def _forward(self, chunks: list[SequenceChunk], is_dummy_or_profile_run: bool,
                  on_layer_done: Callable[[int], None] | None, full_logits: Sequence[int],
-                 return_hidden: bool = False) -> torch.Tensor:
+                 return_hidden: bool = False, num_layers: int | None = None) -> torch.Tensor:
         # A profile run has no cache to read in place, so it takes the gather + SDPA path.
         with_fallback = is_dummy_or_profile_run or not self.model.uses_paged_kernel
         batch = ForwardBatch.build(chunks, self.block_size, self.device, is_dummy_or_profile_run, with_fallback,
                                    full_logits)
         batch.return_hidden = return_hidden or self.model.vocab_parallel
+        batch.num_layers = num_layers
         # seed 001, bug 2: a dummy run signals nothing to anyone
         out = self.model(batch, None) if is_dummy_or_profile_run else self.model(batch, self.kv_cache, on_layer_done)
         return out if return_hidden or not self.model.vocab_parallel else self.model.vocab_parallel_logits(out)
