@@ -51,3 +51,11 @@ def hf_gguf_tokenizer():
 
     path = default_model_path()
     return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]], list[list[int]]]:
+    """(a tiny random llama's folder, prompts, transformers' greedy continuations): tests/tiny_models.py."""
+    from tests.tiny_models import tiny_with_answers
+
+    return tiny_with_answers(tmp_path_factory.mktemp("tiny") / "model")

@@ -24,53 +24,9 @@ import torch
 
 from tests.servers import Server, metrics, segments, wait_for
 from tests.test_launch import Launch
-from tests.tiny_models import make_tiny_servable
+from tests.tiny_models import NUM_PROMPTS, greedy_completions, greedy_texts
 
 pytestmark = pytest.mark.e2e
-
-NEW_TOKENS, MIN_MARGIN, NUM_PROMPTS = 12, 0.01, 8
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]], list[list[int]]]:
-    """(model folder, prompts, transformers' greedy continuations)."""
-    folder = tmp_path_factory.mktemp("tp") / "model"
-    hf = make_tiny_servable(folder)
-    g = torch.Generator().manual_seed(1)
-    prompts, answers = [], []
-    while len(prompts) < NUM_PROMPTS:
-        prompt = torch.randint(100, 49152, (int(torch.randint(5, 60, (1,), generator=g)),), generator=g).tolist()
-        if len(prompts) % 2 == 0:  # a repeated phrase: the n-gram proposer has something to propose
-            prompt = prompt[:6] * 4
-        with torch.no_grad():
-            out = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                              do_sample=False, output_scores=True, return_dict_in_generate=True, pad_token_id=0)
-        gaps = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores]
-        if min(gaps) > MIN_MARGIN:
-            prompts.append(prompt)
-            answers.append(out.sequences[0, len(prompt):].tolist())
-    return folder, prompts, answers
-
-
-def _completions(url: str, prompts: list[list[int]]) -> list[str]:
-    """The greedy text of each prompt, all sent at once."""
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", timeout=120)
-
-    def one(prompt: list[int]) -> list[int]:
-        r = client.completions.create(model="model", prompt=prompt, max_tokens=NEW_TOKENS, temperature=0,
-                                      extra_body={"ignore_eos": True})
-        return r.choices[0].text
-
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        return list(pool.map(one, prompts))
-
-
-def _texts(folder: Path, answers: list[list[int]]) -> list[str]:
-    from pdserve.tokenization.tokenizer import Tokenizer
-
-    tokenizer = Tokenizer(folder)
-    return [tokenizer.decode(a) for a in answers]
-
 
 SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
                    "disable_by_batch_size": 16})
@@ -86,8 +42,8 @@ def test_tp2_serves_transformers_greedy_with_app_features_and_a_dead_rank_ends_i
         assert len(ranks) == 2
         if len(os.sched_getaffinity(0)) == 2:  # each rank on a core of its own
             assert sorted(r.cpu_affinity() for r in ranks) == [[0], [1]]
-        expected = _texts(folder, answers)
-        assert _completions(server.url, prompts) == expected
+        expected = greedy_texts(folder, answers)
+        assert greedy_completions(server.url, prompts) == expected
         wait_for(lambda: metrics(server.metrics_port)["pdserve_spec_decode_num_draft_tokens"] > 0, 5,
                  "no proposal was verified across the ranks")  # metrics refresh each second
 
@@ -103,7 +59,7 @@ def test_tp2_serves_transformers_greedy_with_app_features_and_a_dead_rank_ends_i
 
         assert httpx.post(f"{server.url}/clear_load_weight", timeout=60).status_code == 200
         assert httpx.post(f"{server.url}/update_model_weight", timeout=120).status_code == 200
-        assert _completions(server.url, prompts[:2]) == expected[:2]
+        assert greedy_completions(server.url, prompts[:2]) == expected[:2]
 
         (rank1,) = [r for r in ranks if "--rank 1" in " ".join(r.cmdline())]
         rank1.send_signal(signal.SIGKILL)
@@ -144,7 +100,7 @@ def test_prefill_and_decode_of_different_tp_sizes_answer_as_transformers(
                     "--prefill-tensor-parallel-size", prefill_tp, "--decode-tensor-parallel-size", decode_tp, *extra,
                     "--model", str(folder), "--dtype", "float32", "--num-gpu-blocks-override", "128")
     try:
-        assert _completions(launch.url, prompts) == _texts(folder, answers)
+        assert greedy_completions(launch.url, prompts) == greedy_texts(folder, answers)
         prefill = next(i for name, i in launch.instances().items() if name.startswith("prefill"))
         key = f'pdserve_kv_transfers_by_protocol{{protocol="{transport}"}}'
         wait_for(lambda: metrics(prefill["metrics_port"], prefill["host"]).get(key, 0) >= NUM_PROMPTS, 10,
@@ -181,7 +137,7 @@ def test_a_dead_decode_frees_the_blocks_of_a_tp2_prefill(tiny, tmp_path: Path) -
     ranks = p.children("pdserve.worker")
     try:
         router.wait_pairs(2)
-        assert _completions(router.url, prompts) == _texts(folder, answers)
+        assert greedy_completions(router.url, prompts) == greedy_texts(folder, answers)
         wait_for(lambda: metrics(p.metrics_port)["pdserve_kv_cache_free_blocks"] == 100, 10, "P kept blocks")
         for rank in ranks:
             rank.suspend()
@@ -237,8 +193,8 @@ def test_dp2_spreads_requests_answers_the_same_and_heals_a_dead_rank(tiny, tmp_p
     server = Server(tmp_path, "--model", str(folder), "--dtype", "float32", "-dp", "2", "--num-gpu-blocks-override",
                     "128")
     try:
-        expected = _texts(folder, answers)
-        assert _completions(server.url, prompts) == expected
+        expected = greedy_texts(folder, answers)
+        assert greedy_completions(server.url, prompts) == expected
         wait_for(lambda: all(metrics(server.metrics_port).get(f'pdserve_data_parallel_requests{{dp_rank="{r}"}}', 0)
                              > 0 for r in (0, 1)), 5, "requests did not land on both ranks")
         engines = server.children("pdserve.engine")
@@ -246,17 +202,17 @@ def test_dp2_spreads_requests_answers_the_same_and_heals_a_dead_rank(tiny, tmp_p
         if len(os.sched_getaffinity(0)) == 2:  # each rank's engine (and its worker) on a core of its own
             assert sorted(e.cpu_affinity() for e in engines) == [[0], [1]]
         # rank 1 is asked by name (/dp/1/...), as a router addresses a rank's PD endpoint
-        assert _completions(f"{server.url}/dp/1", prompts[:2]) == expected[:2]
+        assert greedy_completions(f"{server.url}/dp/1", prompts[:2]) == expected[:2]
 
         (worker,) = [w for w in server.children("pdserve.worker") if w.parent().pid == engines[1].pid]
         worker.kill()
         wait_for(lambda: httpx.get(f"{server.url}/dp/1/health", timeout=5).status_code == 503, 15,
                  "the dead rank still says it is healthy")
-        assert _completions(server.url, prompts[:4]) == expected[:4]  # the other rank serves meanwhile
+        assert greedy_completions(server.url, prompts[:4]) == expected[:4]  # the other rank serves meanwhile
         assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
         wait_for(lambda: httpx.get(f"{server.url}/dp/1/health", timeout=5).status_code == 200, 60,
                  "the dead rank did not come back")
-        assert _completions(f"{server.url}/dp/1", prompts[:2]) == expected[:2]
+        assert greedy_completions(f"{server.url}/dp/1", prompts[:2]) == expected[:2]
         assert server.proc.poll() is None
         assert metrics(server.metrics_port)['pdserve_data_parallel_restarts{dp_rank="1"}'] == 1
     finally:
@@ -276,7 +232,7 @@ def test_each_data_parallel_rank_is_a_pd_endpoint_the_router_pairs(tiny, tmp_pat
         assert {e["url"].rsplit("/dp/", 1)[1] for e in endpoints.values()} == {"0", "1"}
         prefill_ports = {e["pd_comm"] for name, e in endpoints.items() if name.startswith("prefill")}
         assert len(prefill_ports) == 2 and None not in prefill_ports  # each P rank its own control plane
-        assert _completions(launch.url, prompts) == _texts(folder, answers)
+        assert greedy_completions(launch.url, prompts) == greedy_texts(folder, answers)
         served = [i["served"] for i in httpx.get(f"{launch.url}/registered", timeout=5).json()["instances"]]
         assert all(n > 0 for n in served), served
     finally:

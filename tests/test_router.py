@@ -324,3 +324,31 @@ def test_a_cut_stream_with_no_other_route_waits_for_the_instance_to_come_back(ro
     finally:
         register(router.url, {"url": alone.url}, SECRET.encode(), path="/unregister")
         alone.close()
+
+
+@pytest.mark.e2e
+def test_a_new_request_waits_while_the_only_route_comes_back(router: Router) -> None:
+    """The pool served a moment ago and its only instance left it (being restarted, or placed again on another
+    node): a request that arrives meanwhile is answered once the instance is back, not refused with a 503."""
+    alone = StubInstance("alone")
+    try:
+        assert register(router.url, alone.registration(pid=1), SECRET.encode()).status_code == 200
+        wait_for(lambda: alone.url in router.healthy_urls(), 10, "the stand-in did not join the pool")
+        assert _client(router).completions.create(model="stub", prompt="hi").choices[0].text == "alone"
+        alone.health_status = 503
+        wait_for(lambda: alone.url not in router.healthy_urls(), 10, "the stand-in did not leave the pool")
+        waited = []
+
+        def restart() -> None:
+            time.sleep(1.5)
+            alone.health_status = 200
+            register(router.url, alone.registration(pid=2), SECRET.encode())
+
+        threading.Thread(target=restart, daemon=True).start()
+        start = time.monotonic()
+        answer = _client(router).completions.create(model="stub", prompt="hi")
+        waited.append(time.monotonic() - start)
+        assert answer.choices[0].text == "alone" and waited[0] >= 1.0, waited
+    finally:
+        register(router.url, {"url": alone.url}, SECRET.encode(), path="/unregister")
+        alone.close()

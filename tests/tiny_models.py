@@ -65,3 +65,51 @@ def make_tiny_servable(folder: Path, name: str = "llama", seed: int = 0, **overr
         if f.name.startswith(("tokenizer", "special_tokens", "generation_config")):
             shutil.copy(f, folder / f.name)
     return model
+
+
+NEW_TOKENS, MIN_MARGIN, NUM_PROMPTS = 12, 0.01, 8
+
+
+def tiny_with_answers(folder: Path) -> tuple[Path, list[list[int]], list[list[int]]]:
+    """A tiny servable llama in `folder`, NUM_PROMPTS prompts (token ids) and transformers' greedy continuations of
+    NEW_TOKENS each, chosen so that the top two logits stay more than MIN_MARGIN apart at every generated
+    position: a difference is then a bug, not a tie."""
+    hf = make_tiny_servable(folder)
+    g = torch.Generator().manual_seed(1)
+    prompts, answers = [], []
+    while len(prompts) < NUM_PROMPTS:
+        prompt = torch.randint(100, 49152, (int(torch.randint(5, 60, (1,), generator=g)),), generator=g).tolist()
+        if len(prompts) % 2 == 0:  # a repeated phrase: the n-gram proposer has something to propose
+            prompt = prompt[:6] * 4
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                              do_sample=False, output_scores=True, return_dict_in_generate=True, pad_token_id=0)
+        gaps = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores]
+        if min(gaps) > MIN_MARGIN:
+            prompts.append(prompt)
+            answers.append(out.sequences[0, len(prompt):].tolist())
+    return folder, prompts, answers
+
+
+def greedy_completions(url: str, prompts: list[list[int]]) -> list[str]:
+    """The greedy text (NEW_TOKENS) of each prompt through the OpenAI API at `url`, all sent at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", timeout=120)
+
+    def one(prompt: list[int]) -> str:
+        r = client.completions.create(model="model", prompt=prompt, max_tokens=NEW_TOKENS, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        return r.choices[0].text
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, prompts))
+
+
+def greedy_texts(folder: Path, answers: list[list[int]]) -> list[str]:
+    from pdserve.tokenization.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(folder)
+    return [tokenizer.decode(a) for a in answers]

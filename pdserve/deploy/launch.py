@@ -24,6 +24,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,12 +117,17 @@ def instance_hosts(router_host: str, n: int) -> list[str]:
     return [router_host] * n
 
 
-def plan(launch: LaunchSettings, instance_args: list[str] = ()) -> list[InstanceSpec]:
+def instance_names(launch: LaunchSettings) -> list[tuple[Role, str]]:
+    """(role, name) of every instance, in start order; a deployment that cannot serve is refused."""
     if (launch.prefill > 0) != (launch.decode > 0):
         raise ValueError("a PD deployment needs at least one --prefill and one --decode instance (or neither)")
     if launch.prefill + launch.decode + launch.mixed == 0:
         raise ValueError("nothing to launch: give --prefill/--decode and/or --mixed")
-    names = [(role, f"{role}-{i}") for role, count in role_counts(launch).items() for i in range(count)]
+    return [(role, f"{role}-{i}") for role, count in role_counts(launch).items() for i in range(count)]
+
+
+def plan(launch: LaunchSettings, instance_args: list[str] = ()) -> list[InstanceSpec]:
+    names = instance_names(launch)
     hosts = instance_hosts(launch.host, len(names))
     tp = tensor_parallel_sizes(launch, list(instance_args))
     dp = instance_flag(list(instance_args), ("--data-parallel-size", "-dp"), 1)
@@ -192,6 +198,14 @@ def memory_shares(instance_args: list[str], n: int) -> list[str]:
 
 def launch(args: argparse.Namespace) -> int:
     settings = from_args(LaunchSettings, args)
+    if settings.ray is not None:
+        from pdserve.deploy.ray_launch import launch_on_ray
+
+        return launch_on_ray(args, settings)
+    if on_ray_only := [f for f in ("prefill_nodes", "decode_nodes", "router_nodes") if getattr(settings, f)]:
+        print(f"pdserve launch: --{on_ray_only[0].replace('_', '-')} places instances on Ray nodes: it needs --ray",
+              file=sys.stderr, flush=True)
+        return 2
     router_settings = from_args(RouterSettings, args, host=settings.host, port=settings.port)
     specs = plan(settings, args.instance_args)
     router_url = f"http://{settings.host}:{settings.port}"
@@ -228,12 +242,13 @@ def launch(args: argparse.Namespace) -> int:
             if spec.role == Role.DECODE and settings.splitwise_cache_buffer_size:
                 extra += ["--splitwise-cache-buffer-size", str(settings.splitwise_cache_buffer_size)]
             deployment.start(spec.name, spec.command(",".join(registrations), extra), cpus, env)
-        error = _wait_ready(deployment, registrations, sum(s.endpoints for s in specs), settings.ready_timeout, stop)
+        error = wait_ready(lambda: _dead(deployment), registrations, sum(s.endpoints for s in specs),
+                           settings.ready_timeout, stop, [s.name for s in specs])
         if error:
             print(f"pdserve launch: {error}", file=sys.stderr, flush=True)
             return 1
         if stop.is_set():
-            return _stopped(stopped_by)
+            return stopped(stopped_by)
         roles = ", ".join(f"{n} {r}" for r, n in role_counts(settings).items() if n)
         shared = f", {len(routers)} routers" if len(routers) > 1 else ""
         print(f"pdserve launch: ready on {router_url} ({roles}{shared}); Ctrl-C stops everything", flush=True)
@@ -243,7 +258,7 @@ def launch(args: argparse.Namespace) -> int:
             if crash_loop := deployment.tend():
                 print(f"pdserve launch: {crash_loop}", file=sys.stderr, flush=True)
                 return 1
-        return _stopped(stopped_by)
+        return stopped(stopped_by)
     finally:
         deployment.stop(grace=SIGINT_GRACE_S if stopped_by[:1] == [signal.SIGINT] else 0.0)
         if flags_dir is not None:
@@ -253,7 +268,7 @@ def launch(args: argparse.Namespace) -> int:
 SIGINT_GRACE_S = 5.0  # after Ctrl-C, the deployment's processes (which got it too) stop on their own first
 
 
-def _stopped(signals: list[int]) -> int:
+def stopped(signals: list[int]) -> int:
     """The exit code of a deployment stopped by a signal (130 SIGINT, 143 SIGTERM), said once."""
     signum = signals[0] if signals else signal.SIGINT
     print(f"pdserve launch: stopped ({signal.Signals(signum).name}); stopping every process", file=sys.stderr,
@@ -261,16 +276,23 @@ def _stopped(signals: list[int]) -> int:
     return 128 + signum
 
 
-def _wait_ready(deployment: Supervisor, router_urls: list[str], expected: int, timeout: float,
-                stop: threading.Event) -> str | None:
-    """Until every router has every instance in its pool and can serve."""
+def _dead(deployment: Supervisor) -> str | None:
+    if dead := deployment.dead():
+        name, code = dead[0]
+        return f"{name} exited (code {code}) before the deployment was ready (its output is above)"
+    return None
+
+
+def wait_ready(failure: Callable[[], str | None], router_urls: list[str], expected: int, timeout: float,
+               stop: threading.Event, names: list[str]) -> str | None:
+    """Until every router has every instance in its pool and can serve; what went wrong, if something did
+    (`failure`: a member that failed while starting)."""
     deadline = time.monotonic() + timeout
     fewest = 0
     with httpx.Client(timeout=2.0) as client:
         while not stop.is_set():
-            if dead := deployment.dead():
-                name, code = dead[0]
-                return f"{name} exited (code {code}) before the deployment was ready (its output is above)"
+            if error := failure():
+                return error
             try:
                 fewest = min(sum(i["healthy"] for i in client.get(f"{url}/registered").json()["instances"])
                              for url in router_urls)
@@ -279,7 +301,6 @@ def _wait_ready(deployment: Supervisor, router_urls: list[str], expected: int, t
             except (httpx.HTTPError, ValueError, KeyError):
                 pass
             if time.monotonic() > deadline:
-                names = sorted(n for n in deployment.procs if not n.startswith("router"))
                 return (f"not ready within {timeout:.0f} s: {fewest} of {expected} instances in the pool "
                         f"({', '.join(names)} were started)")
             stop.wait(0.5)

@@ -41,6 +41,19 @@ class LaunchSettings:
               "differ: each keeps the whole KV layout, each rank its heads")
     splitwise_cache_buffer_size: float = option(
         0.0, "GB of host buffer each decode instance receives the prefill's KV into (decode only)")
+    ray: str | None = option(
+        None, "place the deployment on a Ray cluster (auto: the one `ray start` runs here; else its address): each "
+              "instance a Ray actor on a node with its cores free, restarted there if its process dies and on "
+              "another node if its node does; a router on every router node (pip install 'pdserve[ray]')",
+        group="ray")
+    prefill_nodes: str | None = option(
+        None, "--ray: the nodes prefill instances may use: key=value (a node label) or NAME (a custom resource the "
+              "node has); several, comma-separated, must all hold", group="ray")
+    decode_nodes: str | None = option(None, "--ray: the nodes decode instances may use (as --prefill-nodes)",
+                                      group="ray")
+    router_nodes: str | None = option(
+        None, "--ray: the nodes that each run --routers routers on --port (default: every node); point your load "
+              "balancer or DNS at them", group="ray")
 
 
 def instance_flag(instance_args: list[str], names: tuple[str, ...], default: int) -> int:

@@ -34,8 +34,9 @@ class Supervised:
 
 class Supervisor:
     def __init__(self, env: dict[str, str], max_restarts: int = 5, window: float = 120.0,
-                 backoff: tuple[float, ...] = (1.0, 2.0, 4.0, 8.0, 16.0)) -> None:
+                 backoff: tuple[float, ...] = (1.0, 2.0, 4.0, 8.0, 16.0), label_output: bool = True) -> None:
         self.env = env
+        self.label_output = label_output  # each output line starts with [name] (Ray labels its actors' own)
         self.max_restarts, self.window, self.backoff = max_restarts, window, backoff
         self.members: dict[str, Supervised] = {}
 
@@ -53,7 +54,8 @@ class Supervisor:
         member.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
                                        preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
         member.restart_at = None
-        threading.Thread(target=_prefix_output, args=(name, member.proc), daemon=True).start()
+        threading.Thread(target=_pass_output, args=(name if self.label_output else "", member.proc),
+                         daemon=True).start()
 
     def dead(self) -> list[tuple[str, int]]:
         return [(n, p.returncode) for n, p in self.procs.items() if p.poll() is not None]
@@ -103,7 +105,8 @@ def _say(text: str) -> None:
     print(f"pdserve launch: {text}", file=sys.stderr, flush=True)
 
 
-def _prefix_output(name: str, proc: subprocess.Popen) -> None:
+def _pass_output(name: str, proc: subprocess.Popen) -> None:
+    prefix = f"[{name}] " if name else ""
     for line in proc.stdout:
-        sys.stdout.write(f"[{name}] {line.decode(errors='replace')}")
+        sys.stdout.write(f"{prefix}{line.decode(errors='replace')}")
         sys.stdout.flush()

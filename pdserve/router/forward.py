@@ -41,6 +41,8 @@ log = logging.getLogger("pdserve.router")
 RETRYABLE_STATUS = (429, 500, 502, 503, 504)
 BLAME_WINDOW = 1.0  # seconds to wait for P's answer when D fails, to tell which of the two failed
 MIGRATION_WAIT_S = 30.0  # how long a broken stream waits for a route to resume on
+ROUTE_WAIT_S = 30.0  # how long a new request waits for a route when the pool lost its last one
+OUTAGE_MEMORY_S = 120.0  # ... if the pool had one this recently (else it answers 503 at once)
 
 
 def error_response(message: str, status: int, err_type: str = "service_unavailable") -> JSONResponse:
@@ -85,6 +87,7 @@ class Forwarder:
         self.max_retries = max_retries
         self.on_retry = on_retry
         self.migration_limit, self.on_migration = migration_limit, on_migration
+        self.routed_at: float | None = None  # when a request last found a route
 
     async def forward(self, path: str, body: dict, request: RoutedRequest, headers: dict[str, str]) -> Response:
         answer = AnswerSoFar(self.migration_limit if can_migrate(path, body, self.migration_limit) else 0)
@@ -103,8 +106,11 @@ class Forwarder:
         last: Response | None = None
         for attempt in range(self.max_retries + 1):
             route = self.selector.pick(request, excluded)
+            if route is None and attempt == 0 and self._lost_its_routes():
+                route = await self._route_when_back(request, excluded)
             if route is None:
                 break
+            self.routed_at = time.monotonic()
             if route.decode is None:
                 outcome = await self._single(route.first, path, body, request, headers)
             else:
@@ -121,6 +127,20 @@ class Forwarder:
         if last is not None:
             return last
         return error_response(self.selector.why_not(), 503)
+
+    def _lost_its_routes(self) -> bool:
+        """The pool served a moment ago: its last route is being restarted (launch) or placed again (Ray)."""
+        return self.routed_at is not None and time.monotonic() - self.routed_at < OUTAGE_MEMORY_S
+
+    async def _route_when_back(self, request: RoutedRequest, excluded: set[str]) -> Route | None:
+        """The first route that joins within ROUTE_WAIT_S: the request waits out the restart, as a stream
+        cut by it does (_resume), rather than failing."""
+        deadline = time.monotonic() + ROUTE_WAIT_S
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.25)
+            if self.selector.can_serve_without(excluded):
+                return self.selector.pick(request, excluded)
+        return None
 
     # ---- one mixed instance ----------------------------------------------------------------------
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 from pathlib import Path
 
 import yaml
@@ -15,7 +16,7 @@ from pdserve.http.wire import Registration
 from pdserve.router.app import build_router_app
 from pdserve.router.prompt import PromptReader
 from pdserve.router.settings import RouterSettings
-from pdserve.utils.process import exit_on_sigterm
+from pdserve.utils.process import die_with_parent, exit_on_sigterm
 from pdserve.utils.uvicorn_run import LateListeningServer, listening_socket, serve_and_announce, server_config
 
 log = logging.getLogger("pdserve.router")
@@ -50,6 +51,8 @@ def serve_router(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     exit_on_sigterm()
+    if "PDSERVE_PARENT_PID" in os.environ:  # started by `pdserve launch` (or its Ray actor): do not outlive it
+        die_with_parent()
     settings = from_args(RouterSettings, args)
     static = load_static_instances(settings.instances) if settings.instances else []
     host, port = settings.host, settings.port
