@@ -181,8 +181,10 @@ class Deployment:
         out = {}
         for inst in self.instances():
             text = httpx.get(f"http://{inst['host']}:{inst['metrics_port']}/metrics", timeout=5).text
-            values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
-                      if line.startswith("pdserve_kv_cache_") and "{" not in line}
+            values: dict[str, float] = collections.defaultdict(float)
+            for line in text.splitlines():  # summed over the data-parallel ranks' series
+                if line.startswith("pdserve_kv_cache_"):
+                    values[line.split("{")[0].split()[0]] += float(line.rsplit(None, 1)[1])
             out[inst["url"]] = values["pdserve_kv_cache_total_blocks"] - values["pdserve_kv_cache_free_blocks"]
         return out
 
@@ -234,13 +236,15 @@ def run(args: argparse.Namespace) -> str:
             t.join(120)
     # Blocks held for a transfer whose peer died are freed when D's lease (--pd-transfer-timeout, 30 s)
     # runs out: a leak is what is still held after that.
-    deadline = time.monotonic() + 45
-    while any(dep.leaked_blocks().values()) and time.monotonic() < deadline:
-        time.sleep(1)
-    leaked = dep.leaked_blocks()
-    restarts = {i["url"]: i["restarts"] for i in dep.instances()}
-    launch_log = dep.log_path.read_text(errors="replace")
-    code = dep.stop()
+    try:
+        deadline = time.monotonic() + 45
+        while any(dep.leaked_blocks().values()) and time.monotonic() < deadline:
+            time.sleep(1)
+        leaked = dep.leaked_blocks()
+        restarts = {i["url"]: i["restarts"] for i in dep.instances()}
+        launch_log = dep.log_path.read_text(errors="replace")
+    finally:  # a failure above must not leave the deployment running
+        code = dep.stop()
     time.sleep(5)
     left_segments = segments() - segments_before
     left_folders = [p.name for p in tmp.iterdir() if p.name.startswith("pdserve-")]

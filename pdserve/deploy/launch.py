@@ -210,15 +210,7 @@ def launch(args: argparse.Namespace) -> int:
     specs = plan(settings, args.instance_args)
     router_url = f"http://{settings.host}:{settings.port}"
     deployment = Supervisor({ENV: os.environ.get(ENV) or secrets.token_hex(16)})
-    stop = threading.Event()
-    stopped_by: list[int] = []
-
-    def on_signal(signum: int, frame: object) -> None:
-        stopped_by.append(signum)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stop, stopped_by = stop_on_signals()
     flags_dir: Path | None = None
     try:
         routers = plan_routers(settings.host, settings.routers)
@@ -263,6 +255,20 @@ def launch(args: argparse.Namespace) -> int:
         deployment.stop(grace=SIGINT_GRACE_S if stopped_by[:1] == [signal.SIGINT] else 0.0)
         if flags_dir is not None:
             shutil.rmtree(flags_dir, ignore_errors=True)
+
+
+def stop_on_signals() -> tuple[threading.Event, list[int]]:
+    """SIGINT and SIGTERM set the event (the deployment then stops in order); the list says which came."""
+    stop = threading.Event()
+    stopped_by: list[int] = []
+
+    def on_signal(signum: int, frame: object) -> None:
+        stopped_by.append(signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    return stop, stopped_by
 
 
 SIGINT_GRACE_S = 5.0  # after Ctrl-C, the deployment's processes (which got it too) stop on their own first

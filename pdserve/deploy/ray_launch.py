@@ -17,9 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
-import signal
 import sys
-import threading
 import time
 from typing import Any
 
@@ -27,7 +25,7 @@ from pdserve.api.serve import DEMO_REQUEST
 from pdserve.config.flags import from_args, to_flags
 from pdserve.config.roles import Role
 from pdserve.deploy.cluster_auth import ENV
-from pdserve.deploy.launch import instance_names, stopped, wait_ready
+from pdserve.deploy.launch import instance_names, stop_on_signals, stopped, wait_ready
 from pdserve.deploy.ray_member import ROUTER, MemberPlan, RayMember, with_routers
 from pdserve.deploy.ray_placement import (
     Demand,
@@ -80,15 +78,7 @@ def _unsupported(settings: LaunchSettings) -> str | None:
 def _run(args: argparse.Namespace, settings: LaunchSettings, deployment: RayDeployment) -> int:
     import ray
 
-    stop = threading.Event()
-    stopped_by: list[int] = []
-
-    def on_signal(signum: int, frame: object) -> None:
-        stopped_by.append(signum)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stop, stopped_by = stop_on_signals()
     try:
         nodes = alive_nodes(ray.nodes())
         plans, demands = instance_plans(settings, args.instance_args, any(n.gpus for n in nodes))
