@@ -149,8 +149,7 @@ def _pdserve_processes() -> set[int]:
 
 def _remove_a_node_under_load(launch: RayLaunch, c, victim, d: dict) -> None:  # noqa: ANN001 (Ray's own types)
     """The decode instance's node leaves the cluster while two clients send requests and a long stream runs; the
-    instance comes back on the third node, the stream is resumed there, and every request sent after the removal
-    is answered."""
+    instance comes back on the third node, the stream is resumed there, and every request is answered."""
     load = Load(launch.url)
     stream_text: list[str] = []
     started = threading.Event()
@@ -180,7 +179,8 @@ def _remove_a_node_under_load(launch: RayLaunch, c, victim, d: dict) -> None:  #
         load.stop.set()
         load.join(90)
     streamer.join(120)
-    failed = [(round(r[0] - removed_at, 2), r[2]) for r in load.results if r[0] > removed_at and not r[1]]
+    # None fails: those sent meanwhile wait for the route, those it carried are tried again on the new one
+    failed = [(round(r[0] - removed_at, 2), r[2]) for r in load.results if not r[1]]
     assert not failed, failed[:3]
     assert [r for r in load.results if r[0] > removed_at + back_in], "no load after the instance came back"
     events = [json.loads(line[6:]) for line in stream_text if line.startswith("data: {")]
