@@ -104,12 +104,10 @@ class Forwarder:
                     excluded: set[str]) -> Response | Opened:
         """The request on the first route that works, trying others while nothing reached the client."""
         last: Response | None = None
-        failed: dict[str, Instance] = {}
-        died = False  # the last route tried left the pool (it died), rather than answering an error
         for attempt in range(self.max_retries + 1):
             route = self.selector.pick(request, excluded)
-            if route is None and (attempt == 0 or died) and self._lost_its_routes():
-                route = await self._route_when_back(request, excluded, failed)
+            if route is None and attempt == 0 and self._lost_its_routes():
+                route = await self._route_when_back(request, excluded)
             if route is None:
                 break
             self.routed_at = time.monotonic()
@@ -121,8 +119,6 @@ class Forwarder:
                 return outcome
             if outcome.failed is not None:
                 excluded.add(outcome.failed.url)
-                failed[outcome.failed.url] = outcome.failed
-            died = outcome.failed is not None and not outcome.failed.healthy
             last = outcome.response
             if attempt < self.max_retries:
                 log.warning("retrying a request without %s (%d of %d)",
@@ -136,15 +132,12 @@ class Forwarder:
         """The pool served a moment ago: its last route is being restarted (launch) or placed again (Ray)."""
         return self.routed_at is not None and time.monotonic() - self.routed_at < OUTAGE_MEMORY_S
 
-    async def _route_when_back(self, request: RoutedRequest, excluded: set[str],
-                               failed: dict[str, Instance]) -> Route | None:
+    async def _route_when_back(self, request: RoutedRequest, excluded: set[str]) -> Route | None:
         """The first route that joins within ROUTE_WAIT_S: the request waits out the restart, as a stream
-        cut by it does (_resume), rather than failing. An instance that failed it is a route again once it
-        is a new process (launch restarts it at its address)."""
+        cut by it does (_resume), rather than failing."""
         deadline = time.monotonic() + ROUTE_WAIT_S
         while time.monotonic() < deadline:
             await asyncio.sleep(0.25)
-            excluded -= {url for url, gone in failed.items() if self.registry.get(url) not in (None, gone)}
             if self.selector.can_serve_without(excluded):
                 return self.selector.pick(request, excluded)
         return None

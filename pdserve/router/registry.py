@@ -101,9 +101,6 @@ class Registry:
             del self._instances[instance.url]
             self._lose(instance, f"no heartbeat for {now - instance.last_seen:.0f} s")
 
-    def get(self, url: str) -> Instance | None:
-        return self._instances.get(url)
-
     def all(self) -> list[Instance]:
         return sorted(self._instances.values(), key=lambda i: (i.role, i.url))
 
