@@ -38,6 +38,7 @@ from pdserve.deploy.settings import (
     ROUTER_DEFAULTS,
     ROUTER_FLAGS,
     LaunchSettings,
+    default_routers,
     instance_flag,
     role_counts,
     tensor_parallel_sizes,
@@ -213,7 +214,7 @@ def launch(args: argparse.Namespace) -> int:
     stop, stopped_by = stop_on_signals()
     flags_dir: Path | None = None
     try:
-        routers = plan_routers(settings.host, settings.routers)
+        routers = plan_routers(settings.host, settings.routers or default_routers())
         for r in routers:
             deployment.start(r.name, r.command(router_settings))
         registrations = registration_urls(settings.host, settings.port, routers)

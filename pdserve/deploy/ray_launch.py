@@ -155,7 +155,7 @@ class RayDeployment:
         flags = tuple(to_flags(router_settings))
         names = []
         for node in nodes:
-            for _ in range(settings.routers):
+            for _ in range(settings.routers or 1):
                 name = f"router-{len(names)}"
                 plan = MemberPlan(name, ROUTER, 0, flags, port=settings.port, bind_all=settings.host == "0.0.0.0")
                 strategy = NodeAffinitySchedulingStrategy(node.node_id, soft=False)

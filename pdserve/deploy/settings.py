@@ -23,10 +23,10 @@ class LaunchSettings:
     host: str = option("127.0.0.1", "where the router listens")
     port: int = option(8000, "the router's port: the deployment's OpenAI endpoint")
     ready_timeout: float = option(600.0, "seconds to wait for every instance")
-    routers: int = option(
-        help="router processes sharing --port (SO_REUSEPORT), each with its own port that instances register at: "
-             "one that dies refuses no connection and cuts only its own streams (default: 2 with 2 or more cores)",
-        factory=default_routers)
+    routers: int | None = option(
+        None, "router processes sharing --port (SO_REUSEPORT), each with its own port that instances register at: "
+              "one that dies refuses no connection and cuts only its own streams (default: 2 with 2 or more cores; "
+              "with --ray, per router node, default 1)")
     cpu_binding: str = option(
         "auto", "on a CPU-only machine: pin gives each instance its own cores and as many torch threads; lend (what "
                 "auto does) also lets each decode instance compute on a prefill instance's cores while that one "
