@@ -188,11 +188,16 @@ def _cpu_only() -> bool:
 SIZING_FLAGS = ("--kv-cache-memory", "--num-gpu-blocks-override")
 
 
+def needs_memory_share(instance_args: list[str] | tuple[str, ...]) -> bool:
+    """On CPU, with no flag that sizes the KV cache, instances started together must split the free RAM."""
+    return _cpu_only() and not any(a.split("=")[0] in SIZING_FLAGS for a in instance_args)
+
+
 def memory_shares(instance_args: list[str], n: int) -> list[str]:
     """On CPU, where no flag sizes the caches, each of the n instances gets an equal share of the free
     RAM as its --kv-cache-memory: started together, each would size from all of it, and together
     they could fill more than there is (an instance then dies of SIGBUS or the OOM killer)."""
-    if not _cpu_only() or any(a.split("=")[0] in SIZING_FLAGS for a in instance_args):
+    if not needs_memory_share(instance_args):
         return []
     return ["--kv-cache-memory", str(free_host_memory() // n)]
 

@@ -19,6 +19,7 @@ import os
 import secrets
 import sys
 import time
+from dataclasses import replace
 from typing import Any
 
 from pdserve.api.serve import DEMO_REQUEST
@@ -26,7 +27,7 @@ from pdserve.config.flags import from_args, to_flags
 from pdserve.config.roles import Role
 from pdserve.deploy.cluster_auth import ENV
 from pdserve.deploy.launch import instance_names, stop_on_signals, stopped, wait_ready
-from pdserve.deploy.ray_member import ROUTER, MemberPlan, RayMember, with_routers
+from pdserve.deploy.ray_member import ROUTER, MemberPlan, RayMember
 from pdserve.deploy.ray_placement import (
     Demand,
     NodeRule,
@@ -91,7 +92,7 @@ def _run(args: argparse.Namespace, settings: LaunchSettings, deployment: RayDepl
         if urls is None:
             return _fail("the routers did not start (their output is above)")
         for plan, demand in zip(plans, demands, strict=True):
-            deployment.start_instance(with_routers(plan, urls), demand)
+            deployment.start_instance(replace(plan, router_urls=tuple(urls)), demand)
         endpoints = sum(p.data_parallel_size if p.role != Role.MIXED else 1 for p in plans)
         if error := wait_ready(deployment.failure, urls, endpoints, settings.ready_timeout, stop,
                                [p.name for p in plans]):

@@ -15,15 +15,14 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from pdserve.api.serve import free_port
 from pdserve.config.roles import Role
 from pdserve.deploy.cluster_auth import ENV
-from pdserve.deploy.launch import SIZING_FLAGS, InstanceSpec
+from pdserve.deploy.launch import InstanceSpec, needs_memory_share
 from pdserve.deploy.supervisor import Supervisor
-from pdserve.utils.dtype_names import gpu_present
 from pdserve.utils.shm_room import free_host_memory
 
 ROUTER = "router"
@@ -90,7 +89,7 @@ class RayMember:
         the node's CPUs is: Ray places by CPUs, so instances placed together never size past the RAM."""
         import ray
 
-        if gpu_present() or any(a.split("=")[0] in SIZING_FLAGS for a in self.plan.args):
+        if not needs_memory_share(self.plan.args):
             return []
         node_cpus = next((n["Resources"].get("CPU", 1.0) for n in ray.nodes() if n["NodeID"] == self.node_id), 1.0)
         share = free_host_memory() * min(1.0, self.plan.cores / max(node_cpus, 1.0))
@@ -117,18 +116,14 @@ class RayMember:
     def info(self) -> dict[str, Any]:
         member = self.supervisor.members.get(self.plan.name)
         proc = member.proc if member else None
-        return {"name": self.plan.name, "role": self.plan.role, "node": self.node_id[:12], "node_id": self.node_id,
+        return {"name": self.plan.name, "role": self.plan.role, "node": self.node_id[:12],
                 "ip": self.ip, "url": self.url, "ports": self.ports, "pid": proc.pid if proc else None,
                 "exit_code": proc.poll() if proc else None, "restarts": member.restarts if member else 0,
                 "crash_loop": self.crash_loop}
 
-    def stop(self, grace: float = 0.0) -> bool:
+    def stop(self) -> bool:
         """Every process of the member ended (SIGTERM, then SIGKILL after 20 s)."""
         self.stopping.set()
         self.tender.join(5)
-        self.supervisor.stop(grace=grace)
+        self.supervisor.stop()
         return True
-
-
-def with_routers(plan: MemberPlan, urls: list[str]) -> MemberPlan:
-    return replace(plan, router_urls=tuple(urls))
