@@ -48,21 +48,44 @@ def test_load_policies_pick_the_least_loaded() -> None:
     assert [rr.choose([a, b, c], req).url for _ in range(4)] == ["a", "b", "c", "a"]
 
 
-def test_cache_aware_follows_the_prefix_until_the_load_is_imbalanced() -> None:
-    policy = CacheAware(balance_abs=100, balance_rel=1.5, min_match=0.3)
+def test_cache_aware_trades_the_cached_prefix_against_load() -> None:
+    """Without KV events: the prefix goes where this policy sent it; cost = blocks to compute + blocks in flight."""
+    policy = CacheAware()
     a, b = _instance("a"), _instance("b")
-    shared = list(range(40))
+    shared = list(range(40))  # 10 blocks of 4
     first = policy.choose([a, b], RoutedRequest(shared + [1000], 41))
     other = b if first is a else a
-    for suffix in range(5):  # same 40-token prefix (10 blocks of 4): same instance
-        assert policy.choose([a, b], RoutedRequest(shared + [2000 + suffix] * 3, 43)) is first
-    first.in_flight_tokens = 30
-    unrelated = list(range(500, 540))
-    assert policy.choose([a, b], RoutedRequest(unrelated, 40)) is other  # no match anywhere: least tokens
-    first.in_flight_tokens = 500  # imbalanced: more than 100 over the other and 1.5x
+    assert policy.choose([a, b], RoutedRequest(shared + [2000] * 3, 43)) is first  # 1 block to compute vs 11
+    first.served = 2  # as the registry counts it
+    assert policy.choose([a, b], RoutedRequest(list(range(500, 540)), 40)) is other  # no match: fewer served wins
+    first.in_flight_tokens, first.in_flight_requests = 36, 1  # 1 + 9 < 11: the holder is worth its queue
+    assert policy.choose([a, b], RoutedRequest(shared + [8], 41)) is first
+    first.in_flight_tokens = 40  # 10 blocks in flight: 1 + 10 there vs 11 on the other, a tie broken by requests
     assert policy.choose([a, b], RoutedRequest(shared + [7], 41)) is other
-    other.in_flight_tokens = 60  # balanced again (and `other` busier): the prefix's holder wins over load
-    assert policy.choose([a, b], RoutedRequest(unrelated + [9], 41)) is other
+    assert CacheAware(overlap_weight=0).choose([a, b], RoutedRequest(shared + [9], 41)) is other  # load only
+
+
+def test_cache_aware_reads_what_instances_publish_over_what_it_sent() -> None:
+    """With KV events: an instance holds what its events say, whoever sent it there, until they say it is gone."""
+    from pdserve.kv_events.events import BlockRemoved, BlockStored
+    from pdserve.kv_events.index import KVIndex
+
+    index = KVIndex()
+    policy = CacheAware(kv_index=index)
+    a, b = _instance("a"), _instance("b")
+    index.set_sources("a", ["a#0"])
+    index.set_sources("b", ["b#0"])
+    prompt = RoutedRequest(list(range(40)) + [1], 41)
+    hashes = prompt.block_hashes(4)
+    index.apply("b#0", [BlockStored(hashes[:6], None, [], 4, None, "GPU"), BlockStored(hashes[6:], None, [], 4,
+                                                                                        None, "CPU")])
+    assert policy.choose([a, b], prompt) is b and prompt.predicted_cached_tokens == 40  # device run, then host tier
+    for _ in range(3):
+        assert policy.choose([a, b], RoutedRequest(list(range(40)) + [2], 41)) is b  # sent there: still b
+        b.served += 1
+    index.apply("b#0", [BlockRemoved(hashes[:1], "GPU")])  # its first block was evicted: nothing matches
+    assert policy.choose([a, b], RoutedRequest(list(range(40)) + [3], 41)) is a  # b served more
+    assert policy.cache.cached_blocks("a", hashes) == 0  # sending there taught it nothing: a publishes events
 
 
 def test_pairs_need_equal_compatibility_keys_and_ipc_needs_one_host() -> None:
@@ -230,24 +253,18 @@ def test_least_requests_spreads_and_health_checks_move_traffic(router: Router, s
 
 
 @pytest.mark.e2e
-def test_static_instance_list_and_mixed_fallback(tmp_path: Path) -> None:
+def test_static_instance_list_and_a_mixed_instance_serving_beside_an_incomplete_pair(tmp_path: Path) -> None:
+    """Mixed instances are routes like pairs: with a prefill instance and no decode one, the mixed one serves."""
     mixed, prefill = StubInstance("mixed"), StubInstance("prefill")
     listing = tmp_path / "instances.yaml"
     listing.write_text(yaml.safe_dump({"instances": [mixed.registration(), prefill.registration("prefill")]}))
-    routers = []
+    router = Router(tmp_path / "router", "--instances", str(listing), "--tokenizer", "none", "--health-interval", "0.2")
     try:
-        for flags in ([], ["--mixed-fallback"]):
-            routers.append(Router(tmp_path / f"router{len(routers)}", "--instances", str(listing), "--tokenizer",
-                                  "none", "--health-interval", "0.2", *flags))
-            wait_for(lambda r=routers[-1]: len(r.healthy_urls()) == 2, 10, "the static instances were not probed")
-        strict, fallback = routers
-        r = httpx.post(f"{strict.url}/v1/completions", json={"prompt": "hi"})
-        assert r.status_code == 503 and "--mixed-fallback is off" in r.json()["error"]["message"]
-        r = httpx.post(f"{fallback.url}/v1/completions", json={"prompt": "hi"})
+        wait_for(lambda: len(router.healthy_urls()) == 2, 10, "the static instances were not probed")
+        r = httpx.post(f"{router.url}/v1/completions", json={"prompt": "hi"})
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == "mixed"
     finally:
-        for r in routers:
-            r.stop()
+        router.stop()
         mixed.close()
         prefill.close()
 

@@ -26,7 +26,9 @@ from pdserve.config.flags import from_args
 from pdserve.config.roles import Role
 from pdserve.deploy.cluster_auth import ENV
 from pdserve.engine.engine_client import EngineClient
-from pdserve.http.wire import Registration
+from pdserve.engine.messages import EngineReady
+from pdserve.http.wire import KVEventSource, Registration
+from pdserve.kv_events.config import on_free_ports
 from pdserve.loader import model_name, resolve_model_folder, tensor_parallel_refusal
 from pdserve.tokenization.tokenizer import Tokenizer
 from pdserve.transport.base import HOST_ID_ENV, host_id
@@ -91,6 +93,8 @@ def serve(args: argparse.Namespace) -> int:
     metrics_reservation = listening_socket(host, metrics_port)  # prometheus binds its own; held until then
     advertise = advertised_host(host, settings.advertise_host)
     config = engine_config_from_args(args, pd_host=host, advertise_host=advertise)
+    if settings.router and config.kv_events_config is None:  # the routers index what it caches
+        config = dataclasses.replace(config, kv_events_config=on_free_ports(host))
     name = settings.served_model_name or model_name(args.model)
     folder = resolve_model_folder(args.model)
     tokenizer = Tokenizer(folder)
@@ -129,7 +133,9 @@ def start_engines(config: EngineConfig, name: str, ranks: int, pd_ports: list[in
     if ranks == 1:
         return AsyncEngine(EngineClient(config, name))
     memory = config.kv_cache_memory or (None if gpu_present() else free_host_memory())  # CPU: shared by the ranks
+    events = config.kv_events_config
     configs = [dataclasses.replace(config, pd_comm_port=pd_ports[r] if r < len(pd_ports) else None,
+                                   data_parallel_rank=r, kv_events_config=events and events.for_rank(r),
                                    kv_cache_memory=memory // ranks if memory else None,
                                    startup_log=f"{config.startup_log}.dp{r}" if config.startup_log and r else
                                    config.startup_log) for r in range(ranks)]
@@ -159,13 +165,29 @@ def registrations(engine: AsyncEngine | DataParallelEngine, url: str, advertise:
     endpoint (`/dp/R`, its own control-plane port), since the router pairs ranks, not servers."""
     clients = ([(f"{url}/dp/{r.rank}", r.engine.client) for r in engine.ranks] if isinstance(engine, DataParallelEngine)
                else [(url, engine.client)])
-    if clients[0][1].ready.role == Role.MIXED:
-        clients = [(url, clients[0][1])]  # the server balances its ranks itself
-    return [Registration(role=c.ready.role, url=u, host=advertise, host_id=host_id(), pid=os.getpid(),
-                         metrics_port=metrics_port, model=name,
-                         pd_comm=f"{advertise}:{c.ready.pd_comm_port}" if c.ready.pd_comm_port else None,
-                         transports=c.ready.transports, tp_size=tp_size, block_size=c.ready.block_size,
-                         compatibility_key=c.ready.compatibility_key).model_dump() for u, c in clients]
+    if clients[0][1].ready.role == Role.MIXED:  # the server balances its ranks itself: the router sees their union
+        return [_registration(url, clients[0][1].ready, [c.ready for _, c in clients], advertise, metrics_port, name,
+                              tp_size)]
+    return [_registration(u, c.ready, [c.ready], advertise, metrics_port, name, tp_size) for u, c in clients]
+
+
+def _registration(url: str, ready: EngineReady, engines: list[EngineReady], advertise: str, metrics_port: int,
+                  name: str, tp_size: int) -> dict:
+    sources = [KVEventSource(endpoint=advertised_endpoint(e.kv_events, advertise),
+                             replay=e.kv_events_replay and advertised_endpoint(e.kv_events_replay, advertise))
+               for e in engines if e.kv_events]
+    return Registration(role=ready.role, url=url, host=advertise, host_id=host_id(), pid=os.getpid(),
+                        metrics_port=metrics_port, model=name,
+                        pd_comm=f"{advertise}:{ready.pd_comm_port}" if ready.pd_comm_port else None,
+                        transports=ready.transports, tp_size=tp_size, block_size=ready.block_size,
+                        compatibility_key=ready.compatibility_key, kv_events=sources).model_dump()
+
+
+def advertised_endpoint(bound: str, advertise: str) -> str:
+    """A ZMQ address as peers reach it: the bound tcp port on the advertised host (ipc:// as it is)."""
+    if not bound.startswith("tcp://"):
+        return bound
+    return f"tcp://{advertise}:{bound.rpartition(':')[2]}"
 
 
 def _announcement(host: str, port: int, metrics_port: int, name: str, role: str, pd_comm_port: int | None,

@@ -13,8 +13,11 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
-from pdserve.balancing.prefix_index import PrefixIndex
+from pdserve.balancing.prefix_index import CacheView
 from pdserve.engine.block_pool import hash_block
+from pdserve.kv_events.index import KVIndex
+
+DEFAULT_BLOCK_SIZE = 64  # an instance that did not say its block size (a static list without it)
 
 
 class Candidate(Protocol):
@@ -44,6 +47,7 @@ class RoutedRequest:
     num_tokens: int  # exact with a tokenizer, else estimated from the text
     # scores its prompt (echo + logprobs, prompt_logprobs): one instance computes it all, no PD pair
     single: bool = False
+    predicted_cached_tokens: int | None = None  # cache_aware: what it expects the chosen instance to have cached
     _hashes: dict[int, list[bytes]] = field(default_factory=dict)
 
     def block_hashes(self, block_size: int) -> list[bytes]:
@@ -99,39 +103,33 @@ class PowerOfTwo(Policy):
 
 
 class CacheAware(Policy):
-    """Prefix affinity: the instance that was sent the longest run of this prompt's leading blocks.
+    """Prefix affinity traded against load by one cost, Dynamo's KV router's:
 
-    The router remembers which block hashes it sent where (an LRU per instance, an approximation of
-    each engine's prefix cache). When the load is imbalanced (the most loaded instance has more than
-    `balance_abs` in-flight tokens over the least and more than `balance_rel` times its load), or no
-    instance holds at least `min_match` of the prompt, it picks by least tokens instead.
+        cost = overlap_weight x (prompt blocks the instance would compute) + (prompt blocks in flight there)
+
+    and the cheapest wins (ties: fewer requests in flight, then fewer served). What an instance caches is
+    read from its KV events when it publishes them (kv_events/index.py: exact, evictions and the host tier
+    included, whichever router sent the prompts); else from what this policy sent it (an LRU per instance,
+    approximate: it sees no eviction and only this router's traffic).
     """
 
-    def __init__(self, balance_abs: int = 4096, balance_rel: float = 1.5, min_match: float = 0.3,
-                 max_blocks_per_instance: int = 100_000) -> None:
-        self.balance_abs, self.balance_rel, self.min_match = balance_abs, balance_rel, min_match
-        self.index = PrefixIndex(max_blocks_per_instance)
-        self._fallback = LeastTokens()
+    def __init__(self, overlap_weight: float = 1.0, kv_index: KVIndex | None = None) -> None:
+        self.overlap_weight = overlap_weight
+        self.cache = CacheView(kv_index)
 
     def choose(self, candidates: list[Instance], request: RoutedRequest) -> Instance:
-        block_size = candidates[0].block_size or 64
-        hashes = request.block_hashes(block_size)
-        chosen = None
-        if hashes and not self._imbalanced(candidates):
-            best = max(candidates, key=lambda i: (self.matched(i.url, hashes), -i.in_flight_tokens))
-            if self.matched(best.url, hashes) >= self.min_match * len(hashes):
-                chosen = best
-        chosen = chosen or self._fallback.choose(candidates, request)
-        self.index.remember(chosen.url, hashes)
+        costs = {i.url: self._cost(i, request) for i in candidates}
+        chosen = min(candidates, key=lambda i: (costs[i.url][0], i.in_flight_requests, i.served))
+        request.predicted_cached_tokens = costs[chosen.url][1]
+        self.cache.sent(chosen.url, request.block_hashes(chosen.block_size or DEFAULT_BLOCK_SIZE))
         return chosen
 
-    def matched(self, url: str, hashes: list[bytes]) -> int:
-        return self.index.matched(url, hashes)
-
-    def _imbalanced(self, candidates: list[Instance]) -> bool:
-        loads = [i.in_flight_tokens for i in candidates]
-        hi, lo = max(loads), min(loads)
-        return hi - lo > self.balance_abs and hi > self.balance_rel * lo
+    def _cost(self, instance: Instance, request: RoutedRequest) -> tuple[float, int]:
+        """(the cost, the prompt tokens it would find cached)"""
+        block_size = instance.block_size or DEFAULT_BLOCK_SIZE
+        cached = self.cache.cached_blocks(instance.url, request.block_hashes(block_size)) * block_size
+        to_compute = max(request.num_tokens - cached, 0) / block_size
+        return self.overlap_weight * to_compute + instance.in_flight_tokens / block_size, cached
 
 
 def _least(candidates: list[Instance], load) -> Instance:  # noqa: ANN001
@@ -139,7 +137,7 @@ def _least(candidates: list[Instance], load) -> Instance:  # noqa: ANN001
     return min(candidates, key=lambda i: (*load(i), i.served))
 
 
-def make_policy(name: str, **cache_aware: float) -> Policy:
+def make_policy(name: str, **cache_aware: object) -> Policy:
     if name == "cache_aware":
         return CacheAware(**cache_aware)
     classes = {"round_robin": RoundRobin, "random": Random, "power_of_two": PowerOfTwo,

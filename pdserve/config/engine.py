@@ -15,6 +15,7 @@ import msgspec
 from pdserve.config.fastdeploy_flags import first_port, per_rank_ports
 from pdserve.config.flags import option
 from pdserve.config.roles import Role
+from pdserve.kv_events.config import KVEventsConfig, kv_events_config
 from pdserve.spec_decode.config import SpeculativeConfig, speculative_config
 
 ENGINE, PD = "engine", "prefill/decode disaggregation"
@@ -67,6 +68,11 @@ class EngineConfig:
         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'; each step speculates when measurement says it pays at '
         'its batch size, or with "disable_by_batch_size": N always up to N sequences and never above',
         type=speculative_config, group=ENGINE)
+    kv_events_config: KVEventsConfig | None = option(
+        None, 'publish the prefix cache\'s changes (KV events), vLLM\'s JSON: \'{"enable_kv_cache_events": true, '
+        '"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\' (default: on free '
+        'ports when the instance registers with a router; "publisher": "null" turns them off)',
+        type=kv_events_config, group=ENGINE)
     startup_log: str | None = option(None, "write the startup order (JSON lines) to this file", group=ENGINE)
     startup_timeout: float = 600.0
 
@@ -89,10 +95,13 @@ class EngineConfig:
         "its own cache blocks only when the KV is complete (FastDeploy's flag)", group=PD)
     pd_host: str = "127.0.0.1"  # the address the control plane and the KV receiver listen on (serve's --host)
     advertise_host: str | None = None  # the address peers are told to use (default: pd_host)
+    data_parallel_rank: int | None = None  # this engine's rank among the server's data-parallel ones
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
             object.__setattr__(self, "speculative_config", speculative_config(self.speculative_config))
+        if self.kv_events_config is not None and not isinstance(self.kv_events_config, KVEventsConfig):
+            object.__setattr__(self, "kv_events_config", kv_events_config(self.kv_events_config))
         try:
             object.__setattr__(self, "splitwise_role", Role(self.splitwise_role))
         except ValueError:

@@ -120,11 +120,12 @@ def instance_hosts(router_host: str, n: int) -> list[str]:
 
 def instance_names(launch: LaunchSettings) -> list[tuple[Role, str]]:
     """(role, name) of every instance, in start order; a deployment that cannot serve is refused."""
-    if (launch.prefill > 0) != (launch.decode > 0):
+    counts = role_counts(launch)
+    if (counts[Role.PREFILL] > 0) != (counts[Role.DECODE] > 0):
         raise ValueError("a PD deployment needs at least one --prefill and one --decode instance (or neither)")
-    if launch.prefill + launch.decode + launch.mixed == 0:
+    if not sum(counts.values()):
         raise ValueError("nothing to launch: give --prefill/--decode and/or --mixed")
-    return [(role, f"{role}-{i}") for role, count in role_counts(launch).items() for i in range(count)]
+    return [(role, f"{role}-{i}") for role, count in counts.items() for i in range(count)]
 
 
 def plan(launch: LaunchSettings, instance_args: list[str] = ()) -> list[InstanceSpec]:

@@ -17,9 +17,10 @@ def default_routers() -> int:
 
 @dataclass(frozen=True, kw_only=True)
 class LaunchSettings:
-    prefill: int = option(1, "prefill instances")
-    decode: int = option(1, "decode instances")
-    mixed: int = option(0, "mixed (non-disaggregated) instances")
+    prefill: int | None = option(None, "prefill instances (default: 1, or 0 when --mixed is given alone)")
+    decode: int | None = option(None, "decode instances (default: 1, or 0 when --mixed is given alone)")
+    mixed: int = option(0, "mixed (non-disaggregated) instances; the router chooses among them and the prefill/decode "
+                           "pairs by the same policy")
     host: str = option("127.0.0.1", "where the router listens")
     port: int = option(8000, "the router's port: the deployment's OpenAI endpoint")
     ready_timeout: float = option(600.0, "seconds to wait for every instance")
@@ -74,8 +75,11 @@ def tensor_parallel_sizes(launch: Any, instance_args: list[str]) -> dict[Role, i
 
 
 def role_counts(launch: Any) -> dict[Role, int]:
-    """How many instances of each role `launch` (LaunchSettings or its flags) asks for, in start order."""
-    return {Role.PREFILL: launch.prefill, Role.DECODE: launch.decode, Role.MIXED: launch.mixed}
+    """How many instances of each role `launch` (LaunchSettings or its flags) asks for, in start order: 1P1D
+    unless said otherwise, none of them when only --mixed is given."""
+    pd_default = 0 if launch.mixed and launch.prefill is None and launch.decode is None else 1
+    return {Role.PREFILL: pd_default if launch.prefill is None else launch.prefill,
+            Role.DECODE: pd_default if launch.decode is None else launch.decode, Role.MIXED: launch.mixed}
 
 
 # The router's settings (router/settings.py) that launch takes as flags and passes on to its routers, with

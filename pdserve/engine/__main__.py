@@ -12,12 +12,16 @@ import logging
 import shutil
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
 
 from pdserve.engine.messages import EngineDead, EngineReady
 from pdserve.utils.process import child_entry, parent_gone, when_parent_gone
+
+if TYPE_CHECKING:
+    from pdserve.engine.engine_core import EngineCore
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         outputs.send(encoder.encode(EngineReady(
             layout.num_blocks, config.block_size, started.max_model_len, args.model_name, started.profile,
             config.splitwise_role, core.connector.port, list(config.cache_transfer_protocol), started.log.events,
-            layout.compatibility_key(args.model_name))))
+            layout.compatibility_key(args.model_name), *_kv_event_endpoints(core))))
         core.run(inputs, outputs)
         return 0
     except Exception as e:  # anything: the frontend must hear why the engine is gone
@@ -70,12 +74,19 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(sockdir.parent, ignore_errors=True)
         if core is not None:
             core.connector.close()
+            if core.kv_events is not None:
+                core.kv_events.close()
         if started is not None:
             started.shutdown()
         inputs.close()
         outputs.close()
         ctx.term()
         shutil.rmtree(sockdir, ignore_errors=True)
+
+
+def _kv_event_endpoints(core: EngineCore) -> tuple[str | None, str | None]:
+    events = core.kv_events
+    return (None, None) if events is None else (events.endpoint, events.replay_endpoint)
 
 
 if __name__ == "__main__":

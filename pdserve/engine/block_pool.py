@@ -16,6 +16,12 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pdserve.kv_events.events import DEVICE
+
+if TYPE_CHECKING:
+    from pdserve.kv_events.recorder import KVEventRecorder
 
 BlockHash = bytes
 
@@ -46,6 +52,7 @@ class BlockPool:
         self._clean: list[int] = list(range(num_blocks - 1, -1, -1))  # a stack: pop() gives block 0 first
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; oldest first
         self._by_hash: dict[BlockHash, int] = {}
+        self.events: KVEventRecorder | None = None  # told of each eviction (kv_cache_manager.py: stores)
 
     @property
     def num_free_blocks(self) -> int:
@@ -69,6 +76,8 @@ class BlockPool:
                 block_id, _ = self._evictable.popitem(last=False)
                 block = self.blocks[block_id]
                 del self._by_hash[block.block_hash]
+                if self.events is not None:
+                    self.events.removed(block.block_hash, DEVICE)
                 block.block_hash = None
             block.ref_cnt = 1
             out.append(block)
@@ -101,12 +110,17 @@ class BlockPool:
                     self._clean.append(block.block_id)
         return evictable
 
-    def cache_full_block(self, block: Block, block_hash: BlockHash) -> None:
-        """Index a block that just became full; a block with the same content already indexed wins."""
+    def cache_full_block(self, block: Block, block_hash: BlockHash) -> bool:
+        """Index a block that just became full; a block with the same content already indexed wins.
+        Whether this indexed it."""
         if not self.enable_caching or block.block_hash is not None or block_hash in self._by_hash:
-            return
+            return False
         block.block_hash = block_hash
         self._by_hash[block_hash] = block.block_id
+        return True
+
+    def cached_hashes(self) -> list[BlockHash]:
+        return list(self._by_hash)
 
     def reset_prefix_cache(self) -> None:
         """Unindex every block (the KV no longer matches the weights): unreferenced cached blocks

@@ -18,6 +18,7 @@ from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.kv_connector import KVConnector, NoCacheService
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 from pdserve.engine.worker_copies import WorkerCopies
+from pdserve.kv_events.publisher import KVEventPublisher
 
 if TYPE_CHECKING:
     import zmq
@@ -41,4 +42,8 @@ def build_engine_core(config: EngineConfig, started: StartedProcesses, ctx: zmq.
     elif config.splitwise_role == Role.DECODE:
         connector = DecodeConnector(config, scheduler, layout, ctx, started.endpoints, started.cache_service,
                                     buffer_blocks=started.buffer_blocks, copies=copies)
-    return EngineCore(config, started.worker, scheduler, layout, copies, connector, service)
+    publisher = None
+    if config.kv_events_config is not None and config.kv_events_config.enabled:
+        kv.record_events()
+        publisher = KVEventPublisher(config.kv_events_config, kv.snapshot, ctx, config.data_parallel_rank)
+    return EngineCore(config, started.worker, scheduler, layout, copies, connector, service, publisher)

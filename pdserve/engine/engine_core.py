@@ -35,6 +35,7 @@ from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.engine.worker_client import WorkerClient
 from pdserve.kv.layout import KVLayout
 from pdserve.kv.transfer_plan import TransferPlan
+from pdserve.kv_events.publisher import KVEventPublisher
 from pdserve.utils.child_process import ChildDied
 from pdserve.utils.process import raise_if_stopping
 
@@ -54,7 +55,7 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, worker: WorkerClient, scheduler: Scheduler, layout: KVLayout,
                  copies: BlockCopies, connector: KVConnector | None = None,
-                 cache_service: CacheService | None = None) -> None:
+                 cache_service: CacheService | None = None, kv_events: KVEventPublisher | None = None) -> None:
         self.config = config
         self.worker = worker
         self.scheduler = scheduler
@@ -63,6 +64,7 @@ class EngineCore:
         self.copies = copies
         self.connector: KVConnector = connector or NoConnector()
         self.cache_service: CacheService = cache_service or NoCacheService()
+        self.kv_events = kv_events
         self._on_worker: set[str] = set()  # request ids whose sampling state the worker holds
         self._finished_on_worker: list[str] = []
         self.num_computed_tokens = 0  # all tokens run through the model (prefix hits excluded)
@@ -103,6 +105,7 @@ class EngineCore:
             pending.extend(self._poll_connector())
             if self.scheduler.has_work or self.copies.pending:
                 pending.extend(self.step())
+            self._publish_kv_events()
             if pending:
                 outputs.send(encoder.encode(EngineOutputs(pending)))
 
@@ -120,7 +123,15 @@ class EngineCore:
         sockets = list(self.connector.sockets)
         if self.kv.host is not None:
             sockets += [s for s in self.copies.sockets if s not in sockets]
+        if self.kv_events is not None:
+            sockets += self.kv_events.sockets
         return sockets
+
+    def _publish_kv_events(self) -> None:
+        """What this turn of the loop changed in the prefix cache, as one batch; then replay requests."""
+        if self.kv_events is not None:
+            self.kv_events.publish(self.kv.events.take())
+            self.kv_events.serve_replays()
 
     def _poll_host_tier(self) -> None:
         """Saves to the host tier that completed give their device blocks back."""
@@ -360,6 +371,9 @@ class EngineCore:
             if call.method == "reset_prefix_cache":
                 self.kv.reset_prefix_cache()
                 return UtilityResult(call.call_id, {})
+            if call.method == "cached_blocks":  # the prefix cache as KV events describe it
+                return UtilityResult(call.call_id, {e.medium: [h.hex() for h in e.block_hashes]
+                                                    for e in self.kv.snapshot()})
             raise ValueError(f"unknown utility method {call.method!r}")
         except (AssertionError, ValueError) as e:
             return UtilityResult(call.call_id, error=str(e))

@@ -18,8 +18,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pdserve.engine.block_pool import BlockHash
+from pdserve.kv_events.events import HOST
+
+if TYPE_CHECKING:
+    from pdserve.kv_events.recorder import KVEventRecorder
 
 
 @dataclass
@@ -39,6 +44,7 @@ class HostTier:
         self._saving: dict[BlockHash, int] = {}  # copies in flight: not readable, not reusable
         self._clean: list[int] = list(range(num_blocks - 1, -1, -1))
         self.stats = HostTierStats()
+        self.events: KVEventRecorder | None = None  # told of each block saved and each one reused
 
     @property
     def num_used_blocks(self) -> int:
@@ -60,7 +66,9 @@ class HostTier:
         if self._clean:
             block = self._clean.pop()
         elif self._saved:
-            _, block = self._saved.popitem(last=False)
+            evicted, block = self._saved.popitem(last=False)
+            if self.events is not None:
+                self.events.removed(evicted, HOST)
         else:
             return None
         self._saving[block_hash] = block
@@ -72,7 +80,12 @@ class HostTier:
             del self._saving[block_hash]
             self._saved[block_hash] = block
             self.stats.swap_out_blocks += 1
+            if self.events is not None:
+                self.events.stored([block_hash], None, [], HOST)
         # else: clear() ran while it was in flight; the block went back to the clean list then
+
+    def saved_hashes(self) -> list[BlockHash]:
+        return list(self._saved)
 
     def clear(self) -> None:
         """Forget every saved block (the weights changed, so the KV is stale)."""

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 from pdserve.engine.block_pool import Block, BlockPool, hash_block
 from pdserve.engine.host_tier import HostTier
 from pdserve.engine.request import Request
+from pdserve.kv_events.events import DEVICE, HOST, BlockStored, KVEvent
+from pdserve.kv_events.recorder import KVEventRecorder
 
 if TYPE_CHECKING:
     from pdserve.engine.block_copies import BlockCopies
@@ -49,6 +51,19 @@ class KVCacheManager:
         self.copier: BlockCopies | None = None
         self._saves: dict[int, list[Block]] = {}  # save id -> device blocks held until their copy is done
         self._save_ids = itertools.count()
+        self.events: KVEventRecorder | None = None
+
+    def record_events(self) -> KVEventRecorder:
+        """From now on every change to the prefix cache (both tiers) is recorded for KV events."""
+        self.events = self.pool.events = KVEventRecorder(self.block_size)
+        if self.host is not None:
+            self.host.events = self.events
+        return self.events
+
+    def snapshot(self) -> list[KVEvent]:
+        """Every cached block, as BlockStored events (a KV event subscriber that missed too much)."""
+        tiers = [(DEVICE, self.pool.cached_hashes())] + ([(HOST, self.host.saved_hashes())] if self.host else [])
+        return [BlockStored(hashes, None, [], self.block_size, None, medium) for medium, hashes in tiers if hashes]
 
     def add_host_tier(self, num_blocks: int, copier: BlockCopies) -> None:
         if not self.enable_prefix_caching:
@@ -74,7 +89,9 @@ class KVCacheManager:
                 break
             hits.append(block)
         if self.host is not None and len(hits) < len(hashes):
-            hits += self._load_from_host(hits, hashes[len(hits):])
+            loaded = self._load_from_host(hits, hashes[len(hits):])
+            self._record_stored(request, len(hits), [b.block_hash for b in loaded])
+            hits += loaded
         return hits
 
     def _load_from_host(self, hits: list[Block], hashes: list[bytes]) -> list[Block]:
@@ -125,9 +142,24 @@ class KVCacheManager:
             return
         full = request.num_computed_tokens // self.block_size
         self._hash_full_blocks(request, request.num_computed_tokens)
+        start, run = request.num_committed_blocks, []  # a run of newly indexed blocks is one event
         for i in range(request.num_committed_blocks, full):
-            self.pool.cache_full_block(request.blocks[i], request.block_hashes[i])
+            if self.pool.cache_full_block(request.blocks[i], request.block_hashes[i]):
+                start = start if run else i
+                run.append(request.block_hashes[i])
+            elif run:  # its content was cached already, in another block
+                self._record_stored(request, start, run)
+                run = []
         request.num_committed_blocks = max(request.num_committed_blocks, full)
+        self._record_stored(request, start, run)
+
+    def _record_stored(self, request: Request, first: int, hashes: list[bytes]) -> None:
+        """Blocks first.. of the request (their hashes) were indexed in the device cache."""
+        if self.events is None or not hashes:
+            return
+        bs = self.block_size
+        parent = request.block_hashes[first - 1] if first else None
+        self.events.stored(hashes, parent, request.token_ids[first * bs:(first + len(hashes)) * bs], DEVICE)
 
     def trim(self, request: Request) -> None:
         """Give back the blocks past the request's tokens (those taken for rejected proposals; never
@@ -183,6 +215,8 @@ class KVCacheManager:
         self.pool.reset_prefix_cache()
         if self.host is not None:
             self.host.clear()
+        if self.events is not None:
+            self.events.cleared()
 
     def _hash_full_blocks(self, request: Request, num_tokens: int) -> None:
         bs = self.block_size

@@ -122,6 +122,8 @@ class EngineReady(msgspec.Struct, tag=True):
     transports: list[str] = []  # cache transfer protocols this instance offers, in preference order
     startup: list[dict] = []  # the startup log: which process started when, who created the cache
     compatibility_key: str = ""  # model + KV layout: a router pairs P and D only if theirs are equal
+    kv_events: str | None = None  # where its KV events are published (the bound ZMQ address)
+    kv_events_replay: str | None = None  # ... and replayed
 
 
 class EngineDead(msgspec.Struct, tag=True):

@@ -11,6 +11,13 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 
+class KVEventSource(BaseModel):
+    """Where one engine of an instance publishes its KV events (kv_events/): vLLM's PUB and replay sockets."""
+
+    endpoint: str = Field(min_length=1, max_length=300)  # e.g. tcp://10.0.0.5:40123
+    replay: str | None = Field(None, max_length=300)
+
+
 class Registration(BaseModel):
     """An instance, as it announces itself to the router (POST /register, signed; api/registration.py)."""
 
@@ -26,6 +33,7 @@ class Registration(BaseModel):
     tp_size: int = 1
     block_size: int | None = None
     compatibility_key: str | None = None  # model + KV layout; P and D pair only when theirs are equal
+    kv_events: list[KVEventSource] = []  # one per engine (data-parallel rank) behind this url; none: no events
 
 
 class PDRequest(BaseModel):

@@ -14,6 +14,8 @@ from pdserve.balancing.policies import Policy, make_policy
 from pdserve.deploy.cluster_auth import SignatureCheck
 from pdserve.http.auth import bearer_auth
 from pdserve.http.wire import Registration
+from pdserve.kv_events.index import KVIndex
+from pdserve.kv_events.subscriber import KVEventSubscriber
 from pdserve.router.forward import Forwarder
 from pdserve.router.health import HealthChecker
 from pdserve.router.metrics import RouterMetrics
@@ -40,14 +42,17 @@ def build_router_app(settings: RouterSettings, reader: PromptReader,
             auto_decompress=False)  # bytes pass through as the instance sent them
         state.checker = HealthChecker(state.registry, client, settings.health_interval, settings.health_timeout)
         state.forwarder = Forwarder(client, state.registry, state.selector, settings.max_retries,
-                                    state.metrics.retries.inc, settings.migration_limit, state.metrics.count_migration)
+                                    state.metrics.retries.inc, settings.migration_limit, state.metrics.count_migration,
+                                    state.metrics.count_cached)
         for info in static_instances:
             state.registry.register(info, static=True)
         task = asyncio.create_task(state.checker.run())
+        state.kv_events.start()
         yield
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         await client.close()
+        state.kv_events.close()
 
     app = FastAPI(title="pdserve router", lifespan=lifespan)
     app.state.router = state
@@ -61,17 +66,19 @@ def build_router_app(settings: RouterSettings, reader: PromptReader,
 
 def _router_state(settings: RouterSettings, reader: PromptReader) -> RouterState:
     registry = Registry(settings.instance_expiry, settings.fail_threshold, settings.success_threshold)
-    metrics = RouterMetrics(registry)
+    kv_index = KVIndex()
+    kv_events = KVEventSubscriber(kv_index)
+    registry.on_join = lambda i: kv_events.watch(i.url, [(s.endpoint, s.replay) for s in i.info.kv_events])
+    registry.on_leave = lambda url: kv_events.watch(url, [])
+    metrics = RouterMetrics(registry, kv_events)
     decider = (PrefillDecider(settings.max_local_prefill_length, settings.max_prefill_queue_tokens,
-                              settings.local_prefill_decode_requests)
+                              settings.local_prefill_decode_requests, kv_index)
                if settings.pd_policy == "conditional" else None)
-    selector = Selector(registry, _policy(settings.prefill_policy, settings),
-                        _policy(settings.decode_policy, settings), settings.mixed_fallback, decider,
-                        metrics.count_decision)
+    selector = Selector(registry, _policy(settings.prefill_policy, settings, kv_index),
+                        _policy(settings.decode_policy, settings, kv_index), decider, metrics.count_decision)
     signatures = SignatureCheck((settings.cluster_secret or "").encode())
-    return RouterState(settings, registry, selector, metrics, signatures, reader)
+    return RouterState(settings, registry, selector, metrics, signatures, reader, kv_events)
 
 
-def _policy(name: str, settings: RouterSettings) -> Policy:
-    return make_policy(name, balance_abs=settings.cache_balance_abs, balance_rel=settings.cache_balance_rel,
-                       min_match=settings.cache_min_match)
+def _policy(name: str, settings: RouterSettings, kv_index: KVIndex) -> Policy:
+    return make_policy(name, overlap_weight=settings.kv_overlap_score_weight, kv_index=kv_index)

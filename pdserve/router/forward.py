@@ -82,11 +82,13 @@ class Opened:
 class Forwarder:
     def __init__(self, client: aiohttp.ClientSession, registry: Registry, selector: Selector, max_retries: int = 2,
                  on_retry: Callable[[], None] = lambda: None, migration_limit: int = 3,
-                 on_migration: Callable[[bool, float], None] = lambda resumed, seconds: None) -> None:
+                 on_migration: Callable[[bool, float], None] = lambda resumed, seconds: None,
+                 on_cached: Callable[[int, int], None] = lambda predicted, reported: None) -> None:
         self.client, self.registry, self.selector = client, registry, selector
         self.max_retries = max_retries
         self.on_retry = on_retry
         self.migration_limit, self.on_migration = migration_limit, on_migration
+        self.on_cached = on_cached  # cache_aware's predicted cached prompt tokens, and what the engine reported
         self.routed_at: float | None = None  # when a request last found a route
 
     async def forward(self, path: str, body: dict, request: RoutedRequest, headers: dict[str, str]) -> Response:
@@ -113,6 +115,8 @@ class Forwarder:
             self.routed_at = time.monotonic()
             if route.decode is None:
                 outcome = await self._single(route.first, path, body, request, headers)
+                if isinstance(outcome, Response) and not isinstance(outcome, StreamingResponse):
+                    self._count_cached(route, outcome.body)
             else:
                 outcome = await self._pd(route, path, body, request, headers)
             if not isinstance(outcome, Retry):
@@ -208,6 +212,7 @@ class Forwarder:
                 reader.cancel()
                 upstream.close()
                 return failure
+            self._count_cached(route, p_task.result().body)
             handed_over = True
             return await self._relay(d_ex, upstream, body.get("stream", False), queue, reader)
         finally:
@@ -236,6 +241,18 @@ class Forwarder:
         if p_task.done() and (p_failure := _prefill_failure(p_ex, p_task)) is not None:
             return p_failure if isinstance(p_failure, Retry) else Retry(p_ex.instance, p_failure)
         return d_failure
+
+    def _count_cached(self, route: Route, body: bytes) -> None:
+        """The prompt tokens the instance that computed the prompt found cached (its answer's usage; streamed
+        answers are not read), beside what cache_aware predicted."""
+        if route.predicted_cached_tokens is None:
+            return
+        try:
+            usage = json.loads(body)["usage"]
+            reported = int(usage["prompt_tokens_details"]["cached_tokens"])
+        except (ValueError, KeyError, TypeError):
+            return
+        self.on_cached(route.predicted_cached_tokens, reported)
 
     # ---- relaying the answer ---------------------------------------------------------------------
 

@@ -10,9 +10,9 @@ computes: the router ends a prefill exchange when P answers, right after the fir
 itself. And a D with at most `local_prefill_decode_requests` requests in flight computes any prompt
 itself: it has few decodes to hold back, and on a box where it borrows P's cores while P is idle
 (`pdserve launch --cpu-binding lend`) it computes the prompt on the whole box, where P has its own
-cores only. What D lacks is estimated from the blocks the router sent it before (every PD prompt, local or
-remote, ends in D's prefix cache). The answer is the same either way: a local prefill is a mixed
-instance's request, on D.
+cores only. What D lacks is read from its KV events, or where it publishes none, estimated from the blocks the
+router sent it before (every PD prompt, local or remote, ends in D's prefix cache). The answer is the
+same either way: a local prefill is a mixed instance's request, on D.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.balancing.policies import RoutedRequest
-from pdserve.balancing.prefix_index import PrefixIndex
+from pdserve.balancing.prefix_index import CacheView
+from pdserve.kv_events.index import KVIndex
 from pdserve.router.registry import Instance
 
 PD_POLICIES = ("always", "conditional")
@@ -36,16 +37,16 @@ class Decision:
 
 class PrefillDecider:
     def __init__(self, max_local_prefill_length: int = 256, max_prefill_queue_tokens: int = 4096,
-                 local_prefill_decode_requests: int = -1) -> None:
+                 local_prefill_decode_requests: int = -1, kv_index: KVIndex | None = None) -> None:
         self.max_local_prefill_length = max_local_prefill_length
         self.max_prefill_queue_tokens = max_prefill_queue_tokens
         self.local_prefill_decode_requests = local_prefill_decode_requests  # -1: never for that reason
-        self.index = PrefixIndex()
+        self.cache = CacheView(kv_index)
 
     def decide(self, request: RoutedRequest, prefill: Instance, decode: Instance) -> Decision:
         block_size = decode.info.block_size or 64
         hashes = request.block_hashes(block_size)
-        cached = self.index.matched(decode.url, hashes) * block_size
+        cached = self.cache.cached_blocks(decode.url, hashes) * block_size
         uncached = max(0, request.num_tokens - cached)
         if uncached <= self.max_local_prefill_length:
             decision = Decision(True, "short" if request.num_tokens <= self.max_local_prefill_length else "cached",
@@ -56,5 +57,5 @@ class PrefillDecider:
             decision = Decision(True, "decode_idle", uncached)
         else:
             decision = Decision(False, "long", uncached)
-        self.index.remember(decode.url, hashes)
+        self.cache.sent(decode.url, hashes)
         return decision

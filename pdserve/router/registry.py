@@ -68,6 +68,8 @@ class Registry:
         self.success_threshold = success_threshold
         self._instances: dict[str, Instance] = {}
         self._pids: dict[str, tuple[int | None, int]] = {}  # url -> (last pid, restarts): outlives expiry
+        self.on_join: Callable[[Instance], None] = lambda instance: None  # a new or restarted process at a url
+        self.on_leave: Callable[[str], None] = lambda url: None  # a url forgotten (unregistered, expired)
 
     # ---- membership ------------------------------------------------------------------------------
 
@@ -86,12 +88,14 @@ class Registry:
         self._pids[info.url] = (info.pid, restarts)
         instance = self._instances[info.url] = Instance(info, static=static, restarts=restarts)
         log.info("%s instance %s announced itself (host %s); probing it", info.role, info.url, info.host_id)
+        self.on_join(instance)
         return instance, True
 
     def unregister(self, url: str) -> None:
         if (instance := self._instances.pop(url, None)) is not None:
             log.info("%s instance %s unregistered", instance.role, url)
             self._lose(instance, "the instance unregistered (it is shutting down)")
+            self.on_leave(url)
 
     def expire(self) -> None:
         now = time.monotonic()
@@ -100,6 +104,7 @@ class Registry:
                         now - instance.last_seen)
             del self._instances[instance.url]
             self._lose(instance, f"no heartbeat for {now - instance.last_seen:.0f} s")
+            self.on_leave(instance.url)
 
     def all(self) -> list[Instance]:
         return sorted(self._instances.values(), key=lambda i: (i.role, i.url))

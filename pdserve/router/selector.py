@@ -18,6 +18,7 @@ class Route:
     decode: Instance | None = None
     transport: str | None = None  # how P writes into D's cache
     decision: Decision | None = None  # conditional disaggregation: why `first` (a decode instance) prefills itself
+    predicted_cached_tokens: int | None = None  # cache_aware: prompt tokens `first` should find in its cache
 
 
 def pair_transport(prefill: Instance, decode: Instance) -> str | None:
@@ -33,38 +34,49 @@ def compatible(prefill: Instance, decode: Instance) -> bool:
 
 
 class Selector:
+    """Routes are a compatible (prefill, decode) pair or a mixed instance, all chosen among by the same
+    policies: the instance that computes the prompt (a prefill or a mixed one) by the prefill policy, then a
+    decode instance for a prefill one by the decode policy. With mixed instances alone, the decode policy
+    picks (each both computes and decodes)."""
+
     def __init__(self, registry: Registry, prefill_policy: Policy, decode_policy: Policy,
-                 mixed_fallback: bool = False, decider: PrefillDecider | None = None,
+                 decider: PrefillDecider | None = None,
                  on_decision: Callable[[Decision], None] = lambda d: None) -> None:
         self.registry = registry
         self.prefill_policy, self.decode_policy = prefill_policy, decode_policy
-        self.mixed_fallback = mixed_fallback
         self.decider, self.on_decision = decider, on_decision
 
     def pick(self, request: RoutedRequest, exclude: frozenset[str] | set[str] = frozenset()) -> Route | None:
         if request.single:
             return self._pick_single(request, exclude)
-        prefill = [i for i in self.registry.healthy(Role.PREFILL) if i.url not in exclude]
-        decode = [i for i in self.registry.healthy(Role.DECODE) if i.url not in exclude]
-        pairable = [p for p in prefill if any(compatible(p, d) for d in decode)]
-        if pairable:
-            p = self.prefill_policy.choose(pairable, request)
-            d = self.decode_policy.choose([d for d in decode if compatible(p, d)], request)
-            if self.decider is not None:
-                decision = self.decider.decide(request, p, d)
-                self.on_decision(decision)
-                if decision.local:
-                    return Route(d, decision=decision)
-            return Route(p, d, pair_transport(p, d))
-        mixed = [i for i in self.registry.healthy(Role.MIXED) if i.url not in exclude]
-        if mixed and (self.mixed_fallback or not self.registry.has_pd()):
-            return Route(self.decode_policy.choose(mixed, request))
-        return None
+        decode = self._healthy(Role.DECODE, exclude)
+        pairable = [p for p in self._healthy(Role.PREFILL, exclude) if any(compatible(p, d) for d in decode)]
+        mixed = self._healthy(Role.MIXED, exclude)
+        request.predicted_cached_tokens = None  # each policy that predicts sets it
+        if not pairable:
+            if not mixed:
+                return None
+            chosen = self.decode_policy.choose(mixed, request)
+            return Route(chosen, predicted_cached_tokens=request.predicted_cached_tokens)
+        first = self.prefill_policy.choose(pairable + mixed, request)
+        predicted = request.predicted_cached_tokens
+        if first.role == Role.MIXED:
+            return Route(first, predicted_cached_tokens=predicted)
+        d = self.decode_policy.choose([d for d in decode if compatible(first, d)], request)
+        if self.decider is not None:
+            decision = self.decider.decide(request, first, d)
+            self.on_decision(decision)
+            if decision.local:
+                return Route(d, decision=decision, predicted_cached_tokens=request.predicted_cached_tokens)
+        return Route(first, d, pair_transport(first, d), predicted_cached_tokens=predicted)
+
+    def _healthy(self, role: Role, exclude: frozenset[str] | set[str]) -> list[Instance]:
+        return [i for i in self.registry.healthy(role) if i.url not in exclude]
 
     def _pick_single(self, request: RoutedRequest, exclude: frozenset[str] | set[str]) -> Route | None:
         """A prompt-scoring request: a mixed instance, else a prefill instance (it computes prompts) alone."""
         for role, policy in ((Role.MIXED, self.decode_policy), (Role.PREFILL, self.prefill_policy)):
-            if candidates := [i for i in self.registry.healthy(role) if i.url not in exclude]:
+            if candidates := self._healthy(role, exclude):
                 return Route(policy.choose(candidates, request))
         return None
 
@@ -74,12 +86,9 @@ class Selector:
 
     def can_serve_without(self, excluded: set[str]) -> bool:
         """can_serve(), the `excluded` urls left out."""
-        prefill = [i for i in self.registry.healthy(Role.PREFILL) if i.url not in excluded]
-        decode = [i for i in self.registry.healthy(Role.DECODE) if i.url not in excluded]
-        if any(compatible(p, d) for p in prefill for d in decode):
-            return True
-        mixed = [i for i in self.registry.healthy(Role.MIXED) if i.url not in excluded]
-        return bool(mixed) and (self.mixed_fallback or not self.registry.has_pd())
+        decode = self._healthy(Role.DECODE, excluded)
+        return (any(compatible(p, d) for p in self._healthy(Role.PREFILL, excluded) for d in decode)
+                or bool(self._healthy(Role.MIXED, excluded)))
 
     def why_not(self) -> str:
         prefill, decode = self.registry.healthy(Role.PREFILL), self.registry.healthy(Role.DECODE)
@@ -87,6 +96,6 @@ class Selector:
             return ("no healthy prefill/decode pair is compatible (compatibility key, tensor-parallel size or "
                     "transport differ)")
         if self.registry.has_pd():
-            return (f"no complete prefill/decode pair is healthy ({len(prefill)} prefill, {len(decode)} decode"
-                    f"{'' if self.mixed_fallback else '; --mixed-fallback is off'})")
+            return (f"no complete prefill/decode pair is healthy ({len(prefill)} prefill, {len(decode)} decode) "
+                    "and no mixed instance is")
         return "no instance is registered and healthy"

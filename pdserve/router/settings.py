@@ -24,8 +24,10 @@ class RouterSettings:
     own_port: int | None = option(
         None, "a second port only this router listens on, for registrations and /metrics when several routers "
               "share --port (instances list every router's own port in their --router)")
-    prefill_policy: str = option("least_tokens", choices=POLICIES)
-    decode_policy: str = option("least_requests", "also picks among mixed instances", choices=POLICIES)
+    prefill_policy: str = option("least_tokens", "picks who computes the prompt: a prefill or a mixed instance",
+                                 choices=POLICIES)
+    decode_policy: str = option("least_requests", "with mixed instances alone, also picks among them",
+                                choices=POLICIES)
     pd_policy: str = option(
         "always", "always: every prompt is computed on a prefill instance; conditional: on the decode instance "
                   "when what it lacks of the prompt is at most --max-local-prefill-length tokens, or when the "
@@ -38,9 +40,6 @@ class RouterSettings:
         -1, "conditional: a decode instance with at most this many requests in flight computes any prompt itself "
             "(-1: never for this reason; pdserve launch, whose decode instance borrows the prefill instance's cores "
             "while it is idle, sets it)")
-    mixed_fallback: bool = option(
-        False, "send requests to mixed instances when no complete prefill/decode pair is healthy (without "
-               "prefill/decode instances at all, mixed ones always serve)", switch=True)
     max_retries: int = option(2, "tries on other instances when one fails before the client has seen a byte")
     migration_limit: int = option(
         3, "times a stream whose instance fails mid-answer is resumed on another route where the client is "
@@ -54,9 +53,9 @@ class RouterSettings:
     fail_threshold: int = option(3, "failed probes in a row that take an instance out of the pool",
                                  flag="--health-failure-threshold")
     success_threshold: int = option(2, "good probes in a row that bring it back", flag="--health-success-threshold")
-    cache_balance_abs: int = option(4096, "cache_aware: in-flight token gap between instances that counts as imbalance")
-    cache_balance_rel: float = option(1.5, "cache_aware: ... and load ratio; imbalanced, it routes by least tokens")
-    cache_min_match: float = option(0.3, "cache_aware: prefix share below which it routes by least tokens")
+    kv_overlap_score_weight: float = option(
+        1.0, "cache_aware: weight of the prompt blocks an instance would compute against the prompt blocks in flight "
+             "there (Dynamo's name and cost; 0: load only)")
     tokenizer: str | None = option(
         None, "model path whose tokenizer reads prompts (default: the embedded model); 'none' estimates token "
               "counts from text and disables cache_aware")

@@ -8,6 +8,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from pdserve.deploy.cluster_auth import SignatureCheck
+from pdserve.kv_events.subscriber import KVEventSubscriber
 from pdserve.router.forward import Forwarder
 from pdserve.router.health import HealthChecker
 from pdserve.router.metrics import RouterMetrics
@@ -25,6 +26,7 @@ class RouterState:
     metrics: RouterMetrics
     signatures: SignatureCheck
     reader: PromptReader
+    kv_events: KVEventSubscriber
     # Made in the lifespan, on the running event loop (they share its HTTP client session):
     forwarder: Forwarder = field(init=False)
     checker: HealthChecker = field(init=False)

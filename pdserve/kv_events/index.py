@@ -1,0 +1,115 @@
+"""A router's exact index of what every engine caches, kept from their KV events: block hash -> the
+engines (sources) holding it and in which tier.
+
+A source is one engine's event stream: an instance's url, or one of its data-parallel ranks (a mixed
+server registers the union of its ranks, and a prompt is scored on its best rank). The subscriber thread
+applies batches; the router's policies read; a lock keeps the two apart (both are short).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+
+from pdserve.kv_events.events import DEVICE, HOST, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+
+DEVICE_BIT, HOST_BIT = 1, 2
+_BITS = {DEVICE: DEVICE_BIT, HOST: HOST_BIT, None: DEVICE_BIT}
+
+
+class KVIndex:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holders: dict[bytes, dict[str, int]] = {}  # block hash -> {source: tier bits}
+        self._held: dict[str, set[bytes]] = {}  # source -> its block hashes
+        self._sources: dict[str, list[str]] = {}  # url -> its sources
+
+    # ---- written by the subscriber -------------------------------------------------------------
+
+    def set_sources(self, url: str, sources: list[str]) -> None:
+        """`url` publishes on these sources from now on (none: forget it); what was indexed for it is dropped."""
+        with self._lock:
+            for source in self._sources.pop(url, []):
+                self._clear(source)
+            if sources:
+                self._sources[url] = list(sources)
+                for source in sources:
+                    self._held[source] = set()
+
+    def apply(self, source: str, events: Iterable[KVEvent]) -> None:
+        with self._lock:
+            if source not in self._held:
+                return  # its url was forgotten while the batch was on its way
+            for event in events:
+                if isinstance(event, BlockStored):
+                    self._store(source, event.block_hashes, _BITS.get(event.medium, DEVICE_BIT))
+                elif isinstance(event, BlockRemoved):
+                    self._remove(source, event.block_hashes, _BITS.get(event.medium, DEVICE_BIT))
+                elif isinstance(event, AllBlocksCleared):
+                    self._clear(source)
+                    self._held[source] = set()
+
+    def clear(self, source: str) -> None:
+        with self._lock:
+            if source in self._held:
+                self._clear(source)
+                self._held[source] = set()
+
+    def _store(self, source: str, hashes: list, bit: int) -> None:
+        held = self._held[source]
+        for h in hashes:
+            holders = self._holders.setdefault(h, {})
+            holders[source] = holders.get(source, 0) | bit
+            held.add(h)
+
+    def _remove(self, source: str, hashes: list, bit: int) -> None:
+        held = self._held[source]
+        for h in hashes:
+            holders = self._holders.get(h)
+            if holders is None or source not in holders:
+                continue
+            if bits := holders[source] & ~bit:
+                holders[source] = bits
+                continue
+            del holders[source]
+            held.discard(h)
+            if not holders:
+                del self._holders[h]
+
+    def _clear(self, source: str) -> None:
+        for h in self._held.pop(source, ()):
+            holders = self._holders.get(h)
+            if holders is not None:
+                holders.pop(source, None)
+                if not holders:
+                    del self._holders[h]
+
+    # ---- read by the policies ------------------------------------------------------------------
+
+    def tracks(self, url: str) -> bool:
+        return url in self._sources
+
+    def cached_blocks(self, url: str, hashes: list[bytes]) -> int:
+        """How many of the prompt's leading blocks `url` would take from its cache (its best source): a run
+        in the device cache, continued in the host tier, as the engine's lookup goes."""
+        with self._lock:
+            return max((self._run(source, hashes) for source in self._sources.get(url, ())), default=0)
+
+    def _run(self, source: str, hashes: list[bytes]) -> int:
+        tier = DEVICE_BIT
+        for n, h in enumerate(hashes):
+            bits = self._holders.get(h, {}).get(source, 0)
+            if not bits & tier:
+                if tier == HOST_BIT or not bits & HOST_BIT:
+                    return n
+                tier = HOST_BIT  # the device run ended; the host tier goes on from here
+        return len(hashes)
+
+    def blocks(self, source: str) -> dict[bytes, int]:
+        """The source's blocks and their tier bits (tests, /kv_index)."""
+        with self._lock:
+            return {h: self._holders[h][source] for h in self._held.get(source, ())}
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._holders)

@@ -1,0 +1,187 @@
+"""A router's subscription to every registered engine's KV events, applied to its index (index.py).
+
+One thread, one SUB socket (and one replay DEALER) per engine. Joining, it asks the replay socket for
+everything from sequence 0: the batches still buffered, or the publisher's snapshot; live batches that
+arrive meanwhile wait and are applied after it, those the replay covered skipped. A gap in the sequence
+numbers (the publisher dropped batches for a slow subscriber, or a reconnect) asks again from the first
+missing one. An engine without a replay socket is applied as it comes; a gap then drops what was indexed
+for it, since the index can no longer be trusted, and it starts over from the next batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import msgspec
+import zmq
+
+from pdserve.kv_events.events import END_OF_REPLAY, decoder
+from pdserve.kv_events.index import KVIndex
+
+log = logging.getLogger("pdserve.router.kv_events")
+
+REPLAY_TIMEOUT_S = 2.0  # an unanswered replay request is sent again after this
+
+
+@dataclass
+class _Source:
+    key: str
+    url: str
+    sub: zmq.Socket
+    replay: zmq.Socket | None
+    last_seq: int = -1
+    syncing: bool = False
+    asked_at: float = 0.0
+    held: list[tuple[int, bytes]] = field(default_factory=list)  # live batches received while syncing
+
+
+@dataclass
+class SubscriberStats:
+    batches: int = 0
+    events: int = 0
+    resyncs: int = 0  # replays asked after a gap
+    snapshots: int = 0  # replays answered with a snapshot
+    undecodable: int = 0
+
+
+class KVEventSubscriber:
+    def __init__(self, index: KVIndex, topic: str = "") -> None:
+        self.index, self.topic = index, topic.encode()
+        self.stats = SubscriberStats()
+        self._ctx = zmq.Context()
+        self._sources: dict[str, _Source] = {}
+        self._changes: deque[tuple[str, list[tuple[str, str | None]]]] = deque()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def watch(self, url: str, endpoints: list[tuple[str, str | None]]) -> None:
+        """Subscribe to `url`'s engines (endpoint, replay endpoint), dropping what was known of it; none: forget it."""
+        self._changes.append((url, endpoints))
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(5)
+        for source in self._sources.values():
+            _close(source)
+        self._ctx.term()
+
+    # ---- the thread ----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        while not self._stop.is_set():
+            if self._changes:
+                self._take_changes()
+                poller = zmq.Poller()
+                for source in self._sources.values():
+                    poller.register(source.sub, zmq.POLLIN)
+                    if source.replay is not None:
+                        poller.register(source.replay, zmq.POLLIN)
+            ready = dict(poller.poll(100)) if self._sources else (self._stop.wait(0.1) and {})
+            for source in list(self._sources.values()):
+                try:
+                    self._serve(source, ready)
+                except zmq.ZMQError as e:
+                    log.warning("KV events of %s: %s", source.url, e)
+
+    def _take_changes(self) -> None:
+        while self._changes:
+            url, endpoints = self._changes.popleft()
+            for key in [k for k, s in self._sources.items() if s.url == url]:
+                _close(self._sources.pop(key))
+            keys = [f"{url}#{i}" for i in range(len(endpoints))]
+            self.index.set_sources(url, keys)
+            for key, (endpoint, replay) in zip(keys, endpoints, strict=True):
+                self._sources[key] = source = self._open(key, url, endpoint, replay)
+                self._ask_replay(source)
+
+    def _open(self, key: str, url: str, endpoint: str, replay: str | None) -> _Source:
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, 100_000)
+        sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        sub.connect(endpoint)
+        dealer = None
+        if replay:
+            dealer = self._ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.connect(replay)
+        return _Source(key, url, sub, dealer)
+
+    def _serve(self, source: _Source, ready: dict) -> None:
+        if source.replay is not None and ready.get(source.replay):
+            while source.replay.poll(0):
+                self._on_replay(source, source.replay.recv_multipart())
+        if ready.get(source.sub):
+            while source.sub.poll(0):
+                frames = source.sub.recv_multipart()
+                if len(frames) == 3 and len(frames[1]) == 8:
+                    self._on_live(source, int.from_bytes(frames[1], "big"), frames[2])
+        if source.syncing and time.monotonic() - source.asked_at > REPLAY_TIMEOUT_S:
+            self._ask_replay(source)  # the publisher restarted or the request was lost
+
+    def _on_live(self, source: _Source, seq: int, payload: bytes) -> None:
+        if source.syncing:
+            source.held.append((seq, payload))
+        elif seq == 0 and source.last_seq > 0:  # a new publisher at the same address: it starts over
+            source.last_seq = -1
+            self._apply(source, seq, payload)
+        elif seq <= source.last_seq:
+            return
+        elif seq == source.last_seq + 1 or source.last_seq < 0 and source.replay is None:
+            self._apply(source, seq, payload)
+        elif source.replay is not None:  # batches were missed
+            self.stats.resyncs += 1
+            source.held.append((seq, payload))
+            self._ask_replay(source)
+        else:
+            log.warning("KV events of %s: batches %d..%d missed and no replay socket: its index starts over",
+                        source.url, source.last_seq + 1, seq - 1)
+            self.index.clear(source.key)
+            self._apply(source, seq, payload)
+
+    def _on_replay(self, source: _Source, frames: list[bytes]) -> None:
+        if len(frames) != 3:
+            return
+        _, seq_bytes, payload = frames
+        if seq_bytes != END_OF_REPLAY:
+            seq = int.from_bytes(seq_bytes, "big")
+            self.stats.snapshots += seq > source.last_seq + 1  # the batches asked for had left its buffer
+            if seq > source.last_seq:
+                self._apply(source, seq, payload)
+            return
+        source.syncing = False
+        held, source.held = sorted(source.held), []
+        for seq, payload in held:
+            self._on_live(source, seq, payload)
+
+    def _ask_replay(self, source: _Source) -> None:
+        if source.replay is None:
+            return
+        source.syncing, source.asked_at = True, time.monotonic()
+        source.replay.send_multipart((b"", (source.last_seq + 1).to_bytes(8, "big")))
+
+    def _apply(self, source: _Source, seq: int, payload: bytes) -> None:
+        try:
+            batch = decoder.decode(payload)
+        except msgspec.DecodeError:
+            self.stats.undecodable += 1
+            return
+        source.last_seq = seq
+        self.stats.batches += 1
+        self.stats.events += len(batch.events)
+        self.index.apply(source.key, batch.events)
+
+
+def _close(source: _Source) -> None:
+    source.sub.close()
+    if source.replay is not None:
+        source.replay.close()

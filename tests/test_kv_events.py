@@ -1,0 +1,153 @@
+"""KV events: the prefix cache's changes as the engine publishes them (vLLM's wire format), and a router's
+index kept from them equal to the cache itself, through evictions, the host tier, a reset, a subscriber
+that joins late and one that misses batches. The cache is the KV cache manager driven as in
+test_host_tier.py (no model); publisher and subscriber talk over real ZMQ sockets."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import zmq
+
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.kv_events.config import KVEventsConfig, kv_events_config
+from pdserve.kv_events.events import AllBlocksCleared
+from pdserve.kv_events.index import DEVICE_BIT, HOST_BIT, KVIndex
+from pdserve.kv_events.publisher import KVEventPublisher
+from pdserve.kv_events.subscriber import KVEventSubscriber
+from tests.servers import wait_for
+from tests.test_host_tier import BS, manager, run
+
+
+def cache_view(kv: KVCacheManager) -> dict[bytes, int]:
+    """The engine's own view: hash -> tier bits."""
+    view = {h: DEVICE_BIT for h in kv.pool.cached_hashes()}
+    for h in kv.host.saved_hashes():
+        view[h] = view.get(h, 0) | HOST_BIT
+    return view
+
+
+def workload(kv: KVCacheManager, copier, n: int = 12) -> None:  # noqa: ANN001
+    """Prompts sharing prefixes, more than the 6 device blocks hold: evictions in both tiers."""
+    for i in range(n):
+        run(kv, copier, f"r{i}", [i % 3] * BS * 2 + [100 + i] * BS * 2 + [7])
+        copier.complete_saves(kv)
+
+
+def test_events_keep_an_index_equal_to_the_prefix_cache_through_evictions_and_a_reset() -> None:
+    kv, copier = manager(device_blocks=6, host_blocks=5)
+    recorder = kv.record_events()
+    index = KVIndex()
+    index.set_sources("http://e", ["e#0"])
+    kinds = []
+    for i in range(12):
+        run(kv, copier, f"r{i}", [i % 3] * BS * 2 + [100 + i] * BS * 2 + [7])
+        copier.complete_saves(kv)
+        events = recorder.take()
+        kinds += [(type(e).__name__, e.medium) for e in events if hasattr(e, "medium")]
+        index.apply("e#0", events)
+        assert index.blocks("e#0") == cache_view(kv), f"after request {i}"
+    assert {("BlockStored", "GPU"), ("BlockStored", "CPU"), ("BlockRemoved", "GPU"), ("BlockRemoved", "CPU")} \
+        <= set(kinds)
+    prompt = [1] * BS * 2 + [101] * BS * 2 + [7]
+    request = run(kv, copier, "again", prompt)  # the lookup's own answer, and the index's prediction of it
+    assert index.cached_blocks("http://e", request.block_hashes[:4]) >= len(request.hits)
+    kv.reset_prefix_cache()
+    index.apply("e#0", recorder.take())
+    assert index.blocks("e#0") == {} == cache_view(kv)
+
+
+def test_a_batch_is_vllm_wire_format() -> None:
+    """Three frames (topic, 8-byte sequence number, msgpack payload); the payload an array-like tagged struct as
+    vLLM's KVEventBatch: [ts, [[tag, fields...], ...], dp_rank]; one event for the request's run of blocks."""
+    kv, copier = manager(device_blocks=6, host_blocks=5)
+    ctx = zmq.Context()
+    pub = KVEventPublisher(KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://127.0.0.1:*", topic="kv"),
+                           kv.snapshot, ctx, data_parallel_rank=1)
+    sub = ctx.socket(zmq.SUB)
+    sub.connect(pub.endpoint)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    try:
+        recorder = kv.record_events()
+        _until_connected(pub, sub)
+        run(kv, copier, "r", list(range(BS * 2 + 1)))
+        pub.publish(recorder.take())
+        topic, seq, payload = sub.recv_multipart()
+        raw = msgspec.msgpack.decode(payload)
+        assert topic == b"kv" and len(seq) == 8 and int.from_bytes(seq, "big") == pub.seq
+        ts, events, rank = raw
+        assert isinstance(ts, float) and rank == 1
+        (tag, hashes, parent, token_ids, block_size, lora_id, medium, *lora_name), = events
+        assert lora_name in ([], [None])  # vLLM added lora_name last
+        assert (tag, parent, token_ids, block_size, lora_id, medium) == ("BlockStored", None, list(range(BS * 2)), BS,
+                                                                        None, "GPU")
+        assert [len(h) for h in hashes] == [32, 32]  # SHA-256 chained block hashes, as the router computes them
+    finally:
+        sub.close()
+        pub.close()
+        ctx.term()
+
+
+def _until_connected(pub: KVEventPublisher, sub: zmq.Socket) -> None:
+    """A PUB drops what it sends before a subscriber's connection is up (ZMQ's slow joiner)."""
+    for _ in range(50):
+        pub.publish([AllBlocksCleared()])
+        if sub.poll(100):
+            while sub.poll(50):
+                sub.recv_multipart()
+            return
+    raise AssertionError("the subscriber never connected")
+
+
+def test_a_late_subscriber_takes_a_snapshot_and_one_that_missed_batches_replays_them() -> None:
+    kv, copier = manager(device_blocks=6, host_blocks=5)
+    recorder = kv.record_events()
+    ctx = zmq.Context()
+    config = KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://127.0.0.1:*",
+                            replay_endpoint="tcp://127.0.0.1:*", buffer_steps=3)
+    pub = KVEventPublisher(config, kv.snapshot, ctx)
+    index = KVIndex()
+    subscriber = KVEventSubscriber(index)
+
+    def step(i: int) -> None:
+        run(kv, copier, f"r{i}", [i % 3] * BS * 2 + [100 + i] * BS * 2 + [7])
+        copier.complete_saves(kv)
+        pub.publish(recorder.take())
+        pub.serve_replays()
+
+    def synced() -> bool:
+        pub.serve_replays()
+        return index.blocks("http://e#0") == cache_view(kv)
+
+    try:
+        for i in range(6):  # more batches than its buffer keeps: a subscriber joining now needs a snapshot
+            step(i)
+        subscriber.start()
+        subscriber.watch("http://e", [(pub.endpoint, pub.replay_endpoint)])
+        wait_for(synced, 10, "the late subscriber's index never matched the cache")
+        assert subscriber.stats.snapshots == 1
+        send = pub.pub.send_multipart
+        pub.pub.send_multipart = lambda frames: None  # the next batch is lost on its way (past the HWM)
+        step(6)
+        pub.pub.send_multipart = send
+        step(7)  # its number tells the gap: the lost batch comes from the replay buffer
+        wait_for(synced, 10, "the subscriber did not replay the batch it missed")
+        assert subscriber.stats.resyncs == 1 and subscriber.stats.snapshots == 1
+        subscriber.watch("http://e", [])  # the instance left: nothing of it stays indexed
+        wait_for(lambda: index.num_blocks == 0 and not index.tracks("http://e"), 5, "a forgotten instance stayed")
+    finally:
+        subscriber.close()
+        pub.close()
+        ctx.term()
+
+
+def test_kv_events_config_takes_vllm_json_and_names_what_it_refuses() -> None:
+    config = kv_events_config('{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+                              '"replay_endpoint": "tcp://*:5558", "buffer_steps": 100, "topic": "kv"}')
+    assert config.enabled and config.for_rank(2).endpoint == "tcp://*:5559"
+    assert config.for_rank(2).replay_endpoint == "tcp://*:5560"
+    assert not kv_events_config('{"enable_kv_cache_events": true, "publisher": "null"}').enabled
+    with pytest.raises(ValueError, match="unknown_key"):
+        kv_events_config('{"enable_kv_cache_events": true, "unknown_key": 1}')
+    with pytest.raises(ValueError, match="publisher 'nats'"):
+        kv_events_config('{"publisher": "nats"}')
