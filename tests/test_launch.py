@@ -229,3 +229,24 @@ def test_launch_gives_each_role_its_tensor_parallel_size_and_cores_in_proportion
     cores = split_cpus([3, 1])
     if cores[0] is not None and len(os.sched_getaffinity(0)) >= 4:
         assert len(cores[0]) > len(cores[1]) and not cores[0] & cores[1]
+
+
+def test_mixed_given_alone_starts_only_mixed_instances() -> None:
+    """`--mixed 4` alone used to start the default 1P1D beside them; P and D now default to 0 then."""
+    import argparse
+
+    from pdserve.config.flags import add_flags, from_args
+    from pdserve.deploy.launch import instance_names
+    from pdserve.deploy.settings import LaunchSettings
+
+    parser = argparse.ArgumentParser()
+    add_flags(parser, LaunchSettings)
+
+    def names(*flags: str) -> list[str]:
+        return [name for _, name in instance_names(from_args(LaunchSettings, parser.parse_args(list(flags))))]
+
+    assert names("--mixed", "4") == ["mixed-0", "mixed-1", "mixed-2", "mixed-3"]
+    assert names() == ["prefill-0", "decode-0"]
+    assert names("--mixed", "1", "--prefill", "2") == ["prefill-0", "prefill-1", "decode-0", "mixed-0"]
+    with pytest.raises(ValueError, match="needs at least one --prefill and one --decode"):
+        names("--mixed", "2", "--decode", "0")

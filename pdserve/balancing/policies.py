@@ -51,7 +51,8 @@ class RoutedRequest:
     _hashes: dict[int, list[bytes]] = field(default_factory=dict)
 
     def block_hashes(self, block_size: int) -> list[bytes]:
-        """The engine's chained hashes of the prompt's full blocks (block_pool.hash_block)."""
+        """The engine's chained hashes of the prompt's full blocks (block_pool.hash_block): what its cache
+        holds once the prompt is computed."""
         if self.token_ids is None:
             return []
         if block_size not in self._hashes:
@@ -61,6 +62,11 @@ class RoutedRequest:
                                          self.token_ids[i * block_size:(i + 1) * block_size]))
             self._hashes[block_size] = hashes
         return self._hashes[block_size]
+
+    def lookup_hashes(self, block_size: int) -> list[bytes]:
+        """The blocks a prefix-cache lookup may take: all full ones but one that ends with the prompt's last
+        token, which is always computed (its logits give the first new token)."""
+        return self.block_hashes(block_size)[:max(self.num_tokens - 1, 0) // block_size]
 
 
 class Policy(ABC):
@@ -127,7 +133,7 @@ class CacheAware(Policy):
     def _cost(self, instance: Instance, request: RoutedRequest) -> tuple[float, int]:
         """(the cost, the prompt tokens it would find cached)"""
         block_size = instance.block_size or DEFAULT_BLOCK_SIZE
-        cached = self.cache.cached_blocks(instance.url, request.block_hashes(block_size)) * block_size
+        cached = self.cache.cached_blocks(instance.url, request.lookup_hashes(block_size)) * block_size
         to_compute = max(request.num_tokens - cached, 0) / block_size
         return self.overlap_weight * to_compute + instance.in_flight_tokens / block_size, cached
 

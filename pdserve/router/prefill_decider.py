@@ -46,7 +46,7 @@ class PrefillDecider:
     def decide(self, request: RoutedRequest, prefill: Instance, decode: Instance) -> Decision:
         block_size = decode.info.block_size or 64
         hashes = request.block_hashes(block_size)
-        cached = self.cache.cached_blocks(decode.url, hashes) * block_size
+        cached = self.cache.cached_blocks(decode.url, request.lookup_hashes(block_size)) * block_size
         uncached = max(0, request.num_tokens - cached)
         if uncached <= self.max_local_prefill_length:
             decision = Decision(True, "short" if request.num_tokens <= self.max_local_prefill_length else "cached",
