@@ -150,13 +150,15 @@ def _send_through_random_decode_router(cluster: dict, prompts: list) -> None:
         router.stop()
 
 
-def test_cache_aware_keeps_a_shared_prefix_on_one_prefill_until_the_load_is_imbalanced(
+def test_cache_aware_keeps_a_shared_prefix_on_one_prefill_until_its_queue_costs_more(
         cluster: dict, embedded_tokenizer) -> None:
-    """A second router over the same instances (a static list) with prefix affinity on P."""
+    """A second router over the same instances (a static list, KV event endpoints included) with prefix affinity
+    on P: the prefix's holder computes 1 block of a prompt where the other computes 21, until 20 blocks wait
+    in flight on it."""
     listing = cluster["tmp"] / "static.yaml"
     listing.write_text(yaml.safe_dump({"instances": cluster["router"].registered()}))
     router = Router(cluster["tmp"] / "cache-router", "--instances", str(listing), "--prefill-policy", "cache_aware",
-                    "--cache-balance-abs", "500", "--cache-balance-rel", "1.5", "--health-interval", "0.5")
+                    "--health-interval", "0.5")
     try:
         wait_for(lambda: len(router.healthy_urls()) == 4, 20, "the static instances did not join")
         tokenizer = embedded_tokenizer
@@ -176,7 +178,7 @@ def test_cache_aware_keeps_a_shared_prefix_on_one_prefill_until_the_load_is_imba
         cold = "p1" if hot == "p0" else "p0"
         assert gained[hot] >= 3 * 320 and gained[cold] == 0, gained
         before = _served(router)
-        with ThreadPoolExecutor(6) as pool:  # 6 x 330 tokens at once: past 500 tokens of imbalance
+        with ThreadPoolExecutor(6) as pool:  # 6 x 330 tokens at once: each one queued costs the holder 21 blocks
             list(pool.map(lambda i: client.completions.create(
                 model=MODEL, prompt=prefix + tokenizer.encode(f" Later entry {i}:"), max_tokens=2), range(6)))
         after = _served(router)
