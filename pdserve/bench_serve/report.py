@@ -55,8 +55,9 @@ def format_table(s: Summary) -> str:
     return "\n".join(lines)
 
 
-def save_result(path: Path, summary: Summary, records: list[RequestRecord], config: dict) -> None:
-    path.write_text(json.dumps({"config": config, "summary": asdict(summary),
+def save_result(path: Path, summary: Summary, records: list[RequestRecord], config: dict, **extra: object) -> None:
+    """`extra`: more top-level keys (the multi-turn run's by-turn rows)."""
+    path.write_text(json.dumps({"config": config, "summary": asdict(summary), **extra,
                                 "requests": [r.as_dict() for r in records]}, indent=1))
 
 

@@ -37,11 +37,13 @@ def bench_serve(args: argparse.Namespace) -> int:
         rate = float(args.request_rate)
         if args.find_rate and not slos:
             raise ValueError("--find-rate needs the SLOs: --goodput ttft:MS tpot:MS e2el:MS")
-        requests = _load(args, args.seed)
+        requests = _load(args, args.seed) if args.dataset[0] != "sharegpt-multiturn" else []
     except (ValueError, OSError) as e:
         print(f"pdserve bench: {e}", file=sys.stderr)
         return 2
     model = args.model or _first_model(base)
+    if args.dataset[0] == "sharegpt-multiturn":
+        return _multiturn(base, model, args, percentiles, slos)
     path = "/v1/chat/completions" if args.backend == "openai-chat" else "/v1/completions"
     if args.find_rate:
         return _find_rate(base, path, model, args, percentiles, slos)
@@ -77,6 +79,39 @@ def _find_rate(base: str, path: str, model: str | None, args: argparse.Namespace
     if args.plot:
         plot_probes(args.plot, probes, best, args.slo_attainment)
     return 0 if best is not None else 1
+
+
+def _multiturn(base: str, model: str | None, args: argparse.Namespace, percentiles: list[float],
+               slos: dict[str, float]) -> int:
+    from pdserve.bench_serve import multiturn
+    from pdserve.loader import resolve_model_folder
+    from pdserve.tokenization.tokenizer import Tokenizer
+
+    if args.find_rate or len(args.dataset) > 2:
+        print("pdserve bench: sharegpt-multiturn takes an optional PATH and no --find-rate (its load is "
+              "--num-users)", file=sys.stderr)
+        return 2
+    try:
+        conversations = multiturn.sharegpt_conversations(
+            Path(args.dataset[1]) if len(args.dataset) == 2 else None, args.num_users,
+            Tokenizer(resolve_model_folder(args.tokenizer)), args.seed, args.max_turns, args.sharegpt_output_len)
+    except (ValueError, OSError) as e:
+        print(f"pdserve bench: {e}", file=sys.stderr)
+        return 2
+    records, duration = asyncio.run(multiturn.run_users(base, conversations, model, args.think_time,
+                                                        args.temperature, args.seed, args.max_context,
+                                                        not args.no_progress))
+    summary = summarize(records, duration, percentiles, slos)
+    turns, later = multiturn.by_turn(records), multiturn.later_turns(records)
+    print(format_table(summary), flush=True)
+    print(multiturn.format_turns(turns, later), flush=True)
+    if args.save_result:
+        save_result(args.save_result, summary, records, _config(args),
+                    by_turn=[{**vars(t), "hit_share": t.hit_share} for t in turns],
+                    later_turns={**vars(later), "hit_share": later.hit_share})
+    if args.plot:
+        multiturn.plot_turns(args.plot, turns)
+    return 0 if summary.completed else 1
 
 
 def _config(args: argparse.Namespace) -> dict:
