@@ -16,6 +16,13 @@ gets --warmup-prompts requests that are not reported. vLLM runs as ../shared/ref
 says, in the dtype pdserve's `auto` picks here unless told. Writes OUT.md (the table, goodput and
 latency ratios against vLLM), OUT.png (goodput against rate) and the raw results beside them.
 
+With --multiturn, each deployment instead gets ShareGPT conversations replayed turn by turn (`pdserve bench
+serve --dataset sharegpt-multiturn`: --users users, --turns turns, --think-time between them, each turn the
+whole history with the model's own answers), and OUT.md compares TTFT of the later turns, their prefix hit
+share (vLLM runs with --enable-prompt-tokens-details so its usage reports cached tokens), TPOT and goodput.
+vLLM's own multi-turn client (benchmarks/multi_turn in its repository) is not in its wheel: pdserve's client
+measures both.
+
 With --find-rate, each deployment instead gets `pdserve bench serve --find-rate` (pdserve's client: the
 highest Poisson rate at which --slo-attainment of the requests meet the --goodput SLOs, DistServe's
 measure), one search per temperature, and OUT.md compares the rates found.
@@ -100,6 +107,19 @@ def vllm_client(url: str, args: argparse.Namespace, rate: float, temperature: st
             "failed": num - s["completed"]}
 
 
+def multiturn_client(url: str, args: argparse.Namespace, temperature: str, seed: int, result: Path) -> dict:
+    cmd = [sys.executable, "-m", "pdserve.cli", "bench", "serve", "--base-url", url, "--dataset", "sharegpt-multiturn",
+           str(args.sharegpt_file), "--num-users", str(args.users), "--max-turns", str(args.turns), "--think-time",
+           str(args.think_time), "--max-context", "2048", "--seed", str(seed), "--goodput", *args.goodput,
+           "--save-result", str(result), "--no-progress"]
+    subprocess.run(cmd if temperature == "none" else [*cmd, "--temperature", temperature], check=True,
+                   stdout=subprocess.DEVNULL)
+    saved = json.loads(result.read_text())
+    s, later = saved["summary"], saved["later_turns"]
+    return {"goodput": s["goodput"], "ttft_p50_later": later["ttft_p50_ms"], "hit_share": later["hit_share"],
+            "ttft_p50": s["ttft"]["median"], "tpot_p50": s["tpot"]["median"], "failed": s["failed"]}
+
+
 def find_rate_client(url: str, args: argparse.Namespace, temperature: str, result: Path) -> dict:
     cmd = [*_pdserve_bench(url, args, temperature, 0, args.num_prompts, result), "--find-rate",
            "--find-rate-start", str(args.rates[0]), "--find-rate-steps", str(args.find_rate_steps),
@@ -133,7 +153,11 @@ def measure(key: str, command: list[str], env: dict[str, str], args: argparse.Na
         # Warm-up, not reported: first requests pay one-time costs (oneDNN primitives, lazy imports).
         client(url, args, 4.0, "none", 1000, args.warmup_prompts, args.out.with_name(f"{args.out.name}-{key}-w.json"))
         out = {}
-        for t in args.temperatures:
+        for i, t in enumerate(args.temperatures):
+            if args.multiturn:
+                out[t] = multiturn_client(url, args, t, i, args.out.with_name(f"{args.out.name}-{key}-t{t}-mt.json"))
+                print(f"{_name(key)}, temperature {t}, multi-turn: {out[t]}", flush=True)
+                continue
             if args.find_rate:
                 out[t] = find_rate_client(url, args, t, args.out.with_name(f"{args.out.name}-{key}-t{t}-find.json"))
                 print(f"{_name(key)}, temperature {t}: {out[t]}", flush=True)
@@ -163,6 +187,23 @@ def table(results: dict[str, dict], args: argparse.Namespace) -> str:
                 lines.append(f"| {t} | {rate:g} | {_name(key)} | {s['goodput']:.3f} | {s['ttft_p50']:.0f} | "
                              f"{s['ttft_p99']:.0f} | {s['tpot_p50']:.1f} | {s['itl_p99']:.0f} | {s['out_tok_s']:.0f} | "
                              f"{s['failed']} | " + " | ".join(ratios) + " |")
+    return "\n".join(lines)
+
+
+def multiturn_table(results: dict[str, dict], args: argparse.Namespace) -> str:
+    ref = "vllm" if "vllm" in results else next(iter(results))
+    lines = [f"ShareGPT multi-turn: {args.users} users, up to {args.turns} turns, {args.think_time:g} s mean think "
+             f"time, each turn the whole history; goodput: {' '.join(args.goodput)}; ms; ratios against {_name(ref)}",
+             "", "| temperature | deployment | TTFT p50 turns 2+ | hit share turns 2+ | TTFT p50 all | TPOT p50 | "
+             "goodput req/s | failed | TTFT 2+ / ref | TPOT / ref | goodput / ref |", "|---" * 11 + "|"]
+    for t in args.temperatures:
+        r = results[ref][t]
+        for key, by in results.items():
+            s = by[t]
+            ratios = [_ratio(s[k], r[k]) for k in ("ttft_p50_later", "tpot_p50", "goodput")]
+            lines.append(f"| {t} | {_name(key)} | {s['ttft_p50_later']:.0f} | {s['hit_share']:.1%} | "
+                         f"{s['ttft_p50']:.0f} | {s['tpot_p50']:.1f} | {s['goodput']:.3f} | {s['failed']} | "
+                         + " | ".join(ratios) + " |")
     return "\n".join(lines)
 
 
@@ -247,7 +288,13 @@ def main() -> None:
                         help="search each deployment's highest rate meeting the SLOs (from the first of --rates)")
     parser.add_argument("--find-rate-steps", type=int, default=2)
     parser.add_argument("--slo-attainment", type=float, default=0.9)
+    parser.add_argument("--multiturn", action="store_true", help="replay ShareGPT conversations turn by turn instead")
+    parser.add_argument("--users", type=int, default=16, help="--multiturn: concurrent users")
+    parser.add_argument("--turns", type=int, default=4, help="--multiturn: turns per conversation at most")
+    parser.add_argument("--think-time", type=float, default=1.0, help="--multiturn: mean seconds between turns")
     args = parser.parse_args()
+    if args.multiturn and (args.client == "vllm" or args.find_rate or args.dataset != "sharegpt"):
+        parser.error("--multiturn takes pdserve's client and the sharegpt dataset, without --find-rate")
     if ("vllm" in args.deployments or args.client == "vllm") and not args.vllm_python:
         parser.error("--vllm-python is needed for vLLM's server or client")
     import torch
@@ -257,10 +304,13 @@ def main() -> None:
     args.vllm_dtype = args.vllm_dtype or str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
     prepare(args)
     cmds = commands(args, args.folder)
+    if args.multiturn:  # vLLM reports cached prompt tokens only when asked
+        cmds["vllm"] = ([*cmds["vllm"][0], "--enable-prompt-tokens-details"], cmds["vllm"][1])
     results = {key: measure(key, *cmds[key], args) for key in args.deployments}
-    text = find_rate_table(results, args) if args.find_rate else table(results, args)
+    text = (multiturn_table(results, args) if args.multiturn else find_rate_table(results, args) if args.find_rate
+            else table(results, args))
     args.out.with_suffix(".md").write_text(text + "\n")
-    if not args.find_rate:  # each search plots itself (OUT-KEY-tT-find.png)
+    if not args.find_rate and not args.multiturn:  # each search plots itself (OUT-KEY-tT-find.png)
         plot(results, args, args.out.with_suffix(".png"))
     print(text)
 

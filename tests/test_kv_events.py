@@ -85,7 +85,7 @@ def test_a_batch_is_vllm_wire_format() -> None:
     finally:
         sub.close()
         pub.close()
-        ctx.term()
+        ctx.destroy(linger=0)
 
 
 def _until_connected(pub: KVEventPublisher, sub: zmq.Socket) -> None:
@@ -138,7 +138,45 @@ def test_a_late_subscriber_takes_a_snapshot_and_one_that_missed_batches_replays_
     finally:
         subscriber.close()
         pub.close()
-        ctx.term()
+        ctx.destroy(linger=0)
+
+
+def test_a_publisher_restarted_at_the_same_address_is_indexed_anew() -> None:
+    """A data-parallel rank restarted in place binds its ports again and numbers its batches from 0."""
+    from tests.servers import free_port
+
+    config = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://127.0.0.1:{free_port()}",
+                            replay_endpoint=f"tcp://127.0.0.1:{free_port()}")
+    ctx = zmq.Context()
+    index = KVIndex()
+    subscriber = KVEventSubscriber(index)
+    subscriber.start()
+    pub = None
+    try:
+        for life, steps in enumerate((8, 2)):
+            kv, copier = manager(device_blocks=6, host_blocks=5)
+            recorder = kv.record_events()
+            pub = KVEventPublisher(config, kv.snapshot, ctx)
+            if life == 0:
+                subscriber.watch("http://e", [(pub.endpoint, pub.replay_endpoint)])
+            for i in range(steps):
+                run(kv, copier, f"r{life}-{i}", [life * 10 + i % 3] * BS * 2 + [7])
+                copier.complete_saves(kv)
+                pub.publish(recorder.take())
+
+            def synced(kv: KVCacheManager = kv, pub: KVEventPublisher = pub) -> bool:
+                pub.serve_replays()
+                return index.blocks("http://e#0") == cache_view(kv)
+
+            wait_for(synced, 10, f"the index of life {life} never matched its cache")
+            pub.close()
+            pub = None
+        assert subscriber.stats.resyncs >= 1
+    finally:
+        subscriber.close()
+        if pub is not None:
+            pub.close()
+        ctx.destroy(linger=0)
 
 
 def test_kv_events_config_takes_vllm_json_and_names_what_it_refuses() -> None:

@@ -10,6 +10,7 @@ import logging
 import os
 import socket
 
+import msgspec
 import uvicorn
 
 from pdserve.api.async_engine import AsyncEngine
@@ -155,8 +156,18 @@ def start_engines(config: EngineConfig, name: str, ranks: int, pd_ports: list[in
         for client in clients:
             client.close(ask=False)
         raise
-    return DataParallelEngine([EngineRank(r, c, AsyncEngine(client))
+    return DataParallelEngine([EngineRank(r, pinned(c, client.ready), AsyncEngine(client))
                                for r, (c, client) in enumerate(zip(configs, clients, strict=True))], start)
+
+
+def pinned(config: EngineConfig, ready: EngineReady) -> EngineConfig:
+    """A rank's config with the ports it bound: restarted in place, it binds them again, so what the server
+    registered (its control-plane port, its KV event endpoints) stays true."""
+    events = config.kv_events_config
+    if events is not None and ready.kv_events:
+        events = msgspec.structs.replace(events, endpoint=ready.kv_events, replay_endpoint=ready.kv_events_replay)
+    return dataclasses.replace(config, pd_comm_port=ready.pd_comm_port or config.pd_comm_port,
+                               kv_events_config=events)
 
 
 def registrations(engine: AsyncEngine | DataParallelEngine, url: str, advertise: str, metrics_port: int, name: str,

@@ -4,8 +4,10 @@ One thread, one SUB socket (and one replay DEALER) per engine. Joining, it asks 
 everything from sequence 0: the batches still buffered, or the publisher's snapshot; live batches that
 arrive meanwhile wait and are applied after it, those the replay covered skipped. A gap in the sequence
 numbers (the publisher dropped batches for a slow subscriber, or a reconnect) asks again from the first
-missing one. An engine without a replay socket is applied as it comes; a gap then drops what was indexed
-for it, since the index can no longer be trusted, and it starts over from the next batch.
+missing one. A reconnection (a publisher restarted at the same address: its numbers start again at 0)
+starts over the same way, from batch 0, with the engine's entries dropped. An engine without a replay
+socket is applied as it comes; a gap then drops what was indexed for it, since the index can no longer be
+trusted, and it starts over from the next batch.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from pdserve.kv_events.events import END_OF_REPLAY, decoder
 from pdserve.kv_events.index import KVIndex
@@ -33,6 +36,8 @@ class _Source:
     url: str
     sub: zmq.Socket
     replay: zmq.Socket | None
+    monitor: zmq.Socket  # the SUB socket's connections: a second one is a reconnection
+    connections: int = 0
     last_seq: int = -1
     syncing: bool = False
     asked_at: float = 0.0
@@ -43,7 +48,7 @@ class _Source:
 class SubscriberStats:
     batches: int = 0
     events: int = 0
-    resyncs: int = 0  # replays asked after a gap
+    resyncs: int = 0  # replays asked after a gap or a reconnection
     snapshots: int = 0  # replays answered with a snapshot
     undecodable: int = 0
 
@@ -83,6 +88,7 @@ class KVEventSubscriber:
                 poller = zmq.Poller()
                 for source in self._sources.values():
                     poller.register(source.sub, zmq.POLLIN)
+                    poller.register(source.monitor, zmq.POLLIN)
                     if source.replay is not None:
                         poller.register(source.replay, zmq.POLLIN)
             ready = dict(poller.poll(100)) if self._sources else (self._stop.wait(0.1) and {})
@@ -108,15 +114,22 @@ class KVEventSubscriber:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 100_000)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED)
         sub.connect(endpoint)
         dealer = None
         if replay:
             dealer = self._ctx.socket(zmq.DEALER)
             dealer.setsockopt(zmq.LINGER, 0)
             dealer.connect(replay)
-        return _Source(key, url, sub, dealer)
+        return _Source(key, url, sub, dealer, monitor)
 
     def _serve(self, source: _Source, ready: dict) -> None:
+        if ready.get(source.monitor):
+            while source.monitor.poll(0):
+                if recv_monitor_message(source.monitor)["event"] == zmq.EVENT_CONNECTED:
+                    source.connections += 1
+                    if source.connections > 1:
+                        self._start_over(source)
         if source.replay is not None and ready.get(source.replay):
             while source.replay.poll(0):
                 self._on_replay(source, source.replay.recv_multipart())
@@ -163,6 +176,13 @@ class KVEventSubscriber:
         for seq, payload in held:
             self._on_live(source, seq, payload)
 
+    def _start_over(self, source: _Source) -> None:
+        """Its publisher may be a new process: drop what is indexed and take everything from batch 0."""
+        self.stats.resyncs += 1
+        self.index.clear(source.key)
+        source.last_seq, source.held = -1, []
+        self._ask_replay(source)
+
     def _ask_replay(self, source: _Source) -> None:
         if source.replay is None:
             return
@@ -182,6 +202,8 @@ class KVEventSubscriber:
 
 
 def _close(source: _Source) -> None:
+    source.sub.disable_monitor()
+    source.monitor.close()
     source.sub.close()
     if source.replay is not None:
         source.replay.close()
