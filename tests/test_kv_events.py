@@ -5,6 +5,8 @@ test_host_tier.py (no model); publisher and subscriber talk over real ZMQ socket
 
 from __future__ import annotations
 
+import time
+
 import msgspec
 import pytest
 import zmq
@@ -156,7 +158,7 @@ def test_a_publisher_restarted_at_the_same_address_is_indexed_anew() -> None:
         for life, steps in enumerate((8, 2)):
             kv, copier = manager(device_blocks=6, host_blocks=5)
             recorder = kv.record_events()
-            pub = KVEventPublisher(config, kv.snapshot, ctx)
+            pub = _bind_again(config, kv, ctx)
             if life == 0:
                 subscriber.watch("http://e", [(pub.endpoint, pub.replay_endpoint)])
             for i in range(steps):
@@ -177,6 +179,16 @@ def test_a_publisher_restarted_at_the_same_address_is_indexed_anew() -> None:
         if pub is not None:
             pub.close()
         ctx.destroy(linger=0)
+
+
+def _bind_again(config: KVEventsConfig, kv: KVCacheManager, ctx: zmq.Context) -> KVEventPublisher:
+    """The ports of the publisher closed a moment ago (its sockets close in ZMQ's I/O thread)."""
+    for _ in range(50):
+        try:
+            return KVEventPublisher(config, kv.snapshot, ctx)
+        except RuntimeError:
+            time.sleep(0.1)
+    raise AssertionError(f"{config.endpoint} stayed taken")
 
 
 def test_kv_events_config_takes_vllm_json_and_names_what_it_refuses() -> None:

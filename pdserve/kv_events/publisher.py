@@ -28,15 +28,19 @@ class KVEventPublisher:
         self.pub = ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.SNDHWM, config.hwm)
         self.pub.setsockopt(zmq.LINGER, 0)
-        self.pub.bind(config.endpoint)
-        self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.replay: zmq.Socket | None = None
         self.replay_endpoint: str | None = None
-        if config.replay_endpoint:
-            self.replay = ctx.socket(zmq.ROUTER)
-            self.replay.setsockopt(zmq.LINGER, 0)
-            self.replay.bind(config.replay_endpoint)
-            self.replay_endpoint = self.replay.getsockopt_string(zmq.LAST_ENDPOINT)
+        try:
+            self.pub.bind(config.endpoint)
+            self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
+            if config.replay_endpoint:
+                self.replay = ctx.socket(zmq.ROUTER)
+                self.replay.setsockopt(zmq.LINGER, 0)
+                self.replay.bind(config.replay_endpoint)
+                self.replay_endpoint = self.replay.getsockopt_string(zmq.LAST_ENDPOINT)
+        except zmq.ZMQError as e:
+            self.close()
+            raise RuntimeError(f"KV events: cannot bind {config.endpoint} / {config.replay_endpoint}: {e}") from None
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self.seq = -1
         self.publish([AllBlocksCleared()])  # whoever knew an earlier process at this address starts over

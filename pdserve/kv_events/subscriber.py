@@ -74,9 +74,10 @@ class KVEventSubscriber:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(5)
-        for source in self._sources.values():
-            _close(source)
-        self._ctx.term()
+        if not self._thread.is_alive():
+            for source in self._sources.values():
+                _close(source)
+        self._ctx.destroy(linger=0)  # closes what a thread stuck past the join still holds
 
     # ---- the thread ----------------------------------------------------------------------------
 
