@@ -49,20 +49,26 @@ def test_load_policies_pick_the_least_loaded() -> None:
 
 
 def test_cache_aware_trades_the_cached_prefix_against_load() -> None:
-    """Without KV events: the prefix goes where this policy sent it; cost = blocks to compute + blocks in flight."""
+    """Without KV events: the prefix goes where this policy sent it. Cost in blocks of 4: prompt tokens to compute
+    + tokens queued for prefill there, + a tenth of the prompt tokens decoding there."""
     policy = CacheAware()
     a, b = _instance("a"), _instance("b")
     shared = list(range(40))  # 10 blocks of 4
     first = policy.choose([a, b], RoutedRequest(shared + [1000], 41))
     other = b if first is a else a
-    assert policy.choose([a, b], RoutedRequest(shared + [2000] * 3, 43)) is first  # 1 block to compute vs 11
+    assert policy.choose([a, b], RoutedRequest(shared + [2000] * 3, 43)) is first  # 3 tokens to compute vs 43
     first.served = 2  # as the registry counts it
     assert policy.choose([a, b], RoutedRequest(list(range(500, 540)), 40)) is other  # no match: fewer served wins
-    first.in_flight_tokens, first.in_flight_requests = 36, 1  # 1 + 9 < 11: the holder is worth its queue
+    first.in_flight_requests, first.in_flight_tokens = 1, 300  # a long stream decoding there: 1 + 30 < 41
+    assert policy.choose([a, b], RoutedRequest(shared + [6], 41)) is first
+    first.in_flight_tokens = first.in_flight_prefill_tokens = 36  # a prompt waiting there: 1 + 36 < 41
     assert policy.choose([a, b], RoutedRequest(shared + [8], 41)) is first
-    first.in_flight_tokens = 40  # 10 blocks in flight: 1 + 10 there vs 11 on the other, a tie broken by requests
+    first.in_flight_tokens = first.in_flight_prefill_tokens = 40  # 1 + 40 = 41: a tie, broken by requests
     assert policy.choose([a, b], RoutedRequest(shared + [7], 41)) is other
-    assert CacheAware(overlap_weight=0).choose([a, b], RoutedRequest(shared + [9], 41)) is other  # load only
+    dynamo, c, d = CacheAware(decode_weight=1.0), _instance("c"), _instance("d")  # decoding streams weigh fully
+    assert dynamo.choose([c, d], RoutedRequest(shared + [1], 41)) is c
+    c.served, c.in_flight_requests, c.in_flight_tokens = 1, 1, 300
+    assert dynamo.choose([c, d], RoutedRequest(shared + [6], 41)) is d  # 1 + 300 > 41
 
 
 def test_cache_aware_reads_what_instances_publish_over_what_it_sent() -> None:

@@ -42,6 +42,10 @@ class EngineRank:
         self.restarting = False
 
     @property
+    def in_flight_prefill_tokens(self) -> int:
+        return self.in_flight_tokens  # the server does not follow first tokens: every prompt counts as queued
+
+    @property
     def url(self) -> str:
         return f"dp/{self.rank}"
 

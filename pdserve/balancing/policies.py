@@ -31,6 +31,7 @@ class Candidate(Protocol):
 
     in_flight_requests: int
     in_flight_tokens: int  # prompt tokens of the requests in flight
+    in_flight_prefill_tokens: int  # ... of those still waiting for their first token, less their cached part
     served: int  # requests sent there
 
 
@@ -109,18 +110,23 @@ class PowerOfTwo(Policy):
 
 
 class CacheAware(Policy):
-    """Prefix affinity traded against load by one cost, Dynamo's KV router's:
+    """Prefix affinity traded against load by one cost, in KV blocks, after Dynamo's KV router:
 
-        cost = overlap_weight x (prompt blocks the instance would compute) + (prompt blocks in flight there)
+        cost = overlap_weight x (prompt blocks the instance would compute + prompt blocks queued for prefill there)
+               + decode_weight x (prompt blocks of the requests decoding there)
 
-    and the cheapest wins (ties: fewer requests in flight, then fewer served). What an instance caches is
-    read from its KV events when it publishes them (kv_events/index.py: exact, evictions and the host tier
-    included, whichever router sent the prompts); else from what this policy sent it (an LRU per instance,
-    approximate: it sees no eviction and only this router's traffic).
+    and the cheapest wins (ties: fewer requests in flight, then fewer served). Dynamo weighs the decoding
+    requests' blocks fully (1.0): on a GPU they hold the scarce memory. On this CPU box compute is what is
+    scarce: a prompt waits for the prefills ahead of it, while decoding streams only share its steps, and
+    measured (docs/measurements.md, KV routing) a full weight moved later turns off their prefix's holder
+    whenever it had a long stream in flight. What an instance caches is read from its KV events when it
+    publishes them (kv_events/index.py: exact, evictions and the host tier included, whichever router sent
+    the prompts); else from what this policy sent it (an LRU per instance, approximate).
     """
 
-    def __init__(self, overlap_weight: float = 1.0, kv_index: KVIndex | None = None) -> None:
-        self.overlap_weight = overlap_weight
+    def __init__(self, overlap_weight: float = 1.0, decode_weight: float = 0.1,
+                 kv_index: KVIndex | None = None) -> None:
+        self.overlap_weight, self.decode_weight = overlap_weight, decode_weight
         self.cache = CacheView(kv_index)
 
     def choose(self, candidates: list[Instance], request: RoutedRequest) -> Instance:
@@ -134,8 +140,9 @@ class CacheAware(Policy):
         """(the cost, the prompt tokens it would find cached)"""
         block_size = instance.block_size or DEFAULT_BLOCK_SIZE
         cached = self.cache.cached_blocks(instance.url, request.lookup_hashes(block_size)) * block_size
-        to_compute = max(request.num_tokens - cached, 0) / block_size
-        return self.overlap_weight * to_compute + instance.in_flight_tokens / block_size, cached
+        prefill = max(request.num_tokens - cached, 0) + instance.in_flight_prefill_tokens
+        decoding = max(instance.in_flight_tokens - instance.in_flight_prefill_tokens, 0)
+        return (self.overlap_weight * prefill + self.decode_weight * decoding) / block_size, cached
 
 
 def _least(candidates: list[Instance], load) -> Instance:  # noqa: ANN001

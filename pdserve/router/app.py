@@ -81,4 +81,5 @@ def _router_state(settings: RouterSettings, reader: PromptReader) -> RouterState
 
 
 def _policy(name: str, settings: RouterSettings, kv_index: KVIndex) -> Policy:
-    return make_policy(name, overlap_weight=settings.kv_overlap_score_weight, kv_index=kv_index)
+    return make_policy(name, overlap_weight=settings.kv_overlap_score_weight,
+                       decode_weight=settings.kv_decode_load_weight, kv_index=kv_index)

@@ -18,8 +18,11 @@ BROKEN = (aiohttp.ClientError, TimeoutError, InstanceLost)
 class Exchange:
     """One request's exchange with one instance, counted as its load, ended at once if it is lost."""
 
-    def __init__(self, registry: Registry, instance: Instance, tokens: int) -> None:
+    def __init__(self, registry: Registry, instance: Instance, tokens: int, prefill_tokens: int = 0) -> None:
+        """`prefill_tokens`: what the instance computes of the prompt, counted until prefilled() or close()."""
         self.registry, self.instance = registry, instance
+        self._prefill = prefill_tokens
+        instance.in_flight_prefill_tokens += prefill_tokens
         self.lost: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._tracking = registry.track(instance, tokens, self._on_lost)
         self._tracking.__enter__()
@@ -29,9 +32,15 @@ class Exchange:
         if not self.lost.done():
             self.lost.set_result(reason)
 
+    def prefilled(self) -> None:
+        """The first token came: the prompt no longer waits to be computed there."""
+        self.instance.in_flight_prefill_tokens -= self._prefill
+        self._prefill = 0
+
     def close(self) -> None:
         if self._open:
             self._open = False
+            self.prefilled()
             self._tracking.__exit__(None, None, None)
 
     async def guard(self, awaitable: Awaitable):  # noqa: ANN201

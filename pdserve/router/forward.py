@@ -114,7 +114,7 @@ class Forwarder:
                 break
             self.routed_at = time.monotonic()
             if route.decode is None:
-                outcome = await self._single(route.first, path, body, request, headers)
+                outcome = await self._single(route, path, body, request, headers)
                 if isinstance(outcome, Response) and not isinstance(outcome, StreamingResponse):
                     self._count_cached(route, outcome.body)
             else:
@@ -148,9 +148,10 @@ class Forwarder:
 
     # ---- one mixed instance ----------------------------------------------------------------------
 
-    async def _single(self, instance: Instance, path: str, body: dict, request: RoutedRequest,
+    async def _single(self, route: Route, path: str, body: dict, request: RoutedRequest,
                       headers: dict[str, str]) -> Response | Retry:
-        ex = Exchange(self.registry, instance, request.num_tokens)
+        instance = route.first
+        ex = Exchange(self.registry, instance, request.num_tokens, _to_compute(route, request))
         try:
             upstream = await ex.guard(self.client.post(f"{instance.url}{path}", json=body, headers=headers))
         except BROKEN as e:
@@ -173,7 +174,7 @@ class Forwarder:
                   "pd": PDRequest(transfer_id=transfer_id, role="prefill").model_dump(exclude_none=True)}
         d_body = {**body, "pd": PDRequest(transfer_id=transfer_id, role="decode", prefill_addr=prefill.info.pd_comm,
                                           transport=route.transport).model_dump(exclude_none=True)}
-        p_ex = Exchange(self.registry, prefill, request.num_tokens)
+        p_ex = Exchange(self.registry, prefill, request.num_tokens, _to_compute(route, request))
         d_ex = Exchange(self.registry, decode, request.num_tokens)
         p_task = asyncio.create_task(p_ex.guard(_fetch(self.client, f"{prefill.url}{path}", p_body, headers)))
         p_task.add_done_callback(lambda _: p_ex.close())
@@ -297,6 +298,7 @@ class Forwarder:
             upstream.close()
             ex.close()
             return Retry(None, error_response(message, 502, PD_ERROR))
+        ex.prefilled()
         return Opened(ex, upstream, reader, first, rest)
 
     async def _relay_stream(self, opened: Opened, answer: AnswerSoFar, path: str, body: dict,
@@ -356,6 +358,11 @@ class Forwarder:
         finally:
             upstream.close()
         return Response(content, status_code=upstream.status, media_type="application/json")
+
+
+def _to_compute(route: Route, request: RoutedRequest) -> int:
+    """The prompt tokens `route.first` computes: all but what cache_aware expects it to find cached."""
+    return max(request.num_tokens - (route.predicted_cached_tokens or 0), 0)
 
 
 def _message(response: Response) -> str:

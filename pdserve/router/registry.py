@@ -37,6 +37,7 @@ class Instance:
     ever_healthy: bool = False
     in_flight_requests: int = 0
     in_flight_tokens: int = 0  # prompt tokens of the requests in flight
+    in_flight_prefill_tokens: int = 0  # ... of those not yet past their first token, less what they found cached
     served: int = 0  # requests sent here
     failed: int = 0  # requests that failed here
     restarts: int = 0  # new pids seen at this url since the router started
@@ -57,6 +58,7 @@ class Instance:
     def as_dict(self) -> dict:
         return {**self.info.model_dump(), "healthy": self.healthy, "static": self.static,
                 "in_flight_requests": self.in_flight_requests, "in_flight_tokens": self.in_flight_tokens,
+                "in_flight_prefill_tokens": self.in_flight_prefill_tokens,
                 "served": self.served, "failed": self.failed, "restarts": self.restarts,
                 "seconds_since_heartbeat": None if self.static else round(time.monotonic() - self.last_seen, 1)}
 

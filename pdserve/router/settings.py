@@ -54,8 +54,11 @@ class RouterSettings:
                                  flag="--health-failure-threshold")
     success_threshold: int = option(2, "good probes in a row that bring it back", flag="--health-success-threshold")
     kv_overlap_score_weight: float = option(
-        1.0, "cache_aware: weight of the prompt blocks an instance would compute against the prompt blocks in flight "
-             "there (Dynamo's name and cost; 0: load only)")
+        1.0, "cache_aware: weight of the prompt blocks an instance would compute and has queued for prefill (Dynamo's "
+             "name)")
+    kv_decode_load_weight: float = option(
+        0.1, "cache_aware: weight of the prompt blocks of the requests decoding on an instance (Dynamo: 1.0; on a CPU "
+             "box decoding streams delay a prompt far less than queued prefills)")
     tokenizer: str | None = option(
         None, "model path whose tokenizer reads prompts (default: the embedded model); 'none' estimates token "
               "counts from text and disables cache_aware")
