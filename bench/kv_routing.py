@@ -7,8 +7,9 @@ optionally a 2P2D deployment.
     .venv/bin/python bench/kv_routing.py [--users 16] [--turns 4] [--think-time 1] [--max-tokens 128]
         [--deployments one,events,approximate,round_robin] [--out bench-results/kv_routing]
 
-Prints, per deployment: TTFT p50 of turns 2+, their prefix hit share (cached prompt tokens as the engines
-report them), goodput under --goodput, and the ratios the issue sets (hit share against one instance's,
+Prints, per deployment: TTFT p50 of turns 2+, their prefix hit share (cached prompt tokens as the answers'
+usage reports them: in PD, the decode instance's), each role's own prefix-cache hit share over all turns
+(its /metrics), goodput under --goodput, and the ratios the issue sets (hit share against one instance's,
 TTFT p50 against round robin's and the approximate policy's, goodput against the approximate policy's).
 Every deployment gets the same conversations (same seed), each on fresh instances.
 """
@@ -19,8 +20,10 @@ import argparse
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import httpx
 from pd_sweep import served
 
 FLAGS = ["--kv-cache-memory", "1G", "--max-model-len", "4096"]
@@ -35,6 +38,7 @@ def commands() -> dict[str, list[str]]:
         "one": [*pdserve, "serve", "--port", "{port}", "--kv-cache-memory", "4G", "--max-model-len", "4096"],
         "events": [*mixed4, *ROUTED],
         "approximate": [*mixed4, *ROUTED, *NO_EVENTS],
+        "events_dynamo": [*mixed4, *ROUTED, "--kv-decode-load-weight", "1.0"],
         "round_robin": [*mixed4, "--routers", "2", "--prefill-policy", "round_robin", "--decode-policy",
                         "round_robin"],
         "2p2d": [*pdserve, "launch", "--prefill", "2", "--decode", "2", "--port", "{port}", *FLAGS, *ROUTED,
@@ -43,32 +47,60 @@ def commands() -> dict[str, list[str]]:
 
 
 NAMES = {"one": "one mixed instance (holds everything)", "events": "4 mixed, cache_aware on KV events",
-         "approximate": "4 mixed, cache_aware approximate", "round_robin": "4 mixed, round robin",
+         "approximate": "4 mixed, cache_aware approximate",
+         "events_dynamo": "4 mixed, cache_aware on KV events, decoding blocks weighed 1.0 (Dynamo)",
+         "round_robin": "4 mixed, round robin",
          "2p2d": "2P2D, cache_aware on KV events"}
+
+
+def engine_hits(url: str) -> dict[str, tuple[float, float]]:
+    """Each registered instance's prefix cache (hit tokens, queried tokens), by role (a single server: 'mixed')."""
+    try:
+        instances = httpx.get(f"{url}/registered", timeout=10).json()["instances"]
+    except (httpx.HTTPError, ValueError, KeyError):
+        instances = [{"role": "mixed", "host": "127.0.0.1", "metrics_port": None, "url": url}]
+    out: dict[str, tuple[float, float]] = {}
+    for i in instances:
+        text = httpx.get(f"http://{i['host']}:{i['metrics_port']}/metrics" if i["metrics_port"] else f"{url}/metrics",
+                         timeout=10).text
+        hits, queried = (sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                             if line.startswith(name)) for name in ("pdserve_prefix_cache_hit_tokens",
+                                                                     "pdserve_prefix_cache_queried_tokens"))
+        h, q = out.get(i["role"], (0.0, 0.0))
+        out[i["role"]] = (h + hits, q + queried)
+    return out
 
 
 def measure(name: str, args: argparse.Namespace, out: Path) -> dict:
     result = out.with_name(f"{out.name}-{name}.json")
     with served(name, commands()[name], {}, out.with_name(f"{out.name}-{name}.log")) as url:
+        before = engine_hits(url)
         subprocess.run([sys.executable, "-m", "pdserve.cli", "bench", "serve", "--base-url", url, "--dataset",
                         "sharegpt-multiturn", "--num-users", str(args.users), "--max-turns", str(args.turns),
                         "--think-time", str(args.think_time), "--sharegpt-output-len", str(args.max_tokens),
                         "--max-context", "4096", "--temperature", args.temperature, "--seed", str(args.seed),
                         "--goodput", *args.goodput, "--save-result", str(result), "--no-progress"], check=True)
-    return json.loads(result.read_text())
+        time.sleep(1.5)  # instances refresh their metrics once a second
+        after = engine_hits(url)
+    saved = json.loads(result.read_text())
+    saved["engine_hit_share"] = {role: (h - before.get(role, (0, 0))[0]) / max(q - before.get(role, (0, 0))[1], 1)
+                                 for role, (h, q) in after.items()}
+    return saved
 
 
 def row(name: str, result: dict) -> dict:
     later = result["later_turns"]
     return {"name": name, "ttft_p50": later["ttft_p50_ms"], "hit_share": later["hit_share"],
-            "goodput": result["summary"]["goodput"], "failed": result["summary"]["failed"]}
+            "goodput": result["summary"]["goodput"], "failed": result["summary"]["failed"],
+            "engines": result["engine_hit_share"]}
 
 
 def report(rows: dict[str, dict]) -> str:
-    lines = ["| deployment | TTFT p50, turns 2+ (ms) | prefix hit share, turns 2+ | goodput (req/s) | failed |",
-             "|---|---|---|---|---|"]
+    lines = ["| deployment | TTFT p50, turns 2+ (ms) | prefix hit share, turns 2+ | engines' hit share, all turns | "
+             "goodput (req/s) | failed |", "|---|---|---|---|---|---|"]
     for key, r in rows.items():
-        lines.append(f"| {NAMES[key]} | {r['ttft_p50']:.0f} | {r['hit_share']:.1%} | {r['goodput']:.3f} | "
+        engines = ", ".join(f"{role} {share:.1%}" for role, share in sorted(r["engines"].items()))
+        lines.append(f"| {NAMES[key]} | {r['ttft_p50']:.0f} | {r['hit_share']:.1%} | {engines} | {r['goodput']:.3f} | "
                      f"{r['failed']} |")
     ratio = []
     ev, ap, rr, one = (rows.get(k) for k in ("events", "approximate", "round_robin", "one"))

@@ -93,6 +93,8 @@ ROUTER_FLAGS = {
     "local_prefill_decode_requests": " (launch's 4: a decode instance with few streams borrows the prefill "
                                      "instance's core and computes a long prompt faster than P alone)",
     "migration_limit": "",
+    "kv_overlap_score_weight": "",
+    "kv_decode_load_weight": "",
     "api_key": "",
 }
 # Launch's own defaults for them. The API key is not taken from $PDSERVE_API_KEY here: the routers

@@ -46,7 +46,7 @@ class RouterSettings:
            "(Dynamo's name; 0: the stream ends with an error event)")
     instances: Path | None = option(
         None, "YAML file with a static list of instances (each: role, url, and for PD the fields instances "
-              "register: pd_comm, transports, host_id, compatibility_key, block_size)")
+              "register: pd_comm, transports, host_id, compatibility_key, block_size, kv_events)")
     instance_expiry: float = option(10.0, "seconds without a heartbeat before a registered instance is forgotten")
     health_interval: float = option(2.0, "seconds between /health probes")
     health_timeout: float = option(2.0)
