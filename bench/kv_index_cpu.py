@@ -30,7 +30,7 @@ def publish(n: int, rate: float, seconds: float, ready, endpoints) -> None:  # n
     config = KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://127.0.0.1:*",
                             replay_endpoint="tcp://127.0.0.1:*")
     pubs = [KVEventPublisher(config, list, ctx) for _ in range(n)]
-    endpoints.extend((p.endpoint, p.replay_endpoint) for p in pubs)
+    endpoints.extend([(p.endpoint, p.replay_endpoint) for p in pubs])
     ready.wait()
     time.sleep(1.0)  # the subscriptions connect
     for p in pubs:

@@ -7,10 +7,11 @@ otherwise ("publisher": "null" turns events off); the registration names the end
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import msgspec
+
+from pdserve.config.json_flag import json_struct
 
 KNOWN_KEYS = ("enable_kv_cache_events", "publisher", "endpoint", "replay_endpoint", "buffer_steps", "hwm",
               "max_queue_size", "topic")
@@ -61,19 +62,4 @@ def _offset(endpoint: str, rank: int) -> str:
 
 def kv_events_config(value: str | dict[str, Any] | KVEventsConfig | None) -> KVEventsConfig | None:
     """From the flag's JSON text or a dict; unknown keys are an error, not ignored."""
-    if value is None or isinstance(value, KVEventsConfig):
-        return value
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--kv-events-config is not JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError("--kv-events-config must be a JSON object")
-    if unknown := sorted(set(value) - set(KNOWN_KEYS)):
-        raise ValueError(f"--kv-events-config: {', '.join(unknown)} not supported (pdserve takes "
-                         f"{', '.join(KNOWN_KEYS)})")
-    try:
-        return msgspec.convert(value, KVEventsConfig)
-    except msgspec.ValidationError as e:
-        raise ValueError(f"--kv-events-config: {e}") from None
+    return json_struct(value, "--kv-events-config", KVEventsConfig, KNOWN_KEYS)

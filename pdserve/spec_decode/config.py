@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import msgspec
+
+from pdserve.config.json_flag import json_struct
 
 KNOWN_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size")
 
@@ -35,23 +36,11 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
 def speculative_config(value: str | dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
     """From the flag's JSON text, a dict (LLM(speculative_config=...)) or a config; unknown keys are an
     error, not ignored."""
-    if value is None or isinstance(value, SpeculativeConfig):
-        return value
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--speculative-config is not JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError("--speculative-config must be a JSON object")
-    unknown = sorted(set(value) - set(KNOWN_KEYS))
-    if unknown:
-        raise ValueError(f"--speculative-config: {', '.join(unknown)} not supported (pdserve takes "
-                         f"{', '.join(KNOWN_KEYS)})")
+    return json_struct(value, "--speculative-config", SpeculativeConfig, KNOWN_KEYS, _lookup_lengths)
+
+
+def _lookup_lengths(value: dict) -> dict:
     for given, missing in (("prompt_lookup_max", "prompt_lookup_min"), ("prompt_lookup_min", "prompt_lookup_max")):
         if given in value and missing not in value:  # vLLM's rule: the one given stands for both
             value = {**value, missing: value[given]}
-    try:
-        return msgspec.convert(value, SpeculativeConfig)
-    except msgspec.ValidationError as e:
-        raise ValueError(f"--speculative-config: {e}") from None
+    return value
