@@ -46,6 +46,7 @@ class CliProcess:
                                          stderr=subprocess.STDOUT,
                                          env={**os.environ, "TMPDIR": str(self.tmpdir), **(env or {})})
         self.pids: set[int] = {self.proc.pid}
+        self._terminated = False
         if wait:
             self.wait_ready(start_timeout)
 
@@ -103,10 +104,15 @@ class CliProcess:
         assert not alive, f"processes of {self} outlived it: {alive}\n{self.log()}"
         assert not self.own_segments(), f"KV cache segments left in /dev/shm: {self.own_segments()}"
 
+    def terminate(self) -> None:
+        """SIGTERM, once (a second one would cut the graceful shutdown short)."""
+        if self.proc.poll() is None and not self._terminated:
+            self.proc.send_signal(signal.SIGTERM)
+            self._terminated = True
+
     def stop(self) -> None:
         """SIGTERM; it must exit within 20 s and leave nothing behind."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+        self.terminate()
         try:
             self.proc.wait(20)
         except subprocess.TimeoutExpired:
@@ -246,8 +252,11 @@ class BrokenInstance:
 
 
 def stop_all(processes: list[CliProcess]) -> None:
-    """Stop every process, even when stopping one fails its checks; then report the first failure."""
+    """Stop every process, even when stopping one fails its checks; then report the first failure. All are told
+    at once, so they shut down side by side."""
     failures: list[BaseException] = []
+    for p in processes:
+        p.terminate()
     for p in processes:
         try:
             p.stop()

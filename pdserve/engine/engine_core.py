@@ -371,9 +371,6 @@ class EngineCore:
             if call.method == "reset_prefix_cache":
                 self.kv.reset_prefix_cache()
                 return UtilityResult(call.call_id, {})
-            if call.method == "cached_blocks":  # the prefix cache as KV events describe it
-                return UtilityResult(call.call_id, {e.medium: [h.hex() for h in e.block_hashes]
-                                                    for e in self.kv.snapshot()})
             raise ValueError(f"unknown utility method {call.method!r}")
         except (AssertionError, ValueError) as e:
             return UtilityResult(call.call_id, error=str(e))
