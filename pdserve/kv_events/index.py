@@ -31,6 +31,7 @@ class KVIndex:
         with self._lock:
             for source in self._sources.pop(url, []):
                 self._clear(source)
+                del self._held[source]
             if sources:
                 self._sources[url] = list(sources)
                 for source in sources:
@@ -47,13 +48,11 @@ class KVIndex:
                     self._remove(source, event.block_hashes, _BITS.get(event.medium, DEVICE_BIT))
                 elif isinstance(event, AllBlocksCleared):
                     self._clear(source)
-                    self._held[source] = set()
 
     def clear(self, source: str) -> None:
         with self._lock:
             if source in self._held:
                 self._clear(source)
-                self._held[source] = set()
 
     def _store(self, source: str, hashes: list, bit: int) -> None:
         held = self._held[source]
@@ -77,12 +76,13 @@ class KVIndex:
                 del self._holders[h]
 
     def _clear(self, source: str) -> None:
-        for h in self._held.pop(source, ()):
-            holders = self._holders.get(h)
-            if holders is not None:
-                holders.pop(source, None)
-                if not holders:
-                    del self._holders[h]
+        """Drop every block of `source` (it stays a source)."""
+        for h in self._held[source]:
+            holders = self._holders[h]
+            del holders[source]
+            if not holders:
+                del self._holders[h]
+        self._held[source] = set()
 
     # ---- read by the policies ------------------------------------------------------------------
 
@@ -106,7 +106,7 @@ class KVIndex:
         return len(hashes)
 
     def blocks(self, source: str) -> dict[bytes, int]:
-        """The source's blocks and their tier bits (tests, /kv_index)."""
+        """The source's blocks and their tier bits (what the tests compare with the engine's cache)."""
         with self._lock:
             return {h: self._holders[h][source] for h in self._held.get(source, ())}
 
