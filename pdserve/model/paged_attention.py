@@ -109,7 +109,7 @@ def _decode(q: torch.Tensor, cache: torch.Tensor | None, d: DecodeAttention, sca
     kd = _gather(cache[:, 0], d.block_tables, buffers, "k").flatten(1, 2).transpose(1, 2)  # [B, kv_heads, L, d]
     vd = _gather(cache[:, 1], d.block_tables, buffers, "v").flatten(1, 2).transpose(1, 2)
     o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask, scale=scale)
-    return o.view(b, heads, head_dim)
+    return o.reshape(b, heads, head_dim)  # a view on CPU; CUDA's kernels may return another memory order
 
 
 def _gather(blocks: torch.Tensor, block_ids: torch.Tensor, buffers: GatherBuffers, name: str) -> torch.Tensor:
