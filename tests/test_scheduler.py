@@ -546,3 +546,52 @@ def test_decode_role_duplicate_preallocate_rejected() -> None:
     assert sched.kv.pool.num_free_blocks == 6  # the second one took nothing
     sched.abort("r")
     sched.kv.pool.check_all_free()
+
+
+# ---- --scheduling-policy priority ----------------------------------------------------------------
+
+
+def test_priority_orders_the_waiting_queue_then_arrival() -> None:
+    sched = make_scheduler(policy="priority", max_num_seqs=1)
+    requests = [make_request(rid, 4, start=100 * i, max_tokens=1) for i, rid in enumerate("abcd")]
+    for r, priority in zip(requests, (5, 0, 5, -1), strict=True):
+        r.priority = priority
+        sched.add_request(r)
+    order = [ids(out)[0] for out in run_until_idle(sched)]
+    assert order == ["d", "b", "a", "c"]  # lower first; a before c by arrival
+
+
+def test_fcfs_ignores_priority() -> None:
+    sched = make_scheduler(max_num_seqs=1)
+    requests = [make_request(rid, 4, start=100 * i, max_tokens=1) for i, rid in enumerate("abc")]
+    for r, priority in zip(requests, (5, 0, -1), strict=True):
+        r.priority = priority
+        sched.add_request(r)
+    assert [ids(out)[0] for out in run_until_idle(sched)] == ["a", "b", "c"]
+
+
+def test_priority_preempts_the_lowest_priority_even_if_scheduled_earlier() -> None:
+    # b (priority 9) runs alone first; then a (1) and c (0) come. When a runs short of blocks, the victim
+    # is b, which was scheduled earlier in the same step: its chunk leaves the step with it.
+    sched = make_scheduler(num_blocks=5, prefix_caching=False, max_num_batched_tokens=64, policy="priority")
+    b = make_request("b", 6, start=100, max_tokens=10)
+    a = make_request("a", 4, max_tokens=10)
+    c = make_request("c", 6, start=200, max_tokens=10)
+    b.priority, a.priority, c.priority = 9, 1, 0
+    sched.add_request(b)
+    step(sched)
+    sched.add_request(a)
+    sched.add_request(c)
+    assert ids(step(sched)) == ["b", "c", "a"]  # c before a: priority order
+    assert sched.kv.pool.num_free_blocks == 0
+    out = step(sched)
+    assert out.preempted == [b] and ids(out) == ["c", "a"]
+    assert out.num_batched_tokens == 2
+    assert list(sched.waiting) == [b]
+    run_until_idle(sched)
+    assert all(r.finish_reason == "length" and len(r.output_token_ids) == 10 for r in (a, b, c))
+
+
+def test_unknown_policy_is_refused() -> None:
+    with pytest.raises(ValueError, match="scheduling-policy"):
+        make_scheduler(policy="lifo")

@@ -58,8 +58,8 @@ class AsyncEngine:
                 pass
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       eos_token_ids: list[int], pd: PDParams | None = None, num_resumed: int = 0
-                       ) -> AsyncIterator[RequestOutput]:
+                       eos_token_ids: list[int], pd: PDParams | None = None, num_resumed: int = 0,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; leaving early (client gone, stop string) aborts it in the engine."""
         if not self.healthy:
             raise EngineError(self.error or "the engine process is not running")
@@ -68,7 +68,7 @@ class AsyncEngine:
         finished = False
         try:
             await self._send(AddRequest(request_id, prompt_token_ids, params, eos_token_ids, time.time(), pd,
-                                        num_resumed))
+                                        num_resumed, priority))
             while True:
                 item = await queue.get()
                 if isinstance(item, EngineError):

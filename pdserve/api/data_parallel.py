@@ -107,8 +107,8 @@ class DataParallelEngine:
             rank.engine.client.close()
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       eos_token_ids: list[int], pd: PDParams | None = None, num_resumed: int = 0
-                       ) -> AsyncIterator[RequestOutput]:
+                       eos_token_ids: list[int], pd: PDParams | None = None, num_resumed: int = 0,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
         rank = self._pick(prompt_token_ids)
         rank.in_flight_requests += 1
         rank.in_flight_tokens += len(prompt_token_ids)
@@ -116,7 +116,7 @@ class DataParallelEngine:
         self._where[request_id] = rank
         try:
             async for out in rank.engine.generate(request_id, prompt_token_ids, params, eos_token_ids, pd,
-                                                  num_resumed):
+                                                  num_resumed, priority):
                 yield out
         finally:
             rank.in_flight_requests -= 1

@@ -60,6 +60,7 @@ class Generation:
     report_tokens: bool = False
     resumed: list[int] = field(default_factory=list)
     resumed_text: str = ""
+    priority: int = 0  # the request's `priority` (--scheduling-policy priority)
 
     def resume_after(self, token_ids: list[int], text: str) -> None:
         self.resumed, self.resumed_text = list(token_ids), text
@@ -102,7 +103,7 @@ async def generate_choices(engine: AsyncEngine, tokenizer: Tokenizer, gen: Gener
         prompt = gen.prompt_token_ids + gen.resumed
         engine_id = f"{gen.request_id}-{index}" + (f"-{uuid.uuid4().hex[:8]}" if gen.resumed else "")
         try:
-            async for out in engine.generate(engine_id, prompt, sub, eos, pd, len(gen.resumed)):
+            async for out in engine.generate(engine_id, prompt, sub, eos, pd, len(gen.resumed), gen.priority):
                 if out.error is not None:  # 400s are the request's fault; the rest the engine's
                     raise (ValueError(out.error) if out.error_status == 400
                            else EngineError(out.error, out.error_type or "internal_server_error"))

@@ -41,6 +41,15 @@ def check_length(state: ServerState, prompt_ids: list[int]) -> None:
         raise APIError("prompt token ids must be in [0, vocab size)", param="prompt")
 
 
+def request_priority(state: ServerState, body: Any) -> int:
+    """The `priority` field; as vLLM, one other than 0 is an error unless the engine orders by priority."""
+    priority = getattr(body, "priority", 0)
+    if priority and state.scheduling_policy != "priority":
+        raise APIError(f"priority {priority} needs --scheduling-policy priority; this server serves in arrival order "
+                       "(fcfs)", param="priority")
+    return priority
+
+
 def prompt_text(body: CompletionRequest) -> str | None:
     prompt = body.prompt if body.prompt_token_ids is None else None
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -73,6 +82,7 @@ async def respond(state: ServerState, raw: Request, body: Any, gen: Generation, 
     elif len(gen.prompt_token_ids) + params.max_tokens > state.max_model_len:
         raise APIError(f"prompt ({len(gen.prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                        f"the maximum context length of {state.max_model_len}", param="max_tokens")
+    gen.priority = request_priority(state, body)
     if not state.engine.healthy:
         raise APIError(state.engine.error or "the engine is down", 503, "service_unavailable")
     if state.weights_cleared:

@@ -43,14 +43,13 @@ REFUSED: dict[str, str] = {
     "mm_processor_kwargs": "multimodal inputs are not supported",
     "return_tokens_as_token_ids": "return_tokens_as_token_ids is not supported",
     "return_token_ids": "return_token_ids is not supported",
-    "priority": "request priorities are not supported",
     "kv_transfer_params": "kv_transfer_params is vLLM's connector API; pdserve's router pairs P and D",
     "vllm_xargs": "vllm_xargs is not supported",
 }
 NEUTRAL: dict[str, Any] = {"best_of": 1, "use_beam_search": False, "length_penalty": 1.0, "modalities": ["text"],
                            "spaces_between_special_tokens": True, "continue_final_message": False,
                            "include_stop_str_in_output": False, "return_tokens_as_token_ids": False,
-                           "return_token_ids": False, "priority": 0}
+                           "return_token_ids": False}
 # accepted and ignored: they do not change the answer
 IGNORED = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier", "request_id",
            "guided_decoding_backend", "cache_salt")
@@ -140,6 +139,7 @@ class _SamplingFields(BaseModel):
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
     collect_metrics: bool = False  # pdserve: per-request server timestamps in the response
+    priority: int = 0  # vLLM's: with --scheduling-policy priority, lower is served first
     pd: PDRequest | None = None  # pdserve: set by the router on requests to prefill/decode instances
     migration: Migration | None = None  # pdserve: set by the router on streams it can resume elsewhere
 

@@ -107,7 +107,8 @@ def serve(args: argparse.Namespace) -> int:
         metrics = ServerMetrics(settings.data_parallel_size)
         state = ServerState(engine, tokenizer, name, ready.max_model_len, settings.max_concurrency, metrics,
                             api_key=settings.api_key, sampling_defaults=sampling_defaults,
-                            tool_call_parser=settings.tool_call_parser, data_parallel_size=settings.data_parallel_size)
+                            tool_call_parser=settings.tool_call_parser, data_parallel_size=settings.data_parallel_size,
+                            scheduling_policy=config.scheduling_policy)
         if settings.router:
             state.router_urls = settings.router
             state.instances = registrations(engine, f"http://{advertise}:{port}", advertise, metrics_port, name,

@@ -40,6 +40,7 @@ class ServerState:
     exit_code: int = 0  # 1 once the engine died
     tool_call_parser: str = "hermes"  # --tool-call-parser
     data_parallel_size: int = 1  # engine is a DataParallelEngine when above 1
+    scheduling_policy: str = "fcfs"  # the engine's --scheduling-policy: a `priority` other than 0 needs "priority"
 
 
 async def server_state(request: Request) -> ServerState:

@@ -48,6 +48,10 @@ class EngineConfig:
     max_num_seqs: int = option(64, "most requests running at once", group=ENGINE)
     max_num_batched_tokens: int = option(2048, "token budget of one step", group=ENGINE)
     enable_chunked_prefill: bool = option(True, "cut long prompts into chunks that fit the step budget", group=ENGINE)
+    scheduling_policy: str = option(
+        "fcfs", "order of the waiting queue: fcfs (arrival), or priority (the request's `priority` field, lower "
+        "first, then arrival; preemption takes the lowest priority first)", choices=["fcfs", "priority"],
+        group=ENGINE)
     enable_prefix_caching: bool = option(True, "reuse KV blocks of shared prompt prefixes", group=ENGINE)
     gpu_memory_utilization: float = option(
         0.9, "fraction of device memory (CPU: of --kv-cache-memory or available RAM) to use", group=ENGINE)

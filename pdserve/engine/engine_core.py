@@ -179,7 +179,7 @@ class EngineCore:
                                   error_status=503,
                                   num_prompt_tokens=len(msg.prompt_token_ids))]
         request = Request(msg.request_id, msg.prompt_token_ids, msg.params, tuple(msg.eos_token_ids),
-                          num_resumed=msg.num_resumed)
+                          num_resumed=msg.num_resumed, priority=msg.priority)
         request.times.arrival = msg.arrival_time
         try:
             if msg.pd is None:

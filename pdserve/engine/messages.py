@@ -34,6 +34,7 @@ class AddRequest(msgspec.Struct, tag=True):
     # A migrated answer: the last num_resumed prompt tokens are output an earlier instance streamed.
     # They are computed as prompt, and count as output for sampling (penalties, grammar, seed).
     num_resumed: int = 0
+    priority: int = 0  # --scheduling-policy priority: lower is served first
 
 
 class AbortRequests(msgspec.Struct, tag=True):

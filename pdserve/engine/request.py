@@ -41,6 +41,7 @@ class Request:
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs_sent: bool = False
     num_resumed: int = 0  # a migrated answer: the prompt's last tokens are output streamed elsewhere
+    priority: int = 0  # --scheduling-policy priority: lower is served first
     spec_token_ids: list[int] = field(default_factory=list)  # proposals to verify in the next step
 
     def add_prompt_logprobs(self, first_position: int, entries: list[TokenLogprobs]) -> None:

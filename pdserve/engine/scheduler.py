@@ -2,10 +2,12 @@
 
 Per step there is a token budget (`max_num_batched_tokens`). Running requests go first: each decode
 takes one token, and an unfinished prefill takes the next chunk. Then waiting requests are
-admitted in FCFS order while the budget, `max_num_seqs` and the KV blocks allow; a prompt longer
-than what is left of the budget is cut into chunks (chunked prefill). When blocks run out for a
-running request, the most recently admitted request is preempted: its blocks are freed and it
-goes back to the head of the queue, to be recomputed later, so older requests finish first.
+admitted in the order of `--scheduling-policy` (waiting_queue.py: arrival, or priority then arrival)
+while the budget, `max_num_seqs` and the KV blocks allow; a prompt longer than what is left of the
+budget is cut into chunks (chunked prefill). When blocks run out for a running request, one is
+preempted (fcfs: the most recently admitted; priority: the lowest priority, latest arrival): its
+blocks are freed and it goes back to the queue, to be recomputed later, so older (or more urgent)
+requests finish first.
 
 PD requests change only the ends of the lifecycle: on a prefill instance a `kv_producer` request
 finishes after its first token and keeps its blocks (the PD connector frees them once the KV is
@@ -17,7 +19,6 @@ kv_connector.py) uses only the public methods here.
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 from pdserve.config.engine import EngineConfig
@@ -25,6 +26,7 @@ from pdserve.config.roles import Role
 from pdserve.engine.block_pool import Block
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.waiting_queue import WaitingQueue
 from pdserve.sampling import check_stop
 from pdserve.spec_decode.config import SpeculativeConfig
 from pdserve.spec_decode.controller import SpeculationController
@@ -45,12 +47,14 @@ class SchedulerConfig:
     role: Role = _ENGINE.splitwise_role
     vocab_size: int | None = None  # when known, prompt ids are checked against it at admission
     speculative: SpeculativeConfig | None = None  # n-gram speculation for decoding requests
+    policy: str = _ENGINE.scheduling_policy  # fcfs | priority
 
     @classmethod
     def of(cls, config: EngineConfig, max_model_len: int, vocab_size: int | None = None) -> SchedulerConfig:
         return cls(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                    max_model_len=max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
-                   role=config.splitwise_role, vocab_size=vocab_size, speculative=config.speculative_config)
+                   role=config.splitwise_role, vocab_size=vocab_size, speculative=config.speculative_config,
+                   policy=config.scheduling_policy)
 
     def __post_init__(self) -> None:
         try:
@@ -91,7 +95,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         self.config = config
         self.kv = kv
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue(config.policy)
         self.running: list[Request] = []
         self.preallocated: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
@@ -208,7 +212,9 @@ class Scheduler:
             if drafts and not self.kv.allocate(request, n + len(drafts)):
                 drafts = []  # no blocks for the proposals: decode plainly rather than preempt anyone
             while not self.kv.allocate(request, n + len(drafts)):
-                victim = self.running.pop()
+                victim = self.waiting.victim(self.running)
+                self.running.remove(victim)
+                budget += self._unschedule(out, victim)
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is request:
@@ -315,6 +321,7 @@ class Scheduler:
         if request in self.running:
             self.running.remove(request)
         request.mark_finished(reason)
+        self.waiting.forget(request.request_id)
         if not request.kv_producer or reason in ("abort", "error"):
             self.kv.free(request)  # a finished producer's blocks are the PD connector's to free
         self.requests.pop(request.request_id, None)
@@ -326,7 +333,17 @@ class Scheduler:
         request.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.requeue(request)
+
+    @staticmethod
+    def _unschedule(out: SchedulerOutput, request: Request) -> int:
+        """Take a preemption victim's chunk out of this step (by priority it may be one already scheduled);
+        returns the tokens given back to the budget."""
+        for i, chunk in enumerate(out.chunks):
+            if chunk.request is request:
+                del out.chunks[i]
+                return chunk.num_new_tokens
+        return 0
 
     def check_request(self, request: Request) -> None:
         """ValueError (the client's fault) when the prompt cannot be served here."""
