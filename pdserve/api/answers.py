@@ -48,15 +48,15 @@ async def whole_answer_deltas(state: ServerState, gen: Generation, params: Any, 
         async for d in generate_choices(state.engine, state.tokenizer, gen, params, n):
             yield d
     except asyncio.CancelledError:  # the client went away (_until_disconnect); the engine requests are aborted
-        state.metrics.request_finished(gen, "abort")
+        state.request_finished(gen, "abort")
         raise
     except EngineError as e:
-        state.metrics.request_finished(gen, "error")
+        state.request_finished(gen, "error")
         raise APIError(str(e), 500, e.err_type) from None
     except ValueError as e:
-        state.metrics.request_finished(gen, "error")
+        state.request_finished(gen, "error")
         raise APIError(str(e)) from None
-    state.metrics.request_finished(gen)
+    state.request_finished(gen)
 
 
 async def complete(state: ServerState, body: Any, gen: Generation, params: Any, kind: str, make_choice: Any
@@ -99,7 +99,7 @@ class StreamRelease:
         if not self.done:
             self.done = True
             self.state.in_flight -= 1
-            self.state.metrics.request_finished(self.gen, outcome)
+            self.state.request_finished(self.gen, outcome)
 
 
 class _StreamedChoice:

@@ -11,6 +11,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from pdserve.admission.load import LoadReport
 from pdserve.engine.engine_client import EngineClient, EngineError
 from pdserve.engine.messages import (
     AbortRequests,
@@ -39,6 +40,7 @@ class AsyncEngine:
         self._calls: dict[int, asyncio.Future[dict]] = {}
         self._call_ids = itertools.count(1 << 20)
         self._pump: asyncio.Task | None = None
+        self.load: LoadReport | None = None  # the engine's latest load report
         self.error: str | None = None  # set once the engine is gone
         self.dead = asyncio.Event()  # ... and this with it
 
@@ -121,6 +123,8 @@ class AsyncEngine:
                 continue
             msg = self._decoder.decode(await self._outputs.recv())
             if isinstance(msg, EngineOutputs):
+                if msg.load is not None:
+                    self.load = msg.load
                 for out in msg.outputs:
                     queue = self._queues.get(out.request_id)
                     if queue is not None:

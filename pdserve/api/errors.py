@@ -13,7 +13,7 @@ from pdserve.http.errors import error_body
 
 
 async def api_error(_: Request, e: APIError) -> JSONResponse:
-    return JSONResponse(error_body(str(e), e.status, e.err_type, e.param), status_code=e.status)
+    return JSONResponse(error_body(str(e), e.status, e.err_type, e.param), status_code=e.status, headers=e.headers)
 
 
 async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:

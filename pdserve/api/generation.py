@@ -61,6 +61,7 @@ class Generation:
     resumed: list[int] = field(default_factory=list)
     resumed_text: str = ""
     priority: int = 0  # the request's `priority` (--scheduling-policy priority)
+    admitted: Any = None  # api/admission.Admitted when --ttft-slo-ms / --rate-limit let it in
 
     def resume_after(self, token_ids: list[int], text: str) -> None:
         self.resumed, self.resumed_text = list(token_ids), text

@@ -12,7 +12,9 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
+from pdserve.admission.predictor import Refusal
 from pdserve.api.answers import StreamRelease, complete, stream
+from pdserve.api.data_parallel import DataParallelEngine
 from pdserve.api.generation import Generation
 from pdserve.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, NamedToolChoice, Tool
 from pdserve.api.responses_api import respond_stream, respond_whole
@@ -39,6 +41,16 @@ def check_length(state: ServerState, prompt_ids: list[int]) -> None:
                        f"{state.max_model_len} tokens", param="prompt")
     if any(not 0 <= t < state.tokenizer.vocab_size for t in prompt_ids):
         raise APIError("prompt token ids must be in [0, vocab size)", param="prompt")
+
+
+def admit(state: ServerState, raw: Request, body: Any, gen: Generation) -> None:
+    engine = state.engine
+    reports = [r.engine.load for r in engine.ranks] if isinstance(engine, DataParallelEngine) else [engine.load]
+    verdict = state.admission.admit(raw, getattr(body, "user", None), reports, len(gen.prompt_token_ids),
+                                    gen.priority)
+    if isinstance(verdict, Refusal):
+        raise APIError(verdict.message, 429, verdict.error_type, headers={"Retry-After": verdict.retry_after_header})
+    gen.admitted = verdict
 
 
 def request_priority(state: ServerState, body: Any) -> int:
@@ -91,6 +103,8 @@ async def respond(state: ServerState, raw: Request, body: Any, gen: Generation, 
     if state.in_flight >= state.max_concurrency:
         raise APIError(f"too many requests in flight (--max-concurrency {state.max_concurrency}); retry later",
                        429, "rate_limit_exceeded")
+    if state.admission is not None and body.pd is None and getattr(body, "migration", None) is None:
+        admit(state, raw, body, gen)  # a PD side or a moved stream was admitted by the router already
     state.in_flight += 1
     state.metrics.request_started()
     if body.stream:

@@ -13,6 +13,9 @@ import socket
 import msgspec
 import uvicorn
 
+from pdserve.admission.metrics import AdmissionMetrics
+from pdserve.admission.settings import admission_from_flags
+from pdserve.api.admission import ServerAdmission
 from pdserve.api.async_engine import AsyncEngine
 from pdserve.api.data_parallel import DataParallelEngine, EngineRank
 from pdserve.api.metrics import ServerMetrics
@@ -85,6 +88,7 @@ def serve(args: argparse.Namespace) -> int:
         refusals.append(split)
     if refusals:
         raise ValueError("\n".join(refusals))
+    slo, rate_limits = admission_from_flags(settings.ttft_slo_ms, settings.tpot_slo_ms, settings.rate_limit)
     # Bound now, before the engine loads for seconds: a port picked free by whoever started us cannot be
     # taken meanwhile by a bind to port 0 of our own children (the cache service's listener could get
     # the HTTP port), and a port in use fails at once, not after the model has loaded.
@@ -109,6 +113,9 @@ def serve(args: argparse.Namespace) -> int:
                             api_key=settings.api_key, sampling_defaults=sampling_defaults,
                             tool_call_parser=settings.tool_call_parser, data_parallel_size=settings.data_parallel_size,
                             scheduling_policy=config.scheduling_policy)
+        if slo.enabled or rate_limits is not None:
+            state.admission = ServerAdmission(slo, rate_limits, AdmissionMetrics(metrics.registry, "pdserve"),
+                                              settings.api_key)
         if settings.router:
             state.router_urls = settings.router
             state.instances = registrations(engine, f"http://{advertise}:{port}", advertise, metrics_port, name,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.admission.settings import RATE_LIMIT_HELP, TPOT_HELP, TTFT_HELP
 from pdserve.config.flags import option
 from pdserve.deploy.cluster_auth import ENV
 from pdserve.tool_calling.parsers import PARSERS
@@ -31,6 +32,9 @@ class ServerSettings:
     metrics_port: int | None = option(None, "Prometheus port (default: a free port, logged)", group=SERVER)
     served_model_name: str | None = option(None, "the model name clients send (default: from the path)", group=SERVER)
     max_concurrency: int = option(256, "requests in flight before answering 429", group=SERVER)
+    ttft_slo_ms: float | None = option(None, TTFT_HELP, group=SERVER)
+    tpot_slo_ms: float | None = option(None, TPOT_HELP, group=SERVER)
+    rate_limit: str | None = option(None, RATE_LIMIT_HELP, group=SERVER)
     data_parallel_size: int = option(
         1, "engine replicas behind this server, each with its own scheduler, KV cache and workers (and its share of "
            "the cores); requests are balanced by load and prompt prefix; in PD roles each registers as its own "

@@ -9,17 +9,19 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from pdserve.api.admission import ServerAdmission
 from pdserve.api.async_engine import AsyncEngine
 from pdserve.api.data_parallel import DataParallelEngine
+from pdserve.api.generation import Generation
 from pdserve.api.metrics import ServerMetrics
 from pdserve.tokenization.tokenizer import Tokenizer
 
 
 class APIError(Exception):
     def __init__(self, message: str, status: int = 400, err_type: str = "invalid_request_error",
-                 param: str | None = None) -> None:
+                 param: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
-        self.status, self.err_type, self.param = status, err_type, param
+        self.status, self.err_type, self.param, self.headers = status, err_type, param, headers
 
 
 @dataclass
@@ -41,6 +43,15 @@ class ServerState:
     tool_call_parser: str = "hermes"  # --tool-call-parser
     data_parallel_size: int = 1  # engine is a DataParallelEngine when above 1
     scheduling_policy: str = "fcfs"  # the engine's --scheduling-policy: a `priority` other than 0 needs "priority"
+    admission: ServerAdmission | None = None  # --ttft-slo-ms, --tpot-slo-ms, --rate-limit
+
+    def request_finished(self, gen: Generation, outcome: str | None = None) -> None:
+        """Once per request, however it ended: its metrics, and what admission charges or learns from it."""
+        self.metrics.request_finished(gen, outcome)
+        if self.admission is not None and gen.admitted is not None:
+            t = gen.times.get(0)
+            ttft = t.first_token - t.arrival if t is not None and t.first_token is not None else None
+            self.admission.finished(gen.admitted, gen.completion_tokens, ttft)
 
 
 async def server_state(request: Request) -> ServerState:

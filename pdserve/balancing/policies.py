@@ -11,7 +11,7 @@ import itertools
 import random
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from pdserve.balancing.prefix_index import CacheView
 from pdserve.engine.block_pool import hash_block
@@ -49,6 +49,8 @@ class RoutedRequest:
     # scores its prompt (echo + logprobs, prompt_logprobs): one instance computes it all, no PD pair
     single: bool = False
     predicted_cached_tokens: int | None = None  # cache_aware: what it expects the chosen instance to have cached
+    priority: int = 0  # the request's `priority` field (admission counts the queue at its priority and above)
+    admitted: Any = None  # router/admission.Admitted, when the router admits by SLO or rate limit
     _hashes: dict[int, list[bytes]] = field(default_factory=dict)
 
     def block_hashes(self, block_size: int) -> list[bytes]:

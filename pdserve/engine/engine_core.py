@@ -12,6 +12,7 @@ import time
 import msgspec
 import zmq
 
+from pdserve.admission.load import LoadReport, LoadTracker
 from pdserve.config.engine import EngineConfig
 from pdserve.engine.block_copies import BlockCopies
 from pdserve.engine.kv_connector import CacheService, KVConnector, NoCacheService, NoConnector
@@ -42,6 +43,13 @@ from pdserve.utils.process import raise_if_stopping
 log = logging.getLogger("pdserve.engine")
 
 
+def _prompt_and_decode_work(out: SchedulerOutput) -> tuple[int, int]:
+    """(prompt tokens computed, streams decoded) in a step; a decode's proposals count as neither."""
+    decodes = sum(1 for c in out.chunks if c.num_new_tokens - len(c.draft_token_ids) == 1 and c.completes_known_tokens)
+    drafts = sum(len(c.draft_token_ids) for c in out.chunks)
+    return out.num_batched_tokens - decodes - drafts, decodes
+
+
 class StepFailed(Exception):
     """The worker reported that a step failed; it is alive and takes the next one."""
 
@@ -52,6 +60,7 @@ class EngineCore:
     blocks to and from host memory)."""
 
     IDLE_POLL_MS = 500
+    LOAD_INTERVAL = 0.02  # seconds between load reports while busy (one more after it goes idle)
 
     def __init__(self, config: EngineConfig, worker: WorkerClient, scheduler: Scheduler, layout: KVLayout,
                  copies: BlockCopies, connector: KVConnector | None = None,
@@ -70,6 +79,9 @@ class EngineCore:
         self.num_computed_tokens = 0  # all tokens run through the model (prefix hits excluded)
         self.num_steps = 0
         self.weights_loaded = True
+        self.load = LoadTracker(config.max_num_seqs)
+        self._load_sent = 0.0  # monotonic time of the last report
+        self._load_idle_sent = False  # the report after the last work went out
 
     # ---- the loop ------------------------------------------------------------------------------
 
@@ -106,8 +118,18 @@ class EngineCore:
             if self.scheduler.has_work or self.copies.pending:
                 pending.extend(self.step())
             self._publish_kv_events()
-            if pending:
-                outputs.send(encoder.encode(EngineOutputs(pending)))
+            load = self._load_report_due()
+            if pending or load is not None:
+                outputs.send(encoder.encode(EngineOutputs(pending, load)))
+
+    def _load_report_due(self) -> LoadReport | None:
+        """A load report every LOAD_INTERVAL while there is work, and one when it has all gone."""
+        busy = self.scheduler.num_unfinished > 0
+        now = time.monotonic()
+        if (busy and now - self._load_sent >= self.LOAD_INTERVAL) or (not busy and not self._load_idle_sent):
+            self._load_sent, self._load_idle_sent = now, not busy
+            return self.load.report(*self.scheduler.load())
+        return None
 
     def _check_cache_service(self) -> None:
         if not self.cache_service.alive():
@@ -219,7 +241,9 @@ class EngineCore:
             result = self._execute(self._new_on_worker(out), self._chunks(out), self.connector.transfers(out.chunks))
         except StepFailed as e:
             return [o for c in out.chunks if (o := self._fail(c.request, f"the model step failed: {e}"))]
-        return self._apply(out, result, time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        self.load.observe(*_prompt_and_decode_work(out), seconds)
+        return self._apply(out, result, seconds)
 
     def _execute(self, new_requests: list[NewRequest], chunks: list[Chunk],
                  transfers: list[TransferPlan]) -> StepResult:

@@ -9,6 +9,7 @@ import time
 
 import msgspec
 
+from pdserve.admission.load import LoadReport
 from pdserve.kv.layout import KVLayout
 from pdserve.kv.transfer_plan import TransferPlan
 from pdserve.sampling import SamplingParams
@@ -104,6 +105,7 @@ class RequestOutput(msgspec.Struct):
 
 class EngineOutputs(msgspec.Struct, tag=True):
     outputs: list[RequestOutput]
+    load: LoadReport | None = None  # the engine's queue and speed, every LOAD_INTERVAL while it works
 
 
 class UtilityResult(msgspec.Struct, tag=True):

@@ -196,6 +196,25 @@ class Scheduler:
             self._finish(request, reason)
         return request
 
+    def load(self) -> tuple[dict[int, int], int, int, int | None]:
+        """For the load report: prompt tokens still to compute by priority, streams decoding, streams that
+        will join them (queued, mid-prefill, awaiting KV; none on a prefill instance), and the fewest
+        tokens a decoding stream has left before its limit (None when none decodes)."""
+        queued: dict[int, int] = {}
+        decoding, joining, fewest_left = 0, 0, None
+        for r in (*self.waiting, *self.running):
+            todo = r.num_tokens - r.num_computed_tokens
+            if r.status is RequestStatus.RUNNING and todo == 1:
+                decoding += 1
+                limit = self.config.max_model_len - r.num_tokens
+                if r.params.max_tokens is not None:
+                    limit = min(limit, r.params.max_tokens - len(r.output_token_ids) - r.num_resumed)
+                fewest_left = limit if fewest_left is None else min(fewest_left, limit)
+            else:
+                queued[r.priority] = queued.get(r.priority, 0) + todo
+                joining += not r.kv_producer
+        return queued, decoding, joining + len(self.preallocated), fewest_left
+
     # ---- one step ----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:

@@ -10,12 +10,15 @@ from contextlib import asynccontextmanager
 import aiohttp
 from fastapi import FastAPI
 
+from pdserve.admission.metrics import AdmissionMetrics
+from pdserve.admission.settings import admission_from_flags
 from pdserve.balancing.policies import Policy, make_policy
 from pdserve.deploy.cluster_auth import SignatureCheck
 from pdserve.http.auth import bearer_auth
 from pdserve.http.wire import Registration
 from pdserve.kv_events.index import KVIndex
 from pdserve.kv_events.subscriber import KVEventSubscriber
+from pdserve.router.admission import LoadPoller, RouterAdmission
 from pdserve.router.forward import Forwarder
 from pdserve.router.health import HealthChecker
 from pdserve.router.metrics import RouterMetrics
@@ -41,16 +44,21 @@ def build_router_app(settings: RouterSettings, reader: PromptReader,
             timeout=aiohttp.ClientTimeout(total=settings.request_timeout, sock_connect=5.0),
             auto_decompress=False)  # bytes pass through as the instance sent them
         state.checker = HealthChecker(state.registry, client, settings.health_interval, settings.health_timeout)
+        admission = state.admission
         state.forwarder = Forwarder(client, state.registry, state.selector, settings.max_retries,
                                     state.metrics.retries.inc, settings.migration_limit, state.metrics.count_migration,
-                                    state.metrics.count_cached)
+                                    state.metrics.count_cached,
+                                    admission.routed if admission is not None else lambda route, request: None)
         for info in static_instances:
             state.registry.register(info, static=True)
-        task = asyncio.create_task(state.checker.run())
+        tasks = [asyncio.create_task(state.checker.run())]
+        if admission is not None and admission.slo.enabled:
+            tasks.append(asyncio.create_task(LoadPoller(state.registry, client, settings.load_interval).run()))
         state.kv_events.start()
         yield
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await client.close()
         state.kv_events.close()
 
@@ -77,7 +85,12 @@ def _router_state(settings: RouterSettings, reader: PromptReader) -> RouterState
     selector = Selector(registry, _policy(settings.prefill_policy, settings, kv_index),
                         _policy(settings.decode_policy, settings, kv_index), decider, metrics.count_decision)
     signatures = SignatureCheck((settings.cluster_secret or "").encode())
-    return RouterState(settings, registry, selector, metrics, signatures, reader, kv_events)
+    state = RouterState(settings, registry, selector, metrics, signatures, reader, kv_events)
+    slo, limits = admission_from_flags(settings.ttft_slo_ms, settings.tpot_slo_ms, settings.rate_limit)
+    if slo.enabled or limits is not None:
+        state.admission = RouterAdmission(slo, limits, AdmissionMetrics(metrics.prometheus, "pdserve_router"),
+                                          registry, selector, settings.api_key, kv_index)
+    return state
 
 
 def _policy(name: str, settings: RouterSettings, kv_index: KVIndex) -> Policy:

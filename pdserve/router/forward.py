@@ -83,19 +83,23 @@ class Forwarder:
     def __init__(self, client: aiohttp.ClientSession, registry: Registry, selector: Selector, max_retries: int = 2,
                  on_retry: Callable[[], None] = lambda: None, migration_limit: int = 3,
                  on_migration: Callable[[bool, float], None] = lambda resumed, seconds: None,
-                 on_cached: Callable[[int, int], None] = lambda predicted, reported: None) -> None:
+                 on_cached: Callable[[int, int], None] = lambda predicted, reported: None,
+                 on_route: Callable[[Route, RoutedRequest], None] = lambda route, request: None) -> None:
         self.client, self.registry, self.selector = client, registry, selector
         self.max_retries = max_retries
         self.on_retry = on_retry
         self.migration_limit, self.on_migration = migration_limit, on_migration
         self.on_cached = on_cached  # cache_aware's predicted cached prompt tokens, and what the engine reported
+        self.on_route = on_route  # each route taken (admission counts what it sent where)
         self.routed_at: float | None = None  # when a request last found a route
 
-    async def forward(self, path: str, body: dict, request: RoutedRequest, headers: dict[str, str]) -> Response:
+    async def forward(self, path: str, body: dict, request: RoutedRequest, headers: dict[str, str],
+                      excluded: set[str] | None = None) -> Response:
+        """`excluded`: instances not to route to (admission's, those that would miss an SLO)."""
         answer = AnswerSoFar(self.migration_limit if can_migrate(path, body, self.migration_limit) else 0)
         if answer.limit:
             body = {**body, "migration": {}}  # instances name each event's tokens
-        excluded: set[str] = set()
+        excluded = set(excluded or ())
         outcome = await self._open(path, body, request, headers, excluded)
         if isinstance(outcome, Opened):
             return StreamingResponse(self._relay_stream(outcome, answer, path, body, request, headers),
@@ -113,6 +117,7 @@ class Forwarder:
             if route is None:
                 break
             self.routed_at = time.monotonic()
+            self.on_route(route, request)
             if route.decode is None:
                 outcome = await self._single(route, path, body, request, headers)
                 if isinstance(outcome, Response) and not isinstance(outcome, StreamingResponse):

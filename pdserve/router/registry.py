@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from pdserve.admission.load import LoadReport
+from pdserve.admission.sent import SentSince
 from pdserve.config.roles import Role
 from pdserve.http.wire import Registration
 
@@ -42,6 +44,8 @@ class Instance:
     failed: int = 0  # requests that failed here
     restarts: int = 0  # new pids seen at this url since the router started
     watchers: set[Callable[[str], None]] = field(default_factory=set)  # told when the instance is lost
+    load: LoadReport | None = None  # its latest /load, timed by this router's clock (admission by SLO)
+    sent: SentSince = field(default_factory=SentSince)  # what this router sent it since
 
     @property
     def url(self) -> str:

@@ -90,6 +90,12 @@ class Selector:
         return (any(compatible(p, d) for p in self._healthy(Role.PREFILL, excluded) for d in decode)
                 or bool(self._healthy(Role.MIXED, excluded)))
 
+    def can_route(self, request: RoutedRequest, excluded: set[str]) -> bool:
+        """pick() would find a route for this request, the `excluded` urls left out (no policy state moves)."""
+        if request.single:
+            return bool(self._healthy(Role.MIXED, excluded) or self._healthy(Role.PREFILL, excluded))
+        return self.can_serve_without(excluded)
+
     def why_not(self) -> str:
         prefill, decode = self.registry.healthy(Role.PREFILL), self.registry.healthy(Role.DECODE)
         if prefill and decode:

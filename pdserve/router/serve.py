@@ -11,6 +11,7 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
+from pdserve.admission.settings import admission_from_flags
 from pdserve.config.flags import from_args
 from pdserve.http.wire import Registration
 from pdserve.router.app import build_router_app
@@ -54,6 +55,10 @@ def serve_router(args: argparse.Namespace) -> int:
     if "PDSERVE_PARENT_PID" in os.environ:  # started by `pdserve launch` (or its Ray actor): do not outlive it
         die_with_parent()
     settings = from_args(RouterSettings, args)
+    try:
+        admission_from_flags(settings.ttft_slo_ms, settings.tpot_slo_ms, settings.rate_limit)
+    except ValueError as e:
+        raise SystemExit(f"pdserve router: {e}") from None
     static = load_static_instances(settings.instances) if settings.instances else []
     host, port = settings.host, settings.port
     if not settings.cluster_secret and host not in ("127.0.0.1", "localhost", "::1"):

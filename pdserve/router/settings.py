@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve.admission.settings import RATE_LIMIT_HELP, TPOT_HELP, TTFT_HELP
 from pdserve.balancing.policies import POLICIES
 from pdserve.config.flags import option
 from pdserve.deploy.cluster_auth import ENV
@@ -66,4 +67,8 @@ class RouterSettings:
                                  env=API_KEY_ENV)
     cluster_secret: str | None = option(None, f"instances must sign registrations with it (default: ${ENV})", env=ENV)
     max_request_bytes: int = option(16 << 20, "larger request bodies get 413")
+    ttft_slo_ms: float | None = option(None, TTFT_HELP)
+    tpot_slo_ms: float | None = option(None, TPOT_HELP)
+    rate_limit: str | None = option(None, RATE_LIMIT_HELP)
+    load_interval: float = option(0.1, "seconds between polls of each instance's /load (admission by SLO)")
     request_timeout: float = option(600.0, "seconds an instance may take to answer")

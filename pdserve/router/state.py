@@ -9,6 +9,7 @@ from fastapi import Depends, Request
 
 from pdserve.deploy.cluster_auth import SignatureCheck
 from pdserve.kv_events.subscriber import KVEventSubscriber
+from pdserve.router.admission import RouterAdmission
 from pdserve.router.forward import Forwarder
 from pdserve.router.health import HealthChecker
 from pdserve.router.metrics import RouterMetrics
@@ -27,6 +28,7 @@ class RouterState:
     signatures: SignatureCheck
     reader: PromptReader
     kv_events: KVEventSubscriber
+    admission: RouterAdmission | None = None  # --ttft-slo-ms, --tpot-slo-ms, --rate-limit
     # Made in the lifespan, on the running event loop (they share its HTTP client session):
     forwarder: Forwarder = field(init=False)
     checker: HealthChecker = field(init=False)

@@ -3,9 +3,11 @@ and reload (/clear_load_weight, /update_model_weight)."""
 
 from __future__ import annotations
 
+import msgspec
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
+from pdserve.api.data_parallel import ROUTED_RANK, DataParallelEngine
 from pdserve.api.state import APIError, ServerDep
 from pdserve.engine.engine_client import EngineError
 from pdserve.http.errors import error_body
@@ -22,6 +24,19 @@ async def health(state: ServerDep) -> Response:
         return JSONResponse(error_body("the model weights are cleared", 503, "service_unavailable"),
                             status_code=503)
     return Response(status_code=200)
+
+
+@router.get("/load")
+async def load(state: ServerDep) -> Response:
+    """The engine's latest load report (JSON; null before its first), for routers that admit by SLO. On a
+    data-parallel server, /dp/R/load is rank R's."""
+    engine = state.engine
+    if isinstance(engine, DataParallelEngine):
+        rank = ROUTED_RANK.get()
+        report = engine.ranks[rank].engine.load if rank is not None and rank < len(engine.ranks) else None
+    else:
+        report = engine.load
+    return Response(msgspec.json.encode(report), media_type="application/json")
 
 
 @router.api_route("/clear_load_weight", methods=["GET", "POST"])

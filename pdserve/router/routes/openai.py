@@ -4,13 +4,17 @@ prefill/decode pair or a mixed instance); models, tokenize and detokenize to any
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Mapping
 
 import aiohttp
 from fastapi import APIRouter, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
+from pdserve.admission.predictor import Refusal
 from pdserve.http.disconnect import until_disconnect
+from pdserve.http.errors import error_body
+from pdserve.router.admission import Admitted
 from pdserve.router.forward import error_response
 from pdserve.router.state import RouterDep, RouterState
 
@@ -67,9 +71,40 @@ async def _forward_checked(raw: Request, state: RouterState, path: str) -> Respo
     except ValueError as e:
         return error_response(f"the request body is not valid JSON: {e}", 400, "invalid_request_error")
     request = state.reader.read(path, parsed)
-    work = state.forwarder.forward(path, parsed, request, _passed_headers(raw.headers))
+    priority = parsed.get("priority", 0)
+    request.priority = priority if isinstance(priority, int) else 0  # a bad one: the instance's 400 names it
+    excluded: set[str] = set()
+    admitted = None
+    if state.admission is not None:
+        verdict = state.admission.admit(raw.headers, parsed, request)
+        if isinstance(verdict, Refusal):
+            return JSONResponse(error_body(verdict.message, 429, verdict.error_type), status_code=429,
+                                headers={"Retry-After": verdict.retry_after_header})
+        admitted, excluded = verdict, verdict.excluded
+    started = time.monotonic()
+    work = state.forwarder.forward(path, parsed, request, _passed_headers(raw.headers), excluded)
     # A streamed answer stops when the client does (its generator is closed); a whole one would not.
-    return await (work if parsed.get("stream") else until_disconnect(raw, work))
+    response = await (work if parsed.get("stream") else until_disconnect(raw, work))
+    if admitted is not None:
+        _admission_finished(state, admitted, response, parsed.get("stream"), time.monotonic() - started)
+    return response
+
+
+def _admission_finished(state: RouterState, admitted: Admitted, response: Response, stream: bool,
+                        seconds: float) -> None:
+    """A stream's response comes with its first event (TTFT, against the prediction of the instance that
+    computed the prompt); a whole answer's usage says the generated tokens its key is charged for."""
+    if response.status_code != 200:
+        return
+    if stream:
+        predicted = [admitted.predicted_ttft[u] for u in admitted.routed if u in admitted.predicted_ttft]
+        state.admission.metrics.observe_ttft(predicted[0] if predicted else None, seconds)
+        return
+    try:
+        usage = json.loads(response.body).get("usage") or {}
+    except (ValueError, AttributeError):
+        return
+    state.admission.finished(admitted, int(usage.get("completion_tokens") or 0))
 
 
 async def _to_any_instance(raw: Request, state: RouterState, path: str) -> Response:

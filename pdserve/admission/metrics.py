@@ -1,0 +1,29 @@
+"""Admission's Prometheus series, the same on the router (`pdserve_router_` ...) and on an instance (`pdserve_` ...)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from pdserve.admission.predictor import Refusal
+
+RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2, 4)
+
+
+class AdmissionMetrics:
+    def __init__(self, registry: CollectorRegistry, prefix: str) -> None:
+        self.decisions = Counter(f"{prefix}_admission_decisions", "requests admitted or refused (429), by reason "
+                                 "(ttft_slo, tpot_slo, rate_limit) and priority", ["decision", "reason", "priority"],
+                                 registry=registry)
+        self.ttft_error = Histogram(f"{prefix}_admission_ttft_measured_over_predicted",
+                                    "admitted requests' measured TTFT over the TTFT admission predicted",
+                                    buckets=RATIO_BUCKETS, registry=registry)
+
+    def count(self, refusal: Refusal | None, priority: int) -> None:
+        if refusal is None:
+            self.decisions.labels("admitted", "", str(priority)).inc()
+        else:
+            self.decisions.labels("refused", refusal.reason, str(priority)).inc()
+
+    def observe_ttft(self, predicted: float | None, measured: float | None) -> None:
+        if predicted and measured is not None and predicted > 0:
+            self.ttft_error.observe(measured / predicted)

@@ -1,0 +1,90 @@
+"""Admission by SLO: from an instance's LoadReport, the TTFT a new request would get and the TPOT its
+stream and the others would see; a request no instance can serve within `--ttft-slo-ms` /
+`--tpot-slo-ms` is refused at once (429) with the seconds after which it would fit (`Retry-After`).
+
+TTFT = (prompt tokens ahead of it at its priority + its own) / the measured prefill rate, the queue
+aged by the time since the report and grown by what the caller sent since (`sent_tokens`). TPOT = the
+step time now + the cost of each stream that will have joined the batch, this one included.
+A report without measurements yet (a fresh instance) predicts nothing, and nothing is refused on it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+from pdserve.admission.load import LoadReport
+
+
+@dataclass(frozen=True)
+class SLO:
+    ttft: float | None = None  # seconds
+    tpot: float | None = None
+
+    @classmethod
+    def from_ms(cls, ttft_ms: float | None, tpot_ms: float | None) -> SLO:
+        """None or 0: that SLO is off."""
+        for name, value in (("--ttft-slo-ms", ttft_ms), ("--tpot-slo-ms", tpot_ms)):
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be positive (0: off), got {value}")
+        return cls(ttft_ms / 1000 if ttft_ms else None, tpot_ms / 1000 if tpot_ms else None)
+
+    @property
+    def enabled(self) -> bool:
+        return self.ttft is not None or self.tpot is not None
+
+
+@dataclass(frozen=True)
+class Refusal:
+    reason: str  # ttft_slo | tpot_slo | rate_limit
+    message: str
+    retry_after: float  # seconds
+
+    @property
+    def error_type(self) -> str:
+        """The OpenAI error body's type: a client's own limit, or the server's load."""
+        return "rate_limit_exceeded" if self.reason == "rate_limit" else "server_overloaded"
+
+    @property
+    def retry_after_header(self) -> str:
+        return str(max(1, math.ceil(self.retry_after)))  # whole seconds (RFC 9110)
+
+
+def predict_ttft(report: LoadReport, prompt_tokens: int, priority: int = 0, sent_tokens: int = 0,
+                 now: float | None = None) -> float | None:
+    rate = report.prefill_rate
+    if rate <= 0:
+        return None
+    age = max(0.0, (now or time.time()) - report.time)
+    ahead = max(0.0, report.tokens_ahead(priority) - age * rate) + sent_tokens
+    return (ahead + prompt_tokens) / rate
+
+
+def predict_tpot(report: LoadReport, sent_streams: int = 0) -> float | None:
+    if report.step_time <= 0:
+        return None
+    joining = report.waiting_streams + sent_streams + 1
+    return report.step_time + report.decode_cost * joining
+
+
+def judge_ttft(slo: SLO, report: LoadReport, prompt_tokens: int, priority: int, sent_tokens: int = 0,
+               now: float | None = None) -> tuple[float | None, Refusal | None]:
+    """(the predicted TTFT, a refusal when it misses the SLO)."""
+    ttft = predict_ttft(report, prompt_tokens, priority, sent_tokens, now)
+    if slo.ttft is None or ttft is None or ttft <= slo.ttft:
+        return ttft, None
+    # Retry once the queue ahead has drained by the excess (it drains at the measured rate).
+    return ttft, Refusal("ttft_slo", f"the server is overloaded: the predicted time to first token is "
+                         f"{ttft * 1000:.0f} ms, above the {slo.ttft * 1000:.0f} ms objective; retry later",
+                         ttft - slo.ttft)
+
+
+def judge_tpot(slo: SLO, report: LoadReport, sent_streams: int = 0) -> Refusal | None:
+    tpot = predict_tpot(report, sent_streams)
+    if slo.tpot is None or tpot is None or tpot <= slo.tpot:
+        return None
+    # Retry when a running stream has ended (at its max_tokens at the latest).
+    return Refusal("tpot_slo", f"the server is overloaded: one more stream would make the time per output token "
+                   f"{tpot * 1000:.0f} ms, above the {slo.tpot * 1000:.0f} ms objective; retry later",
+                   max(report.next_finish, report.step_time))

@@ -1,0 +1,62 @@
+"""`pdserve serve`'s admission: refuse at once (429 + Retry-After) what its engines cannot serve within the
+SLOs (`--ttft-slo-ms`, `--tpot-slo-ms`) or what a client key's rate limit does not allow (`--rate-limit`).
+The router does the same across instances (router/admission.py); both use pdserve/admission."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from pdserve.admission.load import LoadReport
+from pdserve.admission.metrics import AdmissionMetrics
+from pdserve.admission.predictor import SLO, Refusal, judge_tpot, judge_ttft
+from pdserve.admission.rate_limit import RateLimits, client_key
+from pdserve.admission.sent import SentSince
+
+
+@dataclass
+class Admitted:
+    key: str
+    predicted_ttft: float | None
+
+
+class ServerAdmission:
+    def __init__(self, slo: SLO, limits: RateLimits | None, metrics: AdmissionMetrics, api_key: str | None) -> None:
+        self.slo, self.limits, self.metrics, self.api_key = slo, limits, metrics, api_key
+        self.sent = SentSince()  # one for all ranks: a data-parallel server is judged conservatively
+
+    def admit(self, raw: Request, user: str | None, reports: list[LoadReport | None], prompt_tokens: int,
+              priority: int) -> Admitted | Refusal:
+        ttft, refusal = self._judge(reports, prompt_tokens, priority)
+        key = client_key(raw.headers.get("authorization"), user, self.api_key)
+        if refusal is None and self.limits is not None:
+            refusal = self.limits.admit(key, prompt_tokens)
+        self.metrics.count(refusal, priority)
+        if refusal is not None:
+            return refusal
+        self.sent.add(prompt_tokens, priority)
+        return Admitted(key, ttft)
+
+    def _judge(self, reports: list[LoadReport | None], prompt_tokens: int, priority: int
+               ) -> tuple[float | None, Refusal | None]:
+        """The best rank's prediction; a refusal only when no rank meets the SLOs."""
+        if not self.slo.enabled:
+            return None, None
+        best: tuple[float | None, Refusal | None] | None = None
+        for report in reports:
+            if report is None:  # a rank that has not reported yet: nothing to refuse on
+                return None, None
+            tokens, streams = self.sent.since(report.time, priority)
+            ttft, refusal = judge_ttft(self.slo, report, prompt_tokens, priority, tokens)
+            refusal = refusal or judge_tpot(self.slo, report, streams)
+            if refusal is None:
+                return ttft, None
+            if best is None or refusal.retry_after < best[1].retry_after:
+                best = (ttft, refusal)
+        return best if best is not None else (None, None)
+
+    def finished(self, admitted: Admitted, completion_tokens: int, measured_ttft: float | None) -> None:
+        if self.limits is not None:
+            self.limits.charge(admitted.key, completion_tokens)
+        self.metrics.observe_ttft(admitted.predicted_ttft, measured_ttft)

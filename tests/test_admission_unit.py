@@ -1,0 +1,141 @@
+"""Admission's parts without a server: the load an engine reports, the TTFT/TPOT predicted from it, the
+refusals and their Retry-After, and per-key token buckets (with their file read again on change)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from pdserve.admission.load import LoadReport, LoadTracker
+from pdserve.admission.predictor import SLO, judge_tpot, judge_ttft, predict_ttft
+from pdserve.admission.rate_limit import RateLimits, client_key
+from pdserve.admission.sent import SentSince
+
+
+def report(queued: list[tuple[int, int]], rate: float = 1000.0, step: float = 0.05, cost: float = 0.002,
+           waiting: int = 0, at: float | None = None) -> LoadReport:
+    return LoadReport(at or time.time(), queued, decoding=4, waiting_streams=waiting, max_num_seqs=64,
+                      prefill_rate=rate, step_time=step, decode_cost=cost, next_finish=3.0)
+
+
+def test_ttft_counts_the_queue_at_the_requests_priority_and_above() -> None:
+    r = report([(0, 500), (10, 4000)])
+    now = r.time
+    assert predict_ttft(r, 500, priority=10, now=now) == pytest.approx(5.0)  # 4,500 ahead + 500 at 1,000/s
+    assert predict_ttft(r, 500, priority=0, now=now) == pytest.approx(1.0)  # the priority-10 queue waits
+    assert predict_ttft(r, 500, priority=-1, now=now) == pytest.approx(0.5)
+
+
+def test_ttft_ages_the_report_and_adds_what_was_sent_since() -> None:
+    r = report([(0, 2000)])
+    assert predict_ttft(r, 0, now=r.time + 1.5) == pytest.approx(0.5)  # 1.5 s drained 1,500 tokens
+    assert predict_ttft(r, 0, sent_tokens=300, now=r.time + 3) == pytest.approx(0.3)  # never below what was sent
+
+
+def test_no_measurement_predicts_nothing_and_refuses_nothing() -> None:
+    r = report([(0, 10**6)], rate=0.0, step=0.0)
+    assert judge_ttft(SLO(ttft=0.1), r, 1000, 0) == (None, None)
+    assert judge_tpot(SLO(tpot=0.001), r) is None
+
+
+def test_a_ttft_refusal_says_when_the_queue_will_have_drained_enough() -> None:
+    r = report([(0, 5000)])
+    ttft, refusal = judge_ttft(SLO(ttft=2.0), r, 1000, 0, now=r.time)
+    assert ttft == pytest.approx(6.0)
+    assert refusal.reason == "ttft_slo" and refusal.error_type == "server_overloaded"
+    assert refusal.retry_after == pytest.approx(4.0) and refusal.retry_after_header == "4"
+    assert "6000 ms" in refusal.message and "2000 ms" in refusal.message
+    assert judge_ttft(SLO(ttft=7.0), r, 1000, 0, now=r.time)[1] is None
+
+
+def test_tpot_counts_every_stream_that_will_join() -> None:
+    r = report([], step=0.05, cost=0.01, waiting=2)
+    assert judge_tpot(SLO(tpot=0.085), r) is None  # 0.05 + 3 x 0.01 = 0.08
+    refusal = judge_tpot(SLO(tpot=0.085), r, sent_streams=1)  # 0.09
+    assert refusal.reason == "tpot_slo" and refusal.retry_after == pytest.approx(3.0)  # a stream's max_tokens
+
+
+def test_slo_flags() -> None:
+    assert not SLO.from_ms(None, 0).enabled  # 0 turns one off (launch's defaults can be undone)
+    assert SLO.from_ms(2000, None) == SLO(2.0, None)
+    with pytest.raises(ValueError, match="--tpot-slo-ms"):
+        SLO.from_ms(100, -5)
+
+
+def test_tracker_measures_prefill_rate_and_the_cost_of_a_stream() -> None:
+    t = LoadTracker(max_num_seqs=8)
+    assert t.report({}, 0, 0, None).prefill_rate == 0.0
+    t.observe(prefill_tokens=1000, decodes=0, seconds=0.5)
+    for n in (1, 2, 4, 8, 4, 2):
+        t.observe(prefill_tokens=0, decodes=n, seconds=0.02 + 0.005 * n)
+    r = t.report({3: 700, 0: 100}, decoding=2, waiting_streams=1, min_tokens_left=10)
+    assert r.prefill_rate == pytest.approx(2000.0)
+    assert r.decode_cost == pytest.approx(0.005)
+    assert r.queued == [(0, 100), (3, 700)] and r.next_finish == pytest.approx(10 * r.step_time)
+
+
+def test_sent_since_forgets_what_the_report_includes() -> None:
+    sent = SentSince()
+    sent.add(100, priority=5, now=10.0)
+    sent.add(200, priority=0, now=12.0)
+    assert sent.since(11.0) == (200, 1)
+    assert sent.since(11.0, priority=-1) == (0, 1)
+
+
+def _limits(tmp_path: Path, text: str) -> RateLimits:
+    path = tmp_path / "limits.yaml"
+    path.write_text(text)
+    return RateLimits(path)
+
+
+def test_one_keys_flood_does_not_take_anothers_share(tmp_path: Path) -> None:
+    limits = _limits(tmp_path, "default: {requests_per_second: 2, tokens_per_second: 1000}\n")
+    refused = [limits.admit("flooder", 10) for _ in range(20)]
+    assert sum(r is None for r in refused) == 2  # a second's worth
+    first = next(r for r in refused if r is not None)
+    assert first.reason == "rate_limit" and first.error_type == "rate_limit_exceeded"
+    assert 0 < first.retry_after <= 0.5 + 1e-6
+    assert limits.admit("quiet", 10) is None and limits.admit("quiet", 10) is None
+
+
+def test_tokens_bucket_goes_into_debt_then_refuses_until_refilled(tmp_path: Path) -> None:
+    limits = _limits(tmp_path, "keys:\n  k: {tokens_per_second: 100}\n")
+    assert limits.admit("k", 250) is None  # a prompt larger than the bucket passes when it is full
+    refusal = limits.admit("k", 1)
+    assert refusal is not None and refusal.retry_after == pytest.approx(1.5, abs=0.05)  # 150 in debt at 100/s
+    assert limits.admit("other", 10**6) is None  # no default: unlisted keys are not limited
+
+
+def test_generated_tokens_are_charged_at_the_end(tmp_path: Path) -> None:
+    limits = _limits(tmp_path, "keys:\n  k: {tokens_per_second: 100}\n")
+    assert limits.admit("k", 10) is None
+    limits.charge("k", 500)
+    assert limits.admit("k", 10) is not None
+
+
+def test_the_file_is_read_again_when_it_changes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    limits = _limits(tmp_path, "keys:\n  k: {requests_per_second: 1}\n")
+    assert limits.admit("k", 1) is None and limits.admit("k", 1) is not None
+    monkeypatch.setattr("pdserve.admission.rate_limit.RELOAD_CHECK_S", 0.0)
+    limits.path.write_text("keys:\n  k: {requests_per_second: 50}\n")
+    os.utime(limits.path, (time.time() + 5, time.time() + 5))
+    assert limits.admit("k", 1) is None  # the new limit, with a full bucket
+    limits.path.write_text("keys: [this is not a map\n")
+    os.utime(limits.path, (time.time() + 10, time.time() + 10))
+    assert limits.admit("k", 1) is None  # a broken file keeps the last good limits
+
+
+def test_bad_files_name_what_is_wrong(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="keys.k: unknown field.*requests_per_minute"):
+        _limits(tmp_path, "keys:\n  k: {requests_per_minute: 1}\n")
+    with pytest.raises(ValueError, match="default.tokens_per_second must be a positive number"):
+        _limits(tmp_path, "default: {tokens_per_second: -1}\n")
+
+
+def test_client_key() -> None:
+    assert client_key("Bearer sk-a", "alice", None) == "sk-a"
+    assert client_key("Bearer shared", "alice", "shared") == "user:alice"  # the server's one key names nobody
+    assert client_key(None, None, None) == "anonymous"
