@@ -25,6 +25,11 @@ class LoadReport(msgspec.Struct):
     step_time: float  # seconds of a step that carries decodes, lately (0: not measured yet)
     decode_cost: float  # seconds one more decode stream adds to a step (0: not measured yet)
     next_finish: float  # seconds until a running stream reaches its max_tokens at the latest (0: none runs)
+    step_tokens: int = 0  # the step's token budget (--max-num-batched-tokens): prompts share steps
+
+    @property
+    def queued_tokens(self) -> int:
+        return sum(tokens for _, tokens in self.queued)
 
     def tokens_ahead(self, priority: int) -> int:
         """Prompt tokens that go before a new request of this priority (equal priorities came earlier)."""
@@ -37,8 +42,8 @@ class LoadTracker:
     ALPHA = 0.2  # weight of the newest step in the moving averages
     FIT_STEPS = 256  # decode-only steps kept for the per-stream cost
 
-    def __init__(self, max_num_seqs: int) -> None:
-        self.max_num_seqs = max_num_seqs
+    def __init__(self, max_num_seqs: int, step_tokens: int = 0) -> None:
+        self.max_num_seqs, self.step_tokens = max_num_seqs, step_tokens
         self._prefill_tokens = self._prefill_seconds = 0.0
         self._step_time = 0.0
         self._decode_steps: deque[tuple[int, float]] = deque(maxlen=self.FIT_STEPS)
@@ -74,4 +79,4 @@ class LoadTracker:
                ) -> LoadReport:
         next_finish = (min_tokens_left or 0) * self._step_time
         return LoadReport(time.time(), sorted(queued.items()), decoding, waiting_streams, self.max_num_seqs,
-                          self.prefill_rate, self._step_time, self.decode_cost(), next_finish)
+                          self.prefill_rate, self._step_time, self.decode_cost(), next_finish, self.step_tokens)

@@ -3,7 +3,9 @@ stream and the others would see; a request no instance can serve within `--ttft-
 `--tpot-slo-ms` is refused at once (429) with the seconds after which it would fit (`Retry-After`).
 
 TTFT = (prompt tokens ahead of it at its priority + its own) / the measured prefill rate, the queue
-aged by the time since the report and grown by what the caller sent since (`sent_tokens`). TPOT = the
+aged by the time since the report and grown by what the caller sent since (`sent_tokens`); its first token
+comes only when its step ends, and prompts queued behind it fill that step too, so the work counted is
+rounded up to whole steps (`step_tokens`) as far as the whole queue reaches. TPOT = the
 step time now + the cost of each stream that will have joined the batch, this one included.
 A report without measurements yet (a fresh instance) predicts nothing, and nothing is refused on it.
 """
@@ -56,9 +58,13 @@ def predict_ttft(report: LoadReport, prompt_tokens: int, priority: int = 0, sent
     rate = report.prefill_rate
     if rate <= 0:
         return None
-    age = max(0.0, (now or time.time()) - report.time)
-    ahead = max(0.0, report.tokens_ahead(priority) - age * rate) + sent_tokens
-    return (ahead + prompt_tokens) / rate
+    drained = max(0.0, (now or time.time()) - report.time) * rate
+    ahead = max(0.0, report.tokens_ahead(priority) - drained) + sent_tokens
+    work = ahead + prompt_tokens
+    if report.step_tokens:
+        everything = max(0.0, report.queued_tokens - drained) + sent_tokens + prompt_tokens
+        work = min(everything, math.ceil(work / report.step_tokens) * report.step_tokens)
+    return work / rate
 
 
 def predict_tpot(report: LoadReport, sent_streams: int = 0) -> float | None:

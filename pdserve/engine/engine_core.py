@@ -79,7 +79,7 @@ class EngineCore:
         self.num_computed_tokens = 0  # all tokens run through the model (prefix hits excluded)
         self.num_steps = 0
         self.weights_loaded = True
-        self.load = LoadTracker(config.max_num_seqs)
+        self.load = LoadTracker(config.max_num_seqs, config.max_num_batched_tokens)
         self._load_sent = 0.0  # monotonic time of the last report
         self._load_idle_sent = False  # the report after the last work went out
 
