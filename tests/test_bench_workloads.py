@@ -112,6 +112,15 @@ def test_goodput_is_vllms_definition() -> None:
     assert summarize(records, 2.0, [99]).goodput is None
 
 
+def test_refusals_are_counted_apart_from_failures_and_load_is_offered_load() -> None:
+    refused = RequestRecord(status=429, error="HTTP 429: the server is overloaded")
+    records = [_record(0.5, 1.0, 6), _record(0, 0, 0, ok=False), refused, refused]
+    s = summarize(records, duration=2.0, percentiles=[99], slos={"ttft": 2000})
+    assert (s.completed, s.failed, s.refused) == (1, 1, 2)
+    assert s.offered_rate == pytest.approx(2.0) and s.goodput == pytest.approx(0.5)
+    assert s.first_error == "boom"  # a refusal is not the error a reader looks for
+
+
 def _fake_server(capacity: float):  # noqa: ANN202
     """Meets every SLO below `capacity` req/s, then fewer and fewer requests."""
     calls: list[float] = []

@@ -16,6 +16,7 @@ from pdserve.bench_serve.datasets import BenchRequest
 class RequestRecord:
     ok: bool = False
     error: str | None = None
+    status: int | None = None  # the HTTP status (None: no answer); 429 is a refusal, not a failure
     prompt_tokens: int = 0
     output_tokens: int = 0
     start: float = 0.0  # client clock (perf_counter), the moment the request was sent
@@ -57,6 +58,7 @@ async def send(client: httpx.AsyncClient, path: str, body: dict, prompt_len: int
     pieces: list[str] = []
     try:
         async with client.stream("POST", path, json=body) as r:
+            rec.status = r.status_code
             if r.status_code != 200:
                 text = (await r.aread()).decode(errors="replace")
                 rec.error = f"HTTP {r.status_code}: {_message(text)}"

@@ -30,6 +30,8 @@ def format_table(s: Summary) -> str:
     lines = [" Serving Benchmark Result ".center(WIDTH, "="),
              _row("Successful requests:", s.completed, "{}"),
              _row("Failed requests:", s.failed, "{}"),
+             _row("Refused requests (429):", s.refused, "{}"),
+             _row("Offered load (req/s):", s.offered_rate, "{:.3f}"),
              _row("Benchmark duration (s):", s.duration),
              _row("Total input tokens:", s.input_tokens, "{}"),
              _row("Total generated tokens:", s.output_tokens, "{}"),
@@ -39,6 +41,8 @@ def format_table(s: Summary) -> str:
     if s.goodput is not None:
         lines.append(_row("Request goodput (req/s):", s.goodput, "{:.3f}"))
         lines.append(_row("Requests meeting the SLOs (%):", 100 * (s.slo_attainment or 0.0), "{:.1f}"))
+        lines.append(_row("Goodput / offered load (%):", 100 * s.goodput / s.offered_rate if s.offered_rate else 0.0,
+                          "{:.1f}"))
     lines += _section("Decode speed (tok/s)", "Decode", "", s.decode)
     lines += _section("Time to First Token", "TTFT", "ms", s.ttft)
     lines += _section("Infer Time to First Token", "S_TTFT", "ms", s.s_ttft)

@@ -34,7 +34,7 @@ def _label(p: float) -> str:
 @dataclass
 class Summary:
     completed: int
-    failed: int
+    failed: int  # errors other than refusals
     duration: float
     input_tokens: int
     output_tokens: int
@@ -51,6 +51,8 @@ class Summary:
     slo_attainment: float | None  # share of the requests sent (failed ones included) meeting every SLO
     first_error: str | None
     ttft_breakdown: dict[str, float] = field(default_factory=dict)  # mean ms per phase, when the server says
+    refused: int = 0  # answered 429 (admission by SLO, rate limits): the server shed that load
+    offered_rate: float = 0.0  # requests sent per second
 
 
 def summarize(records: list[RequestRecord], duration: float, percentiles: list[float],
@@ -74,15 +76,16 @@ def summarize(records: list[RequestRecord], duration: float, percentiles: list[f
         goodput, attainment = good / duration, good / max(1, len(records))
     inputs = sum(r.prompt_tokens for r in ok)
     outputs = sum(r.output_tokens for r in ok)
-    errors = [r.error for r in records if not r.ok and r.error]
+    errors = [r.error for r in records if not r.ok and r.error and r.status != 429]
+    refused = sum(r.status == 429 for r in records)
     return Summary(
-        completed=len(ok), failed=len(records) - len(ok), duration=duration, input_tokens=inputs,
+        completed=len(ok), failed=len(records) - len(ok) - refused, duration=duration, input_tokens=inputs,
         output_tokens=outputs, request_throughput=len(ok) / duration, output_throughput=outputs / duration,
         total_throughput=(inputs + outputs) / duration, decode=dist(decode),
         ttft=dist([r.ttft * 1000 for r in ok]), s_ttft=dist(s_ttft), tpot=dist(tpot),
         itl=dist([g * 1000 for r in ok for g in r.itl]), e2el=dist([r.e2el * 1000 for r in ok]),
         goodput=goodput, slo_attainment=attainment, first_error=errors[0] if errors else None,
-        ttft_breakdown=ttft_breakdown(ok))
+        ttft_breakdown=ttft_breakdown(ok), refused=refused, offered_rate=len(records) / duration)
 
 
 def meets_slos(r: RequestRecord, slos: dict[str, float]) -> bool:
