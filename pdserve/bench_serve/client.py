@@ -62,6 +62,7 @@ async def send(client: httpx.AsyncClient, path: str, body: dict, prompt_len: int
             if r.status_code != 200:
                 text = (await r.aread()).decode(errors="replace")
                 rec.error = f"HTTP {r.status_code}: {_message(text)}"
+                rec.e2el = time.perf_counter() - rec.start  # how long a refusal (429) took
                 return rec
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
