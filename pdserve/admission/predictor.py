@@ -5,8 +5,9 @@ stream and the others would see; a request no instance can serve within `--ttft-
 TTFT = (prompt tokens ahead of it at its priority + its own) / the measured prefill rate, the queue
 aged by the time since the report and grown by what the caller sent since (`sent_tokens`); its first token
 comes only when its step ends, and prompts queued behind it fill that step too, so the work counted is
-rounded up to whole steps (`step_tokens`) as far as the whole queue reaches. TPOT = the
-step time now + the cost of each stream that will have joined the batch, this one included.
+rounded up to whole steps (`step_tokens`) as far as the whole queue reaches. TPOT = the engine's fitted step
+cost (load.py) with every stream that will be in the batch, this one included, and the prompt tokens its
+steps have been carrying.
 A report without measurements yet (a fresh instance) predicts nothing, and nothing is refused on it.
 """
 
@@ -68,9 +69,15 @@ def predict_ttft(report: LoadReport, prompt_tokens: int, priority: int = 0, sent
 
 
 def predict_tpot(report: LoadReport, sent_streams: int = 0) -> float | None:
+    """With the engine's step-cost fit: base + per stream x every stream there will be + per prompt token x the
+    prompt tokens its steps with decodes carry lately; before the fit: the recent step time + one stream's cost
+    per stream joining."""
     if report.step_time <= 0:
         return None
     joining = report.waiting_streams + sent_streams + 1
+    if report.step_base > 0:
+        return (report.step_base + report.decode_cost * (report.decoding + joining)
+                + report.prompt_token_cost * report.prompt_tokens_per_step)
     return report.step_time + report.decode_cost * joining
 
 
