@@ -70,6 +70,15 @@ def test_tpot_from_the_fitted_step_cost_counts_the_prompts_decode_steps_carry() 
     assert judge_tpot(SLO(tpot=expected + 1e-6), r, sent_streams=1) is not None  # one more stream: 4 ms more
 
 
+def test_ttft_from_the_fitted_step_cost_pays_each_step_it_waits() -> None:
+    t = LoadTracker(max_num_seqs=64, step_tokens=1000)
+    for n, p in ((0, 600), (2, 0), (1, 0), (0, 1000), (2, 400), (3, 0)):
+        t.observe(prefill_tokens=p, decodes=n, seconds=0.05 + 0.01 * n + 0.0002 * p)
+    r = t.report({0: 2500}, decoding=2, waiting_streams=0, min_tokens_left=None)
+    # 2,500 ahead + 300: three steps (0.05 + 2 x 0.01 each), then 2,800 tokens at 0.2 ms
+    assert predict_ttft(r, 300, now=r.time) == pytest.approx(3 * 0.07 + 0.0002 * 2800, rel=1e-6)
+
+
 def test_slo_flags() -> None:
     assert not SLO.from_ms(None, 0).enabled  # 0 turns one off (launch's defaults can be undone)
     assert SLO.from_ms(2000, None) == SLO(2.0, None)

@@ -1,11 +1,11 @@
 """What an engine reports of its load, often (every ~20 ms while busy), for admission by SLO.
 
 The engine measures itself: prompt tokens computed per second (in steps that compute prompts, decodes
-in the same step included, so it is the rate a queued prompt really gets), and what a step that carries
-decodes costs: a least-squares fit over the last 256 such steps of seconds = base + per stream x streams
-+ per prompt token x prompt tokens in the step (prompts share steps with decodes: chunked prefill on a
-mixed instance, or a prompt a decode instance computes itself under conditional disaggregation), with the
-prompt tokens such steps carried lately. The queue is listed by priority, so an admission can count only
+in the same step included, so it is the rate a queued prompt really gets), and what a step costs: a
+least-squares fit over the last 256 steps of seconds = base + per stream x streams decoded + per prompt
+token x prompt tokens computed (prompts share steps with decodes: chunked prefill on a mixed instance, or a
+prompt a decode instance computes itself under conditional disaggregation), with the prompt tokens the
+steps that carried decodes computed lately. The queue is listed by priority, so an admission can count only
 what is ahead of a request of its priority.
 """
 
@@ -45,7 +45,7 @@ class LoadTracker:
     """The engine's side: step timings in, a LoadReport out."""
 
     ALPHA = 0.2  # weight of the newest step in the moving averages
-    FIT_STEPS = 256  # steps with decodes kept for the cost fit
+    FIT_STEPS = 256  # steps kept for the cost fit
 
     def __init__(self, max_num_seqs: int, step_tokens: int = 0) -> None:
         self.max_num_seqs, self.step_tokens = max_num_seqs, step_tokens
@@ -62,18 +62,18 @@ class LoadTracker:
                 self._prefill_tokens = a * prefill_tokens + (1 - a) * self._prefill_tokens
                 self._prefill_seconds = a * seconds + (1 - a) * self._prefill_seconds
         if decodes:
-            first = not self._steps
+            first = self._step_time == 0.0
             self._step_time = seconds if first else a * seconds + (1 - a) * self._step_time
             self._prompt_per_step = prefill_tokens if first else a * prefill_tokens + (1 - a) * self._prompt_per_step
-            self._steps.append((decodes, prefill_tokens, seconds))
+        self._steps.append((decodes, prefill_tokens, seconds))
 
     @property
     def prefill_rate(self) -> float:
         return self._prefill_tokens / self._prefill_seconds if self._prefill_seconds else 0.0
 
     def step_costs(self) -> tuple[float, float, float]:
-        """(base, per stream, per prompt token) seconds of a step with decodes; zeros until the steps seen
-        vary in their stream counts. A prompt-token cost is fitted only where prompt tokens varied."""
+        """(base, per stream, per prompt token) seconds of a step; zeros until the steps seen vary in their
+        stream counts. A prompt-token cost is fitted only where prompt tokens varied."""
         steps = self._steps
         if len({n for n, _, _ in steps}) < 2:
             return 0.0, 0.0, 0.0

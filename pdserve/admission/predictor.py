@@ -2,10 +2,12 @@
 stream and the others would see; a request no instance can serve within `--ttft-slo-ms` /
 `--tpot-slo-ms` is refused at once (429) with the seconds after which it would fit (`Retry-After`).
 
-TTFT = (prompt tokens ahead of it at its priority + its own) / the measured prefill rate, the queue
-aged by the time since the report and grown by what the caller sent since (`sent_tokens`); its first token
-comes only when its step ends, and prompts queued behind it fill that step too, so the work counted is
-rounded up to whole steps (`step_tokens`) as far as the whole queue reaches. TPOT = the engine's fitted step
+TTFT: the work is the prompt tokens ahead of it at its priority + its own, the queue aged by the time
+since the report at the measured prefill rate and grown by what the caller sent since (`sent_tokens`); its
+first token comes only when its step ends, and prompts queued behind it fill that step too, so the work is
+rounded up to whole steps (`step_tokens`) as far as the whole queue reaches. With the engine's step-cost
+fit (load.py) the time is those steps' own cost (with the streams decoding in them) + the tokens' cost;
+before it, the work over the measured prefill rate. TPOT = the engine's fitted step
 cost (load.py) with every stream that will be in the batch, this one included, and the prompt tokens its
 steps have been carrying.
 A report without measurements yet (a fresh instance) predicts nothing, and nothing is refused on it.
@@ -62,9 +64,13 @@ def predict_ttft(report: LoadReport, prompt_tokens: int, priority: int = 0, sent
     drained = max(0.0, (now or time.time()) - report.time) * rate
     ahead = max(0.0, report.tokens_ahead(priority) - drained) + sent_tokens
     work = ahead + prompt_tokens
-    if report.step_tokens:
-        everything = max(0.0, report.queued_tokens - drained) + sent_tokens + prompt_tokens
-        work = min(everything, math.ceil(work / report.step_tokens) * report.step_tokens)
+    if not report.step_tokens:
+        return work / rate
+    steps = math.ceil(work / report.step_tokens)
+    everything = max(0.0, report.queued_tokens - drained) + sent_tokens + prompt_tokens
+    work = min(everything, steps * report.step_tokens)
+    if report.step_base > 0 and report.prompt_token_cost > 0:  # the fit: each step's own cost, and the tokens'
+        return steps * (report.step_base + report.decode_cost * report.decoding) + report.prompt_token_cost * work
     return work / rate
 
 
