@@ -87,7 +87,7 @@ def test_a_killed_server_takes_its_children_within_5_s_and_leaves_nothing(tmp_pa
         wait_for(lambda: not _session(proc.pid), 5, "children outlived their server by 5 s")
         assert time.monotonic() - killed < 5
         wait_for(lambda: segments() <= before, 2, "a KV segment was left behind")
-        wait_for(lambda: not [p for p in tmp_path.iterdir() if p.name.startswith("pdserve-")], 2,
+        wait_for(lambda: not [p for p in tmp_path.iterdir() if p.name.startswith("pdserve-")], 5,
                  "an IPC folder was left behind")
     finally:
         if proc.poll() is None:

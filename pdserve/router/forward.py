@@ -94,24 +94,24 @@ class Forwarder:
         self.routed_at: float | None = None  # when a request last found a route
 
     async def forward(self, path: str, body: dict, request: RoutedRequest, headers: dict[str, str],
-                      excluded: set[str] | None = None) -> Response:
-        """`excluded`: instances not to route to (admission's, those that would miss an SLO)."""
+                      avoid: set[str] | None = None) -> Response:
+        """`avoid`: instances the first try does not route to (admission's: they would miss an SLO); once the
+        request was admitted and a route failed it, any working instance is better than none."""
         answer = AnswerSoFar(self.migration_limit if can_migrate(path, body, self.migration_limit) else 0)
         if answer.limit:
             body = {**body, "migration": {}}  # instances name each event's tokens
-        excluded = set(excluded or ())
-        outcome = await self._open(path, body, request, headers, excluded)
+        outcome = await self._open(path, body, request, headers, set(), avoid or set())
         if isinstance(outcome, Opened):
             return StreamingResponse(self._relay_stream(outcome, answer, path, body, request, headers),
                                      media_type="text/event-stream")
         return outcome
 
     async def _open(self, path: str, body: dict, request: RoutedRequest, headers: dict[str, str],
-                    excluded: set[str]) -> Response | Opened:
+                    excluded: set[str], avoid: frozenset[str] | set[str] = frozenset()) -> Response | Opened:
         """The request on the first route that works, trying others while nothing reached the client."""
         last: Response | None = None
         for attempt in range(self.max_retries + 1):
-            route = self.selector.pick(request, excluded)
+            route = self.selector.pick(request, excluded | avoid if attempt == 0 else excluded)
             if route is None and attempt == 0 and self._lost_its_routes():
                 route = await self._route_when_back(request, excluded)
             if route is None:

@@ -73,16 +73,16 @@ async def _forward_checked(raw: Request, state: RouterState, path: str) -> Respo
     request = state.reader.read(path, parsed)
     priority = parsed.get("priority", 0)
     request.priority = priority if isinstance(priority, int) else 0  # a bad one: the instance's 400 names it
-    excluded: set[str] = set()
+    avoid: set[str] = set()
     admitted = None
     if state.admission is not None:
         verdict = state.admission.admit(raw.headers, parsed, request)
         if isinstance(verdict, Refusal):
             return JSONResponse(error_body(verdict.message, 429, verdict.error_type), status_code=429,
                                 headers={"Retry-After": verdict.retry_after_header})
-        admitted, excluded = verdict, verdict.excluded
+        admitted, avoid = verdict, verdict.excluded
     started = time.monotonic()
-    work = state.forwarder.forward(path, parsed, request, _passed_headers(raw.headers), excluded)
+    work = state.forwarder.forward(path, parsed, request, _passed_headers(raw.headers), avoid)
     # A streamed answer stops when the client does (its generator is closed); a whole one would not.
     response = await (work if parsed.get("stream") else until_disconnect(raw, work))
     if admitted is not None:
