@@ -100,6 +100,8 @@ def _admission_finished(state: RouterState, admitted: Admitted, response: Respon
         predicted = [admitted.predicted_ttft[u] for u in admitted.routed if u in admitted.predicted_ttft]
         state.admission.metrics.observe_ttft(predicted[0] if predicted else None, seconds)
         return
+    if state.admission.limits is None:  # nothing to charge: no need to read the answer
+        return
     try:
         usage = json.loads(response.body).get("usage") or {}
     except (ValueError, AttributeError):
