@@ -111,6 +111,8 @@ def test_a_burst_is_refused_at_once_and_what_is_admitted_completes(servers: dict
     assert max(r[3] for r in admitted) < 2 * TTFT_SLO_MS / 1000  # admitted ones keep (near) the SLO
     m = metrics(gated.metrics_port)
     assert m['pdserve_admission_decisions_total{decision="refused",priority="0",reason="ttft_slo"}'] == len(refused)
+    # the server's own clock: every refusal was decided within 100 ms of its arrival
+    assert m['pdserve_admission_decision_seconds_bucket{decision="refused",le="0.1"}'] == len(refused)
     assert 0.5 <= _median_bucket(m, "pdserve_admission_ttft_measured_over_predicted") <= 1.5
     _idle(gated)
 
@@ -178,6 +180,7 @@ def test_the_router_refuses_low_priority_first_and_forgets_nothing(servers: dict
     assert m['pdserve_router_admission_decisions_total{decision="refused",priority="10",reason="ttft_slo"}'] \
         == len(refused)
     assert m['pdserve_router_requests_total{status="429"}'] == len(refused)
+    assert m['pdserve_router_admission_decision_seconds_bucket{decision="refused",le="0.1"}'] == len(refused)
     _idle(plain)
     wait_for(lambda: all(i["in_flight_requests"] == 0 for i in router.registered()), 10,
              "the router's in-flight counts back to zero")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.admission.load import LoadReport, LoadTracker
-from pdserve.admission.predictor import SLO, judge_tpot, judge_ttft, predict_ttft
+from pdserve.admission.predictor import SLO, TPOT_MARGIN, judge_tpot, judge_ttft, predict_ttft
 from pdserve.admission.rate_limit import RateLimits, client_key
 from pdserve.admission.sent import SentSince
 
@@ -53,8 +53,9 @@ def test_a_ttft_refusal_says_when_the_queue_will_have_drained_enough() -> None:
 
 def test_tpot_counts_every_stream_that_will_join() -> None:
     r = report([], step=0.05, cost=0.01, waiting=2)
-    assert judge_tpot(SLO(tpot=0.085), r) is None  # 0.05 + 3 x 0.01 = 0.08
-    refusal = judge_tpot(SLO(tpot=0.085), r, sent_streams=1)  # 0.09
+    slo = SLO(tpot=0.085 / TPOT_MARGIN)  # admits up to 85 ms
+    assert judge_tpot(slo, r) is None  # 0.05 + 3 x 0.01 = 0.08
+    refusal = judge_tpot(slo, r, sent_streams=1)  # 0.09
     assert refusal.reason == "tpot_slo" and refusal.retry_after == pytest.approx(3.0)  # a stream's max_tokens
 
 
@@ -66,8 +67,9 @@ def test_tpot_from_the_fitted_step_cost_counts_the_prompts_decode_steps_carry() 
     assert (base, per_stream, per_token) == pytest.approx((0.01, 0.004, 0.0001), rel=1e-6)
     r = t.report({}, decoding=6, waiting_streams=2, min_tokens_left=None)
     expected = 0.01 + 0.004 * (6 + 2 + 1) + 0.0001 * r.prompt_tokens_per_step
-    assert judge_tpot(SLO(tpot=expected + 1e-6), r) is None
-    assert judge_tpot(SLO(tpot=expected + 1e-6), r, sent_streams=1) is not None  # one more stream: 4 ms more
+    slo = SLO(tpot=(expected + 1e-6) / TPOT_MARGIN)
+    assert judge_tpot(slo, r) is None
+    assert judge_tpot(slo, r, sent_streams=1) is not None  # one more stream: 4 ms more
 
 
 def test_ttft_from_the_fitted_step_cost_pays_each_step_it_waits() -> None:
@@ -77,6 +79,18 @@ def test_ttft_from_the_fitted_step_cost_pays_each_step_it_waits() -> None:
     r = t.report({0: 2500}, decoding=2, waiting_streams=0, min_tokens_left=None)
     # 2,500 ahead + 300: three steps (0.05 + 2 x 0.01 each), then 2,800 tokens at 0.2 ms
     assert predict_ttft(r, 300, now=r.time) == pytest.approx(3 * 0.07 + 0.0002 * 2800, rel=1e-6)
+
+
+def test_a_step_is_timed_from_its_start_to_the_next_ones_and_waits_are_left_out() -> None:
+    t = LoadTracker(max_num_seqs=8)
+    t.step_started(10.0)
+    t.step_done(prefill_tokens=0, decodes=2, started=10.0)  # its model call ended at 10.03; outputs went out after
+    t.step_started(10.05)
+    t.step_done(prefill_tokens=0, decodes=3, started=10.05)
+    t.cycle_over(10.11)  # the loop waits for work from here
+    t.step_started(12.0)  # not part of the last cycle
+    assert [s for _, _, s in t._steps] == pytest.approx([0.05, 0.06])
+    assert t.report({}, 3, 0, None).step_time == pytest.approx(0.2 * 0.06 + 0.8 * 0.05)
 
 
 def test_slo_flags() -> None:

@@ -1,12 +1,14 @@
 """What an engine reports of its load, often (every ~20 ms while busy), for admission by SLO.
 
-The engine measures itself: prompt tokens computed per second (in steps that compute prompts, decodes
-in the same step included, so it is the rate a queued prompt really gets), and what a step costs: a
-least-squares fit over the last 256 steps of seconds = base + per stream x streams decoded + per prompt
-token x prompt tokens computed (prompts share steps with decodes: chunked prefill on a mixed instance, or a
-prompt a decode instance computes itself under conditional disaggregation), with the prompt tokens the
-steps that carried decodes computed lately. The queue is listed by priority, so an admission can count only
-what is ahead of a request of its priority.
+The engine measures itself, timing each step's cycle: from its start (scheduling included) to the next
+step's, while the loop goes straight from one to the next, so what a stream waits per token outside the
+model (applying outputs, sending them, taking new requests) counts too. It measures prompt tokens computed
+per second (in steps that compute prompts, decodes in the same step included, so it is the rate a queued
+prompt really gets), and what a step costs: a least-squares fit over the last 256 steps of seconds = base +
+per stream x streams decoded + per prompt token x prompt tokens computed (prompts share steps with decodes:
+chunked prefill on a mixed instance, or a prompt a decode instance computes itself under conditional
+disaggregation), with the prompt tokens the steps that carried decodes computed lately. The queue is
+listed by priority, so an admission can count only what is ahead of a request of its priority.
 """
 
 from __future__ import annotations
@@ -52,6 +54,21 @@ class LoadTracker:
         self._prefill_tokens = self._prefill_seconds = 0.0
         self._step_time = self._prompt_per_step = 0.0
         self._steps: deque[tuple[int, int, float]] = deque(maxlen=self.FIT_STEPS)  # (streams, prompt tokens, s)
+        self._open: tuple[int, int, float] | None = None  # the last step's (prompt tokens, streams, start)
+
+    def step_started(self, now: float) -> None:
+        """A step begins (perf_counter): the one before it, if the loop came straight here, ends its cycle."""
+        self.cycle_over(now)
+
+    def step_done(self, prefill_tokens: int, decodes: int, started: float) -> None:
+        """A step computed; its cycle ends when the next one starts, or when the loop waits (cycle_over)."""
+        self._open = (prefill_tokens, decodes, started)
+
+    def cycle_over(self, now: float) -> None:
+        if self._open is not None:
+            prefill_tokens, decodes, started = self._open
+            self._open = None
+            self.observe(prefill_tokens, decodes, now - started)
 
     def observe(self, prefill_tokens: int, decodes: int, seconds: float) -> None:
         a = self.ALPHA

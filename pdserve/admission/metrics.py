@@ -7,6 +7,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from pdserve.admission.predictor import Refusal
 
 RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2, 4)
+DECISION_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
 
 
 class AdmissionMetrics:
@@ -14,15 +15,18 @@ class AdmissionMetrics:
         self.decisions = Counter(f"{prefix}_admission_decisions", "requests admitted or refused (429), by reason "
                                  "(ttft_slo, tpot_slo, rate_limit) and priority", ["decision", "reason", "priority"],
                                  registry=registry)
+        self.decision_seconds = Histogram(f"{prefix}_admission_decision_seconds",
+                                          "from the request's arrival (its body read) to admission's decision; "
+                                          "a refusal's 429 leaves at once", ["decision"],
+                                          buckets=DECISION_BUCKETS, registry=registry)
         self.ttft_error = Histogram(f"{prefix}_admission_ttft_measured_over_predicted",
                                     "admitted requests' measured TTFT over the TTFT admission predicted",
                                     buckets=RATIO_BUCKETS, registry=registry)
 
-    def count(self, refusal: Refusal | None, priority: int) -> None:
-        if refusal is None:
-            self.decisions.labels("admitted", "", str(priority)).inc()
-        else:
-            self.decisions.labels("refused", refusal.reason, str(priority)).inc()
+    def count(self, refusal: Refusal | None, priority: int, seconds: float) -> None:
+        decision = "admitted" if refusal is None else "refused"
+        self.decisions.labels(decision, "" if refusal is None else refusal.reason, str(priority)).inc()
+        self.decision_seconds.labels(decision).observe(seconds)
 
     def observe_ttft(self, predicted: float | None, measured: float | None) -> None:
         if predicted and measured is not None and predicted > 0:

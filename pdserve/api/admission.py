@@ -4,6 +4,7 @@ The router does the same across instances (router/admission.py); both use pdserv
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -27,12 +28,13 @@ class ServerAdmission:
         self.sent = SentSince()  # one for all ranks: a data-parallel server is judged conservatively
 
     def admit(self, raw: Request, user: str | None, reports: list[LoadReport | None], prompt_tokens: int,
-              priority: int) -> Admitted | Refusal:
+              priority: int, received: float) -> Admitted | Refusal:
+        """`received`: the request's arrival (unix seconds), for the time the decision took."""
         ttft, refusal = self._judge(reports, prompt_tokens, priority)
         key = client_key(raw.headers.get("authorization"), user, self.api_key)
         if refusal is None and self.limits is not None:
             refusal = self.limits.admit(key, prompt_tokens)
-        self.metrics.count(refusal, priority)
+        self.metrics.count(refusal, priority, time.time() - received)
         if refusal is not None:
             return refusal
         self.sent.add(prompt_tokens, priority)

@@ -47,7 +47,7 @@ def admit(state: ServerState, raw: Request, body: Any, gen: Generation) -> None:
     engine = state.engine
     reports = [r.engine.load for r in engine.ranks] if isinstance(engine, DataParallelEngine) else [engine.load]
     verdict = state.admission.admit(raw, getattr(body, "user", None), reports, len(gen.prompt_token_ids),
-                                    gen.priority)
+                                    gen.priority, gen.created)
     if isinstance(verdict, Refusal):
         raise APIError(verdict.message, 429, verdict.error_type, headers={"Retry-After": verdict.retry_after_header})
     gen.admitted = verdict

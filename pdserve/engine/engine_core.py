@@ -92,6 +92,8 @@ class EngineCore:
             raise_if_stopping()
             pending: list[RequestOutput] = []
             timeout = 0 if self.scheduler.has_work else self._idle_timeout_ms()
+            if timeout:
+                self.load.cycle_over(time.perf_counter())  # a wait is not part of the last step's cycle
             if sockets := self._peer_sockets():
                 poller = zmq.Poller()
                 for sock in (inputs, *sockets):
@@ -229,6 +231,8 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, execute on the worker, apply what it sampled."""
+        cycle_started = time.perf_counter()
+        self.load.step_started(cycle_started)
         out = self.scheduler.schedule()
         if not out.chunks:
             if self.copies.pending:
@@ -242,7 +246,7 @@ class EngineCore:
         except StepFailed as e:
             return [o for c in out.chunks if (o := self._fail(c.request, f"the model step failed: {e}"))]
         seconds = time.perf_counter() - started
-        self.load.observe(*_prompt_and_decode_work(out), seconds)
+        self.load.step_done(*_prompt_and_decode_work(out), cycle_started)
         return self._apply(out, result, seconds)
 
     def _execute(self, new_requests: list[NewRequest], chunks: list[Chunk],

@@ -46,7 +46,9 @@ class RouterAdmission:
         self.registry, self.selector, self.api_key = registry, selector, api_key
         self.kv_index = kv_index  # what each instance caches (KV events): a prompt's cached part is not computed
 
-    def admit(self, headers: Mapping[str, str], body: dict, request: RoutedRequest) -> Admitted | Refusal:
+    def admit(self, headers: Mapping[str, str], body: dict, request: RoutedRequest, received: float
+              ) -> Admitted | Refusal:
+        """`received`: the request's arrival (time.monotonic()), for the time the decision took."""
         priority = request.priority
         admitted = Admitted(None, set(), {})
         refusals = self._judge(request, admitted) if self.slo.enabled else []
@@ -57,7 +59,7 @@ class RouterAdmission:
             user = body.get("user") if isinstance(body.get("user"), str) else None
             admitted.key = client_key(headers.get("authorization"), user, self.api_key)
             refusal = self.limits.admit(admitted.key, request.num_tokens)
-        self.metrics.count(refusal, priority)
+        self.metrics.count(refusal, priority, time.monotonic() - received)
         if refusal is not None:
             return refusal
         request.admitted = admitted

@@ -58,6 +58,7 @@ async def _forward(raw: Request, state: RouterState, path: str) -> Response:
 
 
 async def _forward_checked(raw: Request, state: RouterState, path: str) -> Response:
+    received = time.monotonic()
     limit = state.settings.max_request_bytes
     body = await _read_limited(raw, limit)
     if body is None:
@@ -76,7 +77,7 @@ async def _forward_checked(raw: Request, state: RouterState, path: str) -> Respo
     avoid: set[str] = set()
     admitted = None
     if state.admission is not None:
-        verdict = state.admission.admit(raw.headers, parsed, request)
+        verdict = state.admission.admit(raw.headers, parsed, request, received)
         if isinstance(verdict, Refusal):
             return JSONResponse(error_body(verdict.message, 429, verdict.error_type), status_code=429,
                                 headers={"Retry-After": verdict.retry_after_header})
