@@ -9,9 +9,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "__version__"]
 
 if TYPE_CHECKING:
+    from pdserve.lora.modules import LoRARequest
     from pdserve.offline.llm import LLM
     from pdserve.sampling import SamplingParams
 
@@ -25,4 +26,8 @@ def __getattr__(name: str) -> Any:
         from pdserve.sampling.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "LoRARequest":
+        from pdserve.lora.modules import LoRARequest
+
+        return LoRARequest
     raise AttributeError(f"module 'pdserve' has no attribute {name!r}")

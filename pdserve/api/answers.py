@@ -80,7 +80,8 @@ async def complete(state: ServerState, body: Any, gen: Generation, params: Any, 
                 c.finish_reason = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
     if not gen.shape.return_generated:
         gen.completion_tokens = 0
-    out = {"id": gen.request_id, "object": kind, "created": int(gen.created), "model": state.model_name,
+    out = {"id": gen.request_id, "object": kind, "created": int(gen.created),
+           "model": gen.lora_name or state.model_name,
            "choices": [make_choice(state, gen, c, params, False) for c in choices], "usage": gen.usage()}
     if kind == "chat.completion" and gen.shape.prompt_logprobs_field:
         out["prompt_logprobs"] = _vllm_prompt_logprobs(state, gen, choices[0].prompt_logprobs)
@@ -152,7 +153,7 @@ async def stream(state: ServerState, body: Any, gen: Generation, params: Any, ki
 
     def event(choices: list[dict], usage: dict | None = None, **extra: Any) -> str:
         data: dict = {"id": gen.request_id, "object": chunk_kind, "created": int(gen.created),
-                      "model": state.model_name, "choices": choices, **extra}
+                      "model": gen.lora_name or state.model_name, "choices": choices, **extra}
         if include_usage:
             data["usage"] = gen.usage() if continuous and usage is None else usage
         if body.collect_metrics:

@@ -61,7 +61,7 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        eos_token_ids: list[int], pd: PDParams | None = None, num_resumed: int = 0,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, lora_name: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; leaving early (client gone, stop string) aborts it in the engine."""
         if not self.healthy:
             raise EngineError(self.error or "the engine process is not running")
@@ -70,7 +70,7 @@ class AsyncEngine:
         finished = False
         try:
             await self._send(AddRequest(request_id, prompt_token_ids, params, eos_token_ids, time.time(), pd,
-                                        num_resumed, priority))
+                                        num_resumed, priority, lora_name))
             while True:
                 item = await queue.get()
                 if isinstance(item, EngineError):
@@ -89,14 +89,14 @@ class AsyncEngine:
         if request_ids and self.healthy:
             await self._send(AbortRequests(request_ids))
 
-    async def call(self, method: str, timeout: float = 10.0) -> dict:
+    async def call(self, method: str, timeout: float = 10.0, args: dict[str, str] | None = None) -> dict:
         if not self.healthy:
             raise EngineError(self.error or "the engine process is not running")
         call_id = next(self._call_ids)
         future: asyncio.Future[dict] = asyncio.get_running_loop().create_future()
         self._calls[call_id] = future
         try:
-            await self._send(UtilityCall(call_id, method))
+            await self._send(UtilityCall(call_id, method, args or {}))
             return await asyncio.wait_for(future, timeout)
         finally:
             self._calls.pop(call_id, None)

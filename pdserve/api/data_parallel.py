@@ -108,7 +108,7 @@ class DataParallelEngine:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        eos_token_ids: list[int], pd: PDParams | None = None, num_resumed: int = 0,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, lora_name: str | None = None) -> AsyncIterator[RequestOutput]:
         rank = self._pick(prompt_token_ids)
         rank.in_flight_requests += 1
         rank.in_flight_tokens += len(prompt_token_ids)
@@ -116,7 +116,7 @@ class DataParallelEngine:
         self._where[request_id] = rank
         try:
             async for out in rank.engine.generate(request_id, prompt_token_ids, params, eos_token_ids, pd,
-                                                  num_resumed, priority):
+                                                  num_resumed, priority, lora_name):
                 yield out
         finally:
             rank.in_flight_requests -= 1
@@ -131,10 +131,10 @@ class DataParallelEngine:
         for r, ids in by_rank.items():
             await self.ranks[r].engine.abort(ids)
 
-    async def call(self, method: str, timeout: float = 10.0) -> dict:
+    async def call(self, method: str, timeout: float = 10.0, args: dict[str, str] | None = None) -> dict:
         """Every rank's utility call (clearing and loading weights: the server's weights, whichever path it came
         by), their counts summed."""
-        results = [await r.engine.call(method, timeout) for r in self.ranks]
+        results = [await r.engine.call(method, timeout, args) for r in self.ranks]
         merged: dict = {}
         for result in results:
             for key, value in result.items():

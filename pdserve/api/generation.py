@@ -62,6 +62,7 @@ class Generation:
     resumed_text: str = ""
     priority: int = 0  # the request's `priority` (--scheduling-policy priority)
     admitted: Any = None  # api/admission.Admitted when --ttft-slo-ms / --rate-limit let it in
+    lora_name: str | None = None  # the LoRA adapter its `model` named
 
     def resume_after(self, token_ids: list[int], text: str) -> None:
         self.resumed, self.resumed_text = list(token_ids), text
@@ -104,7 +105,8 @@ async def generate_choices(engine: AsyncEngine, tokenizer: Tokenizer, gen: Gener
         prompt = gen.prompt_token_ids + gen.resumed
         engine_id = f"{gen.request_id}-{index}" + (f"-{uuid.uuid4().hex[:8]}" if gen.resumed else "")
         try:
-            async for out in engine.generate(engine_id, prompt, sub, eos, pd, len(gen.resumed), gen.priority):
+            async for out in engine.generate(engine_id, prompt, sub, eos, pd, len(gen.resumed), gen.priority,
+                                             gen.lora_name):
                 if out.error is not None:  # 400s are the request's fault; the rest the engine's
                     raise (ValueError(out.error) if out.error_status == 400
                            else EngineError(out.error, out.error_type or "internal_server_error"))

@@ -27,10 +27,15 @@ from pdserve.tool_calling.grammar import tool_call_grammar
 from pdserve.tool_calling.prompt import render_messages, template_supports_tools
 
 
-def check_model(state: ServerState, model: str | None) -> None:
-    if model is not None and model != state.model_name:
-        raise APIError(f"the model '{model}' does not exist; this server serves '{state.model_name}'",
-                       param="model", err_type="model_not_found")
+def check_model(state: ServerState, model: str | None) -> str | None:
+    """The LoRA adapter the request's `model` names (None: the base model); 404 for a model not served."""
+    if model is None or model == state.model_name:
+        return None
+    if state.lora is not None and model in state.lora.adapters:
+        return model
+    served = [state.model_name, *(state.lora.adapters if state.lora is not None else [])]
+    raise APIError(f"the model '{model}' does not exist; this server serves {', '.join(map(repr, served))}",
+                   404, "model_not_found", param="model")
 
 
 def check_length(state: ServerState, prompt_ids: list[int]) -> None:

@@ -111,7 +111,7 @@ def _response(state: ServerState, body: ResponsesRequest, gen: Generation, text:
     incomplete = status == "incomplete"
     return {
         "id": gen.request_id, "object": "response", "created_at": int(gen.created), "status": status,
-        "model": state.model_name, "output": [] if status == "in_progress" else [message],
+        "model": gen.lora_name or state.model_name, "output": [] if status == "in_progress" else [message],
         "output_text": text, "error": None,
         "incomplete_details": {"reason": "max_output_tokens"} if incomplete and finish == "length" else None,
         "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,

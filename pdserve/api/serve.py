@@ -18,6 +18,7 @@ from pdserve.admission.settings import admission_from_flags
 from pdserve.api.admission import ServerAdmission
 from pdserve.api.async_engine import AsyncEngine
 from pdserve.api.data_parallel import DataParallelEngine, EngineRank
+from pdserve.api.lora import LoRAServing
 from pdserve.api.metrics import ServerMetrics
 from pdserve.api.sampling_defaults import load_sampling_defaults
 from pdserve.api.server import build_app
@@ -113,6 +114,8 @@ def serve(args: argparse.Namespace) -> int:
                             api_key=settings.api_key, sampling_defaults=sampling_defaults,
                             tool_call_parser=settings.tool_call_parser, data_parallel_size=settings.data_parallel_size,
                             scheduling_policy=config.scheduling_policy)
+        if config.enable_lora:
+            state.lora = LoRAServing.of(config.lora_modules, config.enable_lora_runtime_loading)
         if slo.enabled or rate_limits is not None:
             state.admission = ServerAdmission(slo, rate_limits, AdmissionMetrics(metrics.registry, "pdserve"),
                                               settings.api_key)

@@ -13,6 +13,7 @@ from pdserve.api.admission import ServerAdmission
 from pdserve.api.async_engine import AsyncEngine
 from pdserve.api.data_parallel import DataParallelEngine
 from pdserve.api.generation import Generation
+from pdserve.api.lora import LoRAServing
 from pdserve.api.metrics import ServerMetrics
 from pdserve.tokenization.tokenizer import Tokenizer
 
@@ -44,6 +45,7 @@ class ServerState:
     data_parallel_size: int = 1  # engine is a DataParallelEngine when above 1
     scheduling_policy: str = "fcfs"  # the engine's --scheduling-policy: a `priority` other than 0 needs "priority"
     admission: ServerAdmission | None = None  # --ttft-slo-ms, --tpot-slo-ms, --rate-limit
+    lora: LoRAServing | None = None  # --enable-lora: the adapters a request may name in `model`
 
     def request_finished(self, gen: Generation, outcome: str | None = None) -> None:
         """Once per request, however it ended: its metrics, and what admission charges or learns from it."""

@@ -16,9 +16,10 @@ from pdserve.config.fastdeploy_flags import first_port, per_rank_ports
 from pdserve.config.flags import option
 from pdserve.config.roles import Role
 from pdserve.kv_events.config import KVEventsConfig, kv_events_config
+from pdserve.lora.modules import LoRAModule, lora_module
 from pdserve.spec_decode.config import SpeculativeConfig, speculative_config
 
-ENGINE, PD = "engine", "prefill/decode disaggregation"
+ENGINE, PD, LORA = "engine", "prefill/decode disaggregation", "LoRA adapters"
 
 
 def parse_size(text: str) -> int:
@@ -78,6 +79,17 @@ class EngineConfig:
         'ports when the instance registers with a router; "publisher": "null" turns them off)',
         type=kv_events_config, group=ENGINE)
     startup_log: str | None = option(None, "write the startup order (JSON lines) to this file", group=ENGINE)
+    enable_lora: bool = option(False, "serve LoRA adapters: a request names one in its `model` field",
+                               switch=True, group=LORA)
+    lora_modules: tuple[LoRAModule, ...] = option(
+        (), "adapters to serve, PEFT folders: NAME=PATH ... or vLLM's JSON '{\"name\": ..., \"path\": ..., "
+        "\"base_model_name\": ...}'", type=lora_module, nargs="+", group=LORA)
+    max_loras: int = option(1, "adapters in one step (on the device at once); others wait or rotate in",
+                            group=LORA)
+    max_lora_rank: int = option(16, "the largest adapter rank served", group=LORA)
+    enable_lora_runtime_loading: bool = option(
+        False, "allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also vLLM's "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)", switch=True, group=LORA)
     startup_timeout: float = 600.0
 
     splitwise_role: Role = option(
@@ -112,7 +124,11 @@ class EngineConfig:
             raise ValueError(f"--splitwise-role must be mixed, prefill or decode, got {self.splitwise_role!r}") \
                 from None
         object.__setattr__(self, "cache_transfer_protocol", tuple(self.cache_transfer_protocol))
+        object.__setattr__(self, "lora_modules", tuple(m if isinstance(m, LoRAModule) else
+                                                       msgspec.convert(m, LoRAModule) if isinstance(m, dict) else
+                                                       lora_module(m) for m in self.lora_modules))
         self._check()
+        self._check_lora()
 
     def _check(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -146,6 +162,22 @@ class EngineConfig:
             raise ValueError("--pd-transfer-timeout must be positive")
         if self.tensor_parallel_size < 1:
             raise ValueError("--tensor-parallel-size must be at least 1")
+
+    def _check_lora(self) -> None:
+        if not self.enable_lora:
+            if self.lora_modules or self.enable_lora_runtime_loading:
+                raise ValueError("--lora-modules and --enable-lora-runtime-loading need --enable-lora")
+            return
+        if self.max_loras < 1:
+            raise ValueError("--max-loras must be at least 1")
+        if self.max_lora_rank < 1:
+            raise ValueError("--max-lora-rank must be at least 1")
+        if self.tensor_parallel_size > 1:
+            raise ValueError("--enable-lora with --tensor-parallel-size above 1 is not served yet")
+        names = [m.name for m in self.lora_modules]
+        twice = sorted(n for n in names if names.count(n) > 1)
+        if twice:
+            raise ValueError(f"--lora-modules names the adapter {twice[0]!r} twice")
 
     def encode(self) -> str:
         return base64.b64encode(msgspec.msgpack.encode(self)).decode()

@@ -90,8 +90,10 @@ class EngineClient:
     # ---- requests ------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    eos_token_ids: list[int], arrival_time: float | None = None) -> None:
-        self._send(AddRequest(request_id, prompt_token_ids, params, eos_token_ids, arrival_time or time.time()))
+                    eos_token_ids: list[int], arrival_time: float | None = None, lora_name: str | None = None
+                    ) -> None:
+        self._send(AddRequest(request_id, prompt_token_ids, params, eos_token_ids, arrival_time or time.time(),
+                              lora_name=lora_name))
 
     def abort(self, request_ids: list[str]) -> None:
         if request_ids:
@@ -112,10 +114,11 @@ class EngineClient:
             raise EngineError(f"the engine died: {msg.error}")
         return []
 
-    def call(self, method: str, timeout: float = 60.0) -> dict:
-        """A utility call (stats, check_idle, reset_prefix_cache); outputs that arrive meanwhile are kept."""
+    def call(self, method: str, timeout: float = 60.0, args: dict[str, str] | None = None) -> dict:
+        """A utility call (stats, check_idle, reset_prefix_cache, load_lora ...); outputs that arrive meanwhile
+        are kept."""
         call_id = next(self._call_ids)
-        self._send(UtilityCall(call_id, method))
+        self._send(UtilityCall(call_id, method, args or {}))
         deadline = time.monotonic() + timeout
         while True:
             msg = self._receive(max(deadline - time.monotonic(), 0.0), f"answer {method}")

@@ -203,7 +203,7 @@ class EngineCore:
                                   error_status=503,
                                   num_prompt_tokens=len(msg.prompt_token_ids))]
         request = Request(msg.request_id, msg.prompt_token_ids, msg.params, tuple(msg.eos_token_ids),
-                          num_resumed=msg.num_resumed, priority=msg.priority)
+                          num_resumed=msg.num_resumed, priority=msg.priority, lora_name=msg.lora_name)
         request.times.arrival = msg.arrival_time
         try:
             if msg.pd is None:
@@ -287,7 +287,7 @@ class EngineCore:
             start, drafts = r.num_computed_tokens, c.draft_token_ids
             tokens = r.token_ids[start:start + c.num_new_tokens - len(drafts)] + drafts
             chunks.append(Chunk(r.request_id, tokens, start, [b.block_id for b in r.blocks], c.completes_known_tokens,
-                                len(drafts)))
+                                len(drafts), r.lora_name))
         return chunks
 
     def _apply(self, out: SchedulerOutput, result: StepResult, seconds: float) -> list[RequestOutput]:
@@ -377,6 +377,8 @@ class EngineCore:
                 self.worker.weights("clear")
                 self.cache_service.worker_cache_freed()
                 return UtilityResult(call.call_id, {"aborted": len(aborted)}), aborted
+            if call.method in ("load_lora", "unload_lora"):
+                return self._lora(call), []
             if call.method == "load_weights":
                 ok = self.worker.weights("load")
                 self.cache_service.worker_cache_created(self.layout, ok.kv_cache_name)
@@ -385,6 +387,17 @@ class EngineCore:
         except RuntimeError as e:  # the worker reported a failure; it is still alive
             return UtilityResult(call.call_id, error=str(e)), aborted
         return self._query(call), []
+
+    def _lora(self, call: UtilityCall) -> UtilityResult:
+        name = call.args.get("name", "")
+        if call.method == "unload_lora":
+            in_use = sum(1 for r in self.scheduler.requests.values() if r.lora_name == name)
+            if in_use:
+                return UtilityResult(call.call_id, error=f"LoRA adapter {name!r} is in use by {in_use} requests")
+            self.worker.lora("unload", name)
+        else:
+            self.worker.lora("load", name, call.args.get("path", ""))
+        return UtilityResult(call.call_id, {})
 
     def _query(self, call: UtilityCall) -> UtilityResult:
         try:

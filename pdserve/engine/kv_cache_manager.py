@@ -18,6 +18,7 @@ from pdserve.engine.host_tier import HostTier
 from pdserve.engine.request import Request
 from pdserve.kv_events.events import DEVICE, HOST, BlockStored, KVEvent
 from pdserve.kv_events.recorder import KVEventRecorder
+from pdserve.lora.modules import lora_hash_root
 
 if TYPE_CHECKING:
     from pdserve.engine.block_copies import BlockCopies
@@ -221,5 +222,5 @@ class KVCacheManager:
     def _hash_full_blocks(self, request: Request, num_tokens: int) -> None:
         bs = self.block_size
         for i in range(len(request.block_hashes), num_tokens // bs):
-            parent = request.block_hashes[i - 1] if i else None
+            parent = request.block_hashes[i - 1] if i else lora_hash_root(request.lora_name)
             request.block_hashes.append(hash_block(parent, request.token_ids[i * bs:(i + 1) * bs]))

@@ -36,6 +36,7 @@ class AddRequest(msgspec.Struct, tag=True):
     # They are computed as prompt, and count as output for sampling (penalties, grammar, seed).
     num_resumed: int = 0
     priority: int = 0  # --scheduling-policy priority: lower is served first
+    lora_name: str | None = None  # the LoRA adapter it computes with (None: the base model)
 
 
 class AbortRequests(msgspec.Struct, tag=True):
@@ -47,6 +48,7 @@ class UtilityCall(msgspec.Struct, tag=True):
 
     call_id: int
     method: str
+    args: dict[str, str] = {}
 
 
 class Shutdown(msgspec.Struct, tag=True):
@@ -154,6 +156,7 @@ class Chunk(msgspec.Struct, array_like=True):
     block_table: list[int]
     sample: bool  # this chunk reaches the request's last known token: sample the next one
     num_draft: int = 0  # the last num_draft tokens are speculative proposals, to verify (spec_decode)
+    lora: str | None = None  # the LoRA adapter its tokens compute with (None: the base model)
 
 
 DEVICE = "device"  # a BlockCopy's end that is the worker's own cache (the other ends are host segments' roles)
@@ -198,6 +201,14 @@ class CacheCommand(msgspec.Struct, tag=True):
     num_blocks: int | None = None  # fewer blocks than this rank profiled: the smallest rank's; staging's room
 
 
+class LoRACommand(msgspec.Struct, tag=True):
+    """Read an adapter into the worker's host copies ("load"), or drop it ("unload")."""
+
+    action: str
+    name: str
+    path: str = ""
+
+
 class WorkerShutdown(msgspec.Struct, tag=True):
     pass
 
@@ -209,7 +220,7 @@ class WeightsCommand(msgspec.Struct, tag=True):
     segment: str | None = None  # "load", a rank after the first: the cache segment rank 0 created again
 
 
-WorkerInput = ExecuteStep | WeightsCommand | CacheCommand | WorkerShutdown
+WorkerInput = ExecuteStep | WeightsCommand | LoRACommand | CacheCommand | WorkerShutdown
 
 
 # ---- worker -> engine ------------------------------------------------------------------------

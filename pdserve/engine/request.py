@@ -43,6 +43,7 @@ class Request:
     num_resumed: int = 0  # a migrated answer: the prompt's last tokens are output streamed elsewhere
     priority: int = 0  # --scheduling-policy priority: lower is served first
     spec_token_ids: list[int] = field(default_factory=list)  # proposals to verify in the next step
+    lora_name: str | None = None  # the LoRA adapter it computes with; its KV blocks hash apart (lora_hash_root)
 
     def add_prompt_logprobs(self, first_position: int, entries: list[TokenLogprobs]) -> None:
         """Entries for prompt tokens first_position ..; a recompute after preemption repeats known ones."""

@@ -48,13 +48,14 @@ class SchedulerConfig:
     vocab_size: int | None = None  # when known, prompt ids are checked against it at admission
     speculative: SpeculativeConfig | None = None  # n-gram speculation for decoding requests
     policy: str = _ENGINE.scheduling_policy  # fcfs | priority
+    max_loras: int = _ENGINE.max_loras  # distinct LoRA adapters in one step
 
     @classmethod
     def of(cls, config: EngineConfig, max_model_len: int, vocab_size: int | None = None) -> SchedulerConfig:
         return cls(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                    max_model_len=max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
                    role=config.splitwise_role, vocab_size=vocab_size, speculative=config.speculative_config,
-                   policy=config.scheduling_policy)
+                   policy=config.scheduling_policy, max_loras=config.max_loras)
 
     def __post_init__(self) -> None:
         try:
@@ -220,11 +221,22 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        loras: set[str] = set()  # the step's adapters: at most max_loras (the worker's slots)
+
+        def lora_fits(r: Request) -> bool:
+            if r.lora_name is None or r.lora_name in loras:
+                return True
+            if len(loras) < self.config.max_loras:
+                loras.add(r.lora_name)
+                return True
+            return False
 
         for request in list(self.running):
             if budget == 0:
                 break
             if request not in self.running:  # preempted below to make room for an older request
+                continue
+            if not lora_fits(request):  # (a decode instance's streams came in past admission) next step
                 continue
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             drafts, request.spec_token_ids = request.spec_token_ids[:budget - n], []
@@ -244,6 +256,8 @@ class Scheduler:
 
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if not lora_fits(request):  # its adapter waits for one of the step's to finish
+                break
             cached = self.kv.find_cached_prefix(request) if request.num_computed_tokens == 0 else []
             todo = request.num_tokens - len(cached) * self.kv.block_size
             if todo > budget and not self.config.enable_chunked_prefill:

@@ -18,6 +18,7 @@ from pdserve.config.engine import EngineConfig
 from pdserve.engine.messages import (
     CacheCommand,
     ExecuteStep,
+    LoRACommand,
     StepResult,
     WeightsCommand,
     WorkerError,
@@ -97,6 +98,12 @@ class WorkerClient:
             rank.send(WeightsCommand(action, ok.kv_cache_name))
             self._expect(rank, WorkerOk, None, f"{action} its weights", RuntimeError)
         return ok
+
+    def lora(self, action: str, name: str, path: str = "") -> None:
+        """Load or unload a LoRA adapter on every rank; a RuntimeError says why one could not."""
+        for rank in self.ranks:
+            rank.send(LoRACommand(action, name, path))
+            self._expect(rank, WorkerOk, None, f"{action} LoRA adapter {name!r}", RuntimeError)
 
     def alive(self) -> bool:
         return all(rank.alive() for rank in self.ranks)

@@ -109,10 +109,13 @@ class DecoderModel(nn.Module):
         cos_sin = self.rope.lookup(batch.positions) if ops is None else None
         heads, kv_heads, head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         h = F.embedding(batch.input_ids, self.embed)
+        lora = batch.lora
         layers = self.layers if batch.num_layers is None else self.layers[:batch.num_layers]
         for i, layer in enumerate(layers):
             x = rms_norm(h, layer.input_norm)
             qkv = layer.qkv_proj(x)
+            if lora is not None:
+                lora.add(qkv, x, i, "qkv")
             # q and k heads side by side, so RoPE runs once per layer.
             qk = qkv[:, :c.q_size + c.kv_size].view(-1, heads + kv_heads, head_dim)
             v = qkv[:, c.q_size + c.kv_size:].view(-1, kv_heads, head_dim)
@@ -129,8 +132,12 @@ class DecoderModel(nn.Module):
             if on_layer_done is not None:  # this layer's K/V are written: send them while the MLP runs
                 on_layer_done(i)
             h = self._add_row_parallel(h, layer.o_proj, attn)
+            if lora is not None:
+                lora.add(h, attn, i, "o")
             x = rms_norm(h, layer.post_norm)
             gate_up = layer.gate_up_proj(x)
+            if lora is not None:
+                lora.add(gate_up, x, i, "gate_up")
             if ops is None:
                 gate, up = gate_up.chunk(2, dim=-1)
                 act = F.silu(gate) * up
@@ -138,6 +145,8 @@ class DecoderModel(nn.Module):
                 act = gate_up.new_empty(gate_up.shape[0], c.intermediate_size)
                 ops.silu_and_mul(act, gate_up)
             h = self._add_row_parallel(h, layer.down_proj, act)
+            if lora is not None:
+                lora.add(h, act, i, "down")
         last = rms_norm(h[batch.logits_indices], self.norm)
         return last if batch.return_hidden else self.lm_head_proj(last).float()
 

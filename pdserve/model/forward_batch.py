@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pdserve.lora.slots import LoRABatch
+
 
 @dataclass
 class SequenceChunk:
@@ -29,6 +31,7 @@ class SequenceChunk:
     token_ids: list[int]
     num_computed: int  # tokens of this sequence already in the KV cache
     block_table: list[int]  # block ids holding this sequence, in order
+    lora_slot: int = -1  # the LoRA slot (lora/slots.py) its tokens compute with; -1: the base model
 
     @property
     def context_len(self) -> int:
@@ -77,6 +80,7 @@ class ForwardBatch:
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32
     block_size: int
     fallback: FallbackAttention | None = None  # set when the compiled kernel is not used
+    lora: LoRABatch | None = None  # the step's tokens grouped by LoRA adapter, when any uses one
     # A profile or dummy run: touches no other component (no KV signals, no messages).
     is_dummy_or_profile_run: bool = False
     # The model returns the final-normed hidden states at logits_indices, not logits (prompt logprobs:

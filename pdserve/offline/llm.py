@@ -23,6 +23,7 @@ from pdserve.config.engine import EngineConfig
 from pdserve.engine.engine_client import EngineClient
 from pdserve.engine.messages import RequestOutput as EngineOutput
 from pdserve.loader import model_name, resolve_model_folder, tensor_parallel_refusal
+from pdserve.lora.modules import LoRARequest
 from pdserve.offline.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pdserve.sampling import SamplingParams
 from pdserve.tokenization.detokenizer import IncrementalDetokenizer
@@ -49,6 +50,7 @@ class LLM:
         self.engine = EngineClient(self.config, model_name(model))
         self._finalizer = weakref.finalize(self, self.engine.close)
         self._ids = itertools.count()
+        self._loras = {m.name: m.path for m in self.config.lora_modules}  # adapters the engine has
 
     # ---- public API ----------------------------------------------------------------------------
 
@@ -57,23 +59,27 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
+        """`lora_request`: one adapter for every prompt, or one (or None: the base) per prompt; an adapter
+        not loaded yet is loaded from its path first (LLM(enable_lora=True, ...))."""
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         encoded = [self._encode(p) for p in prompts]
-        return self._run(encoded, sampling_params, use_tqdm)
+        return self._run(encoded, sampling_params, use_tqdm, self._lora_names(lora_request, len(encoded)))
 
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         encoded = []
         for conversation in conversations:
             text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
                                                       **(chat_template_kwargs or {}))
             encoded.append((text, self.tokenizer.encode(text, add_special_tokens=False)))
-        return self._run(encoded, sampling_params, use_tqdm)
+        return self._run(encoded, sampling_params, use_tqdm, self._lora_names(lora_request, len(encoded)))
 
     def stats(self) -> dict:
         """Engine counters: blocks, prefix-cache hits, computed tokens, preemptions."""
@@ -101,9 +107,23 @@ class LLM:
             return prompt.get("prompt"), list(prompt["prompt_token_ids"])
         return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
 
+    def _lora_names(self, lora_request: LoRARequest | Sequence[LoRARequest | None] | None, n: int
+                    ) -> list[str | None]:
+        requests = [lora_request] * n if lora_request is None or isinstance(lora_request, LoRARequest) \
+            else list(lora_request)
+        if len(requests) != n:
+            raise ValueError(f"got {n} prompts but {len(requests)} LoRA requests")
+        for r in requests:
+            if r is not None and r.lora_name not in self._loras:
+                if not self.config.enable_lora:
+                    raise ValueError("a LoRA request needs LLM(enable_lora=True, ...)")
+                self.engine.call("load_lora", args={"name": r.lora_name, "path": r.lora_path})
+                self._loras[r.lora_name] = r.lora_path
+        return [None if r is None else r.lora_name for r in requests]
+
     def _run(self, prompts: list[tuple[str | None, list[int]]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None, use_tqdm: bool
-             ) -> list[RequestOutput]:
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None, use_tqdm: bool,
+             loras: list[str | None] | None = None) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = SamplingParams()
         params_list = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
@@ -113,7 +133,8 @@ class LLM:
         eos = list(self.tokenizer.eos_token_ids)
         results: list[RequestOutput] = []
         pending: dict[str, _Pending] = {}
-        for (text, ids), params in zip(prompts, params_list, strict=True):
+        loras = loras or [None] * len(prompts)
+        for (text, ids), params, lora in zip(prompts, params_list, loras, strict=True):
             out = RequestOutput(str(next(self._ids)), text, ids)
             results.append(out)
             for i in range(params.n):
@@ -125,7 +146,7 @@ class LLM:
                 rid = f"{out.request_id}-{i}"
                 pending[rid] = _Pending(out, completion, IncrementalDetokenizer(self.tokenizer, sub),
                                         params.logprobs is not None)
-                self.engine.add_request(rid, ids, sub, eos)
+                self.engine.add_request(rid, ids, sub, eos, lora_name=lora)
         progress = _progress(len(results), use_tqdm)
         try:
             while pending:

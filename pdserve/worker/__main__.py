@@ -15,7 +15,14 @@ import sys
 import msgspec
 import zmq
 
-from pdserve.engine.messages import CacheCommand, ExecuteStep, WorkerError, WorkerInput, WorkerShutdown
+from pdserve.engine.messages import (
+    CacheCommand,
+    ExecuteStep,
+    LoRACommand,
+    WorkerError,
+    WorkerInput,
+    WorkerShutdown,
+)
 from pdserve.loader.errors import ModelLoadError
 from pdserve.utils.process import child_entry, recv_until_stopped
 from pdserve.worker import core_loan
@@ -60,6 +67,11 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 if isinstance(msg, ExecuteStep):
                     reply = loan.run(lambda: worker.execute(msg)) if loan else worker.execute(msg)  # noqa: B023
+                elif isinstance(msg, LoRACommand):
+                    try:
+                        reply = worker.lora(msg)
+                    except (ValueError, OSError) as e:  # a bad adapter: the caller's 400, no traceback
+                        reply = WorkerError(error=str(e))
                 else:
                     reply = worker.weights(msg)
             except Exception as e:  # report and keep serving; the engine fails this step's requests

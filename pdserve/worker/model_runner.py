@@ -16,6 +16,8 @@ import torch
 from pdserve.kv.cache import KVCache
 from pdserve.kv.layout import KVLayout
 from pdserve.loader import resolve_model_folder
+from pdserve.lora.adapter import AdapterError, LoRAAdapter, load_adapter
+from pdserve.lora.slots import LoRABatch, LoRASlots
 from pdserve.model import DecoderModel, ForwardBatch, SequenceChunk, default_device, load_decoder, resolve_dtype
 from pdserve.model.load import resolve_kv_cache_dtype
 from pdserve.model.tensor_parallel import TensorParallel
@@ -35,7 +37,10 @@ class ModelRunner:
         quantization: str | None = None,
         kv_cache_dtype: str = "auto",
         tp: TensorParallel | None = None,
+        max_loras: int = 0,
+        max_lora_rank: int = 16,
     ) -> None:
+        """`max_loras` > 0 serves LoRA adapters (add_adapter), that many on the device at once."""
         self.device = torch.device(device) if device else default_device()
         self.dtype = resolve_dtype(dtype, self.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
@@ -54,6 +59,37 @@ class ModelRunner:
                         self.max_model_len, self.max_model_len)
         self.sampler = Sampler()
         self.kv_cache: KVCache | None = None
+        self.max_lora_rank = max_lora_rank
+        self.adapters: dict[str, LoRAAdapter] = {}  # host copies of the adapters it serves, by name
+        self.lora_slots: LoRASlots | None = None
+        if max_loras > 0:
+            if self.tp.size > 1:
+                raise ValueError("LoRA adapters are not served with --tensor-parallel-size above 1 yet")
+            self.lora_slots = LoRASlots(self.config, max_loras, max_lora_rank, self.dtype, self.device)
+
+    def add_adapter(self, name: str, path: str | Path) -> LoRAAdapter:
+        """Read and check a PEFT adapter (AdapterError names what does not fit); requests may then name it."""
+        if self.lora_slots is None:
+            raise AdapterError("LoRA is off on this instance (--enable-lora)")
+        self.adapters[name] = adapter = load_adapter(name, path, self.full_config, self.max_lora_rank)
+        return adapter
+
+    def remove_adapter(self, name: str) -> None:
+        self.adapters.pop(name, None)
+        if self.lora_slots is not None:
+            self.lora_slots.forget(name)
+
+    def lora_slots_for(self, names: Sequence[str | None]) -> list[int]:
+        """Each chunk's LoRA slot (-1: the base model), the step's adapters placed in slots."""
+        if not any(names):
+            return [-1] * len(names)
+        if self.lora_slots is None:
+            raise AdapterError("LoRA is off on this instance (--enable-lora)")
+        unknown = sorted({n for n in names if n and n not in self.adapters})
+        if unknown:
+            raise AdapterError(f"LoRA adapter {unknown[0]!r} is not loaded")
+        placed = self.lora_slots.place([self.adapters[n] for n in dict.fromkeys(n for n in names if n)])
+        return [placed[n] if n else -1 for n in names]
 
     def load_model(self) -> None:
         self.model = load_decoder(self.folder, self.dtype, self.device, max_positions=self._max_positions,
@@ -129,6 +165,9 @@ class ModelRunner:
         batch = ForwardBatch.build(chunks, self.block_size, self.device, is_dummy_or_profile_run, with_fallback,
                                    full_logits)
         batch.return_hidden = return_hidden or self.model.vocab_parallel
+        if self.lora_slots is not None:
+            batch.lora = LoRABatch.build(self.lora_slots, [c.lora_slot for c in chunks],
+                                         [len(c.token_ids) for c in chunks], self.device)
         batch.num_layers = num_layers
         # seed 001, bug 2: a dummy run signals nothing to anyone
         out = self.model(batch, None) if is_dummy_or_profile_run else self.model(batch, self.kv_cache, on_layer_done)

@@ -19,6 +19,7 @@ from pdserve.engine.messages import (
     CacheCommand,
     Chunk,
     ExecuteStep,
+    LoRACommand,
     NewRequest,
     PromptLogprobs,
     Sampled,
@@ -61,7 +62,11 @@ class Worker:
         before = psutil.Process().memory_info().rss
         self.runner = ModelRunner(config.model, dtype=config.dtype, device=config.device,
                                   block_size=config.block_size, max_model_len=config.max_model_len,
-                                  quantization=config.quantization, kv_cache_dtype=config.kv_cache_dtype, tp=self.tp)
+                                  quantization=config.quantization, kv_cache_dtype=config.kv_cache_dtype, tp=self.tp,
+                                  max_loras=config.max_loras if config.enable_lora else 0,
+                                  max_lora_rank=config.max_lora_rank)
+        for module in config.lora_modules:  # a bad one stops the startup, naming it (AdapterError)
+            self.runner.add_adapter(module.name, module.path)
         self.weights_resident = psutil.Process().memory_info().rss - before  # what loading the weights took
         self.profile: dict = {}
         if config.num_gpu_blocks_override is not None:
@@ -141,6 +146,16 @@ class Worker:
             self._shared = KVCache.attach_shared(self.layout, command.segment)
         self.runner.kv_cache = self._shared.rank_view(self.tp.rank, self.tp.size)
 
+    def lora(self, command: LoRACommand) -> WorkerOk:
+        """Load or unload an adapter (POST /v1/load_lora_adapter, /v1/unload_lora_adapter)."""
+        if command.action == "load":
+            self.runner.add_adapter(command.name, command.path)
+        elif command.action == "unload":
+            self.runner.remove_adapter(command.name)
+        else:
+            raise ValueError(f"unknown LoRA action {command.action!r}")
+        return WorkerOk(self._segment_name())
+
     def weights(self, command: WeightsCommand) -> WorkerOk:
         """Free the weights and this worker's cache mapping (the segment itself when the worker owns
         it, i.e. in mixed role), or load them again."""
@@ -174,7 +189,7 @@ class Worker:
             if copies_done:
                 self.copier.synchronize()
             return StepResult(sampled=[], copies_done=copies_done)
-        chunks = [SequenceChunk(c.token_ids, c.num_computed, c.block_table) for c in step.chunks]
+        chunks = self._sequence_chunks(step.chunks)
         to_sample = [i for i, c in enumerate(step.chunks) if c.sample]
         speculating = [i for i in to_sample if step.chunks[i].num_draft]
         ids = [step.chunks[i].request_id for i in to_sample]
@@ -208,12 +223,18 @@ class Worker:
             raise RuntimeError(self._announcer.error)
         copies_done = self._run_copies(step.copies)
         if step.chunks:
-            chunks = [SequenceChunk(c.token_ids, c.num_computed, c.block_table) for c in step.chunks]
+            chunks = self._sequence_chunks(step.chunks)
             speculating = [i for i, c in enumerate(step.chunks) if c.sample and c.num_draft]  # as rank 0 projects
             self.runner.forward_only(chunks, self._stream_layers(step), speculating)
         if self.copier is not None:
             self.copier.synchronize()
         return StepResult(sampled=[], copies_done=copies_done)
+
+    def _sequence_chunks(self, chunks: list[Chunk]) -> list[SequenceChunk]:
+        """The step's chunks for the model, each with its LoRA adapter's slot (placed for this step)."""
+        slots = self.runner.lora_slots_for([c.lora for c in chunks])
+        return [SequenceChunk(c.token_ids, c.num_computed, c.block_table, slot)
+                for c, slot in zip(chunks, slots, strict=True)]
 
     def _run_copies(self, copies: list[BlockCopy]) -> list[int]:
         """Launch the engine's block copies, in order; the forward pass after them sees what they copied

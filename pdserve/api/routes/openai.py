@@ -34,7 +34,7 @@ router = APIRouter()
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, raw: Request, state: ServerDep) -> Any:
-    check_model(state, body.model)
+    lora = check_model(state, body.model)
     prompt_ids = completion_prompt(state, body)
     shape = AnswerShape(echo=body.echo, return_generated=body.max_tokens != 0,
                         prompt_logprobs_field=body.prompt_logprobs is not None, echo_text=prompt_text(body))
@@ -44,14 +44,14 @@ async def completions(body: CompletionRequest, raw: Request, state: ServerDep) -
     structured = await structured_output(state, body)
     max_tokens = 1 if body.max_tokens == 0 else body.max_tokens  # echo-only: one token computed, none shown
     params = sampling_params(state, body, max_tokens, body.logprobs, structured, prompt_logprobs=prompt_logprobs)
-    gen = Generation(f"cmpl-{uuid.uuid4().hex}", prompt_ids, pd=pd_params(body), shape=shape)
+    gen = Generation(f"cmpl-{uuid.uuid4().hex}", prompt_ids, pd=pd_params(body), shape=shape, lora_name=lora)
     params = migrate(state, body, gen, params)
     return await respond(state, raw, body, gen, params, "text_completion", completion_choice)
 
 
 @router.post("/v1/chat/completions")
 async def chat(body: ChatCompletionRequest, raw: Request, state: ServerDep) -> Any:
-    check_model(state, body.model)
+    lora = check_model(state, body.model)
     prompt_ids = chat_prompt(state, body)
     check_length(state, prompt_ids)
     max_tokens = body.max_completion_tokens or body.max_tokens
@@ -68,19 +68,19 @@ async def chat(body: ChatCompletionRequest, raw: Request, state: ServerDep) -> A
                                "response_format or structured_outputs", param="tool_choice")
             structured, shape.tools_forced = forced, True
     params = sampling_params(state, body, max_tokens, logprobs, structured)
-    gen = Generation(f"chatcmpl-{uuid.uuid4().hex}", prompt_ids, pd=pd_params(body), shape=shape)
+    gen = Generation(f"chatcmpl-{uuid.uuid4().hex}", prompt_ids, pd=pd_params(body), shape=shape, lora_name=lora)
     params = migrate(state, body, gen, params)
     return await respond(state, raw, body, gen, params, "chat.completion", chat_choice)
 
 
 @router.post("/v1/responses")
 async def responses(body: ResponsesRequest, raw: Request, state: ServerDep) -> Any:
-    check_model(state, body.model)
+    lora = check_model(state, body.model)
     if body.migration is not None:
         raise APIError("migration is served on /v1/completions and /v1/chat/completions", param="migration")
     messages = [ChatMessage(**m) for m in body.messages()]
     prompt_ids = template_ids(state, messages, True, None, None)
     check_length(state, prompt_ids)
     params = sampling_params(state, body, body.max_output_tokens, None, await structured_output(state, body))
-    gen = Generation(new_response_id(), prompt_ids, pd=pd_params(body))
+    gen = Generation(new_response_id(), prompt_ids, pd=pd_params(body), lora_name=lora)
     return await respond(state, raw, body, gen, params, "response", None, responses_api=True)

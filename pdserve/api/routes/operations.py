@@ -63,8 +63,9 @@ async def update_model_weight(state: ServerDep) -> dict:
 
 @router.get("/v1/models")
 async def models(state: ServerDep) -> dict:
-    return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": 0,
-                                        "owned_by": "pdserve", "max_model_len": state.max_model_len}]}
+    base = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "pdserve",
+            "max_model_len": state.max_model_len}
+    return {"object": "list", "data": [base, *(state.lora.model_cards(state.model_name) if state.lora else [])]}
 
 
 @router.get("/metrics")
