@@ -46,9 +46,10 @@ def manager(device_blocks: int, host_blocks: int) -> tuple[KVCacheManager, Array
     return kv, copier
 
 
-def run(kv: KVCacheManager, copier: ArrayCopier, rid: str, tokens: list[int]) -> Request:
+def run(kv: KVCacheManager, copier: ArrayCopier, rid: str, tokens: list[int], lora_name: str | None = None
+        ) -> Request:
     """Admit, 'compute' (each computed block's content = its first token), commit, free."""
-    request = Request(rid, tokens, SamplingParams(max_tokens=1))
+    request = Request(rid, tokens, SamplingParams(max_tokens=1), lora_name=lora_name)
     cached = kv.find_cached_prefix(request)
     assert kv.allocate(request, request.num_tokens - len(cached) * BS, cached)
     for i in range(len(cached), len(request.blocks)):

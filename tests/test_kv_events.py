@@ -13,7 +13,7 @@ import zmq
 
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.kv_events.config import KVEventsConfig, kv_events_config
-from pdserve.kv_events.events import AllBlocksCleared
+from pdserve.kv_events.events import AllBlocksCleared, BlockStored
 from pdserve.kv_events.index import DEVICE_BIT, HOST_BIT, KVIndex
 from pdserve.kv_events.publisher import KVEventPublisher
 from pdserve.kv_events.subscriber import KVEventSubscriber
@@ -57,6 +57,18 @@ def test_events_keep_an_index_equal_to_the_prefix_cache_through_evictions_and_a_
     kv.reset_prefix_cache()
     index.apply("e#0", recorder.take())
     assert index.blocks("e#0") == {} == cache_view(kv)
+
+
+def test_blocks_of_a_lora_adapter_are_its_own_in_the_cache_and_in_the_events() -> None:
+    kv, copier = manager(device_blocks=8, host_blocks=8)
+    recorder = kv.record_events()
+    tokens = [5] * BS * 2 + [7]
+    run(kv, copier, "sql-1", tokens, lora_name="sql")
+    stored = [e for e in recorder.take() if isinstance(e, BlockStored)]
+    assert [e.lora_name for e in stored] == ["sql"] and len(stored[0].block_hashes) == 2
+    assert run(kv, copier, "base", tokens).hits == []  # the same tokens under the base: nothing to reuse
+    assert run(kv, copier, "chat", tokens, lora_name="chat").hits == []
+    assert len(run(kv, copier, "sql-2", tokens, lora_name="sql").hits) == 2
 
 
 def test_a_batch_is_vllm_wire_format() -> None:

@@ -204,6 +204,44 @@ def test_serve_answers_adapters_by_model_name_and_loads_them_at_run_time(peft_mo
         stop_all([server])
 
 
+@pytest.mark.e2e
+def test_a_pd_pair_serves_adapters_like_peft_and_keeps_their_prefixes_apart(peft_model, embedded_tokenizer,
+                                                                          tmp_path: Path) -> None:
+    """launch 1P1D, every request through the pair: P computes the prompt under the adapter, D decodes under it."""
+    import signal
+
+    import openai
+
+    from tests.servers import segments, wait_for
+    from tests.test_launch import Launch
+
+    model, folders = peft_model
+    before = segments()
+    launch = Launch(tmp_path, "--prefill", "1", "--decode", "1", "--routers", "1", "--pd-policy", "always",
+                    "--ttft-slo-ms", "0", "--tpot-slo-ms", "0", "--dtype", "float32", "--max-model-len", "1024",
+                    "--num-gpu-blocks-override", "256", "--enable-lora", "--max-loras", "2",
+                    "--lora-modules", f"qv={folders['qv']}", f"every={folders['every']}")
+    try:
+        client = openai.OpenAI(base_url=f"{launch.url}/v1", api_key="x", max_retries=0)
+        prompt = embedded_tokenizer.encode(PROMPTS[4])
+        for name in ["every", "qv", None]:
+            out = client.completions.create(model=name or "SmolLM2-135M-Instruct", prompt=prompt, max_tokens=6,
+                                            temperature=0)
+            assert out.choices[0].text == embedded_tokenizer.decode(_peft_greedy(model, name, prompt, 6)), name
+        long = embedded_tokenizer.encode(" ".join(PROMPTS) * 3)
+        cached = []
+        for name in ["every", "every", "qv", None]:
+            out = client.completions.create(model=name or "SmolLM2-135M-Instruct", prompt=long, max_tokens=2,
+                                            temperature=0)
+            cached.append(out.usage.prompt_tokens_details.cached_tokens)
+        assert cached[0] == 0 and cached[1] >= 64 and cached[2:] == [0, 0], cached
+    finally:
+        if launch.proc.poll() is None:
+            launch.proc.send_signal(signal.SIGINT)
+            launch.proc.wait(60)
+        wait_for(lambda: segments() <= before, 20, "the deployment left shared-memory segments")
+
+
 def _adapter(folder: Path, tensors: dict[str, torch.Tensor], **settings) -> Path:
     folder.mkdir(parents=True)
     (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8, "lora_alpha": 16,

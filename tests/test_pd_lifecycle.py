@@ -292,6 +292,18 @@ def test_cache_info_for_another_layout_is_refused_on_both_sides(pd):
     assert p.free_blocks == p.num_blocks
 
 
+def test_kv_computed_under_another_lora_adapter_is_refused_on_both_sides(pd):
+    p, d = pd
+    tid = f"t{next(_ids)}"
+    rp, rd = request(), request()
+    rp.lora_name, rd.lora_name = "sql", "chat"
+    p.conn.add_request(rp, PDParams(tid, "prefill"))
+    d.conn.add_request(rd, PDParams(tid, "decode", prefill_addr=f"127.0.0.1:{p.conn.port}"))
+    p_out, d_out = pump(p, d, lambda: d.conn.phase_of(tid) is None and p.conn.phase_of(tid) is None)
+    assert "LoRA adapter 'chat'" in p_out[0].error and "'sql'" in d_out[0].error
+    assert p.free_blocks == p.num_blocks
+
+
 def test_p_gives_up_on_cache_info_that_never_comes(pd):
     p, d = pd
     tid = "never-sent"

@@ -113,6 +113,29 @@ def test_pairs_need_equal_compatibility_keys_and_ipc_needs_one_host() -> None:
     assert route.decode is d_other and route.transport == "tcp"
 
 
+def test_a_lora_request_goes_only_to_instances_serving_its_adapter() -> None:
+    """P1 and D1 serve adapter "sql", P2 and D2 do not, the mixed one serves "chat"; the least loaded would win."""
+    pair = {"transports": ["tcp"], "compatibility_key": KEY}
+    p1 = _instance("p1", requests=5, loras=["sql"], **pair)
+    p2 = _instance("p2", **pair)
+    d1 = _instance("d1", "decode", requests=5, loras=["sql"], **pair)
+    d2 = _instance("d2", "decode", **pair)
+    m = _instance("m", "mixed", requests=9, loras=["chat"])
+    registry = Registry()
+    for i in (p1, p2, d1, d2, m):
+        registry._instances[i.url] = i
+    selector = Selector(registry, LeastTokens(), LeastRequests())
+    sql = RoutedRequest([1, 2, 3, 4, 5], 5, lora="sql")
+    route = selector.pick(sql)
+    assert (route.first, route.decode) == (p1, d1)
+    assert selector.pick(RoutedRequest(None, 1, lora="chat")).first is m
+    assert selector.pick(RoutedRequest(None, 1)).first is p2  # the base: any instance
+    assert selector.serves_lora("sql") and not selector.serves_lora("base-model")
+    assert selector.pick(sql, exclude={"d1"}) is None and not selector.can_route(sql, {"d1"})
+    # an adapter's prompt hashes apart from the same tokens under the base (the engine's prefix-cache keys)
+    assert sql.block_hashes(4)[0] != RoutedRequest([1, 2, 3, 4, 5], 5).block_hashes(4)[0]
+
+
 def _conditional_pair(decider: PrefillDecider) -> tuple[Instance, Instance, Selector, list]:
     """A prefill and a decode instance, and a selector that records its decisions."""
     p = _instance("p", transports=["tcp"], compatibility_key=KEY)

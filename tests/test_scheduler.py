@@ -595,3 +595,21 @@ def test_priority_preempts_the_lowest_priority_even_if_scheduled_earlier() -> No
 def test_unknown_policy_is_refused() -> None:
     with pytest.raises(ValueError, match="scheduling-policy"):
         make_scheduler(policy="lifo")
+
+
+# ---- LoRA adapters ---------------------------------------------------------------------------------
+
+def test_a_step_holds_at_most_max_loras_adapters_and_the_others_wait_their_turn() -> None:
+    sched = make_scheduler(max_loras=2)
+    requests = [make_request(f"{name}-{i}", 5, start=10 * i, max_tokens=3)
+                for i, name in enumerate(["sql", "chat", "sql", "code", "base"])]
+    for r in requests:
+        r.lora_name = None if r.request_id.startswith("base") else r.request_id.split("-")[0]
+        sched.add_request(r)
+    outs = run_until_idle(sched)
+    for out in outs:
+        assert len({c.request.lora_name for c in out.chunks} - {None}) <= 2
+    first = ids(outs[0])
+    assert first == ["sql-0", "chat-1", "sql-2"]  # "code" waits at the head, and the base behind it
+    code_start = next(i for i, o in enumerate(outs) if "code-3" in ids(o))
+    assert code_start > 0 and "base-4" in ids(outs[code_start])

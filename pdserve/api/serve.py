@@ -123,6 +123,7 @@ def serve(args: argparse.Namespace) -> int:
             state.router_urls = settings.router
             state.instances = registrations(engine, f"http://{advertise}:{port}", advertise, metrics_port, name,
                                             config.tensor_parallel_size)
+            state.announce_loras()
         from prometheus_client import start_http_server
 
         metrics_reservation.close()

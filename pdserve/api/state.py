@@ -47,6 +47,11 @@ class ServerState:
     admission: ServerAdmission | None = None  # --ttft-slo-ms, --tpot-slo-ms, --rate-limit
     lora: LoRAServing | None = None  # --enable-lora: the adapters a request may name in `model`
 
+    def announce_loras(self) -> None:
+        """The adapters it serves go into its registrations (the next heartbeat tells the routers)."""
+        for instance in self.instances:
+            instance["loras"] = sorted(self.lora.adapters) if self.lora is not None else []
+
     def request_finished(self, gen: Generation, outcome: str | None = None) -> None:
         """Once per request, however it ended: its metrics, and what admission charges or learns from it."""
         self.metrics.request_finished(gen, outcome)

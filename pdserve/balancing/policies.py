@@ -16,6 +16,7 @@ from typing import Any, Protocol, TypeVar
 from pdserve.balancing.prefix_index import CacheView
 from pdserve.engine.block_pool import hash_block
 from pdserve.kv_events.index import KVIndex
+from pdserve.lora.modules import lora_hash_root
 
 DEFAULT_BLOCK_SIZE = 64  # an instance that did not say its block size (a static list without it)
 
@@ -51,6 +52,7 @@ class RoutedRequest:
     predicted_cached_tokens: int | None = None  # cache_aware: what it expects the chosen instance to have cached
     priority: int = 0  # the request's `priority` field (admission counts the queue at its priority and above)
     admitted: Any = None  # router/admission.Admitted, when the router admits by SLO or rate limit
+    lora: str | None = None  # the LoRA adapter its `model` names: only instances serving it may take it
     _hashes: dict[int, list[bytes]] = field(default_factory=dict)
 
     def block_hashes(self, block_size: int) -> list[bytes]:
@@ -61,7 +63,7 @@ class RoutedRequest:
         if block_size not in self._hashes:
             hashes: list[bytes] = []
             for i in range(len(self.token_ids) // block_size):
-                hashes.append(hash_block(hashes[-1] if hashes else None,
+                hashes.append(hash_block(hashes[-1] if hashes else lora_hash_root(self.lora),
                                          self.token_ids[i * block_size:(i + 1) * block_size]))
             self._hashes[block_size] = hashes
         return self._hashes[block_size]

@@ -239,7 +239,7 @@ class DecodeConnector(ConnectorBase):
             self.skipped_blocks += skip
             info = CacheInfo(inc.transfer_id, r.num_prompt_tokens, prompt_digest(r.prompt_token_ids),
                              [b.block_id for b in blocks], self.layout, inc.endpoints,
-                             self.config.pd_transfer_timeout, inc.lease_deadline, skip)
+                             self.config.pd_transfer_timeout, inc.lease_deadline, skip, r.lora_name)
             self._send(inc, info)
             r.times.cache_info_sent = self.clock()
 

@@ -140,6 +140,7 @@ class CacheInfo(msgspec.Struct, tag=True):
     lease: float  # seconds from now until D gives the blocks up
     lease_until: float  # the same moment on D's clock (unix time)
     skip_blocks: int = 0  # D's prefix cache holds the prompt's first blocks: P sends only the rest
+    lora_name: str | None = None  # the LoRA adapter D decodes with: P's KV must be computed under the same
 
 
 class PrefillDone(msgspec.Struct, tag=True):

@@ -228,6 +228,9 @@ class PrefillConnector(ConnectorBase):
         if info.prompt_len != r.num_prompt_tokens or info.prompt_digest != prompt_digest(r.prompt_token_ids):
             return (f"the two instances tokenized the prompt differently ({r.num_prompt_tokens} vs "
                     f"{info.prompt_len} tokens)")
+        if info.lora_name != r.lora_name:
+            return (f"the decode instance decodes under LoRA adapter {info.lora_name!r}, the prefill instance "
+                    f"computes the prompt under {r.lora_name!r}: its KV would not fit")
         if len(info.dst_blocks) < -(-r.num_prompt_tokens // self.layout.block_size):
             return f"the decode instance sent {len(info.dst_blocks)} blocks for a {r.num_prompt_tokens}-token prompt"
         if endpoint is None:

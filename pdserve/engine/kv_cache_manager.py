@@ -160,7 +160,8 @@ class KVCacheManager:
             return
         bs = self.block_size
         parent = request.block_hashes[first - 1] if first else None
-        self.events.stored(hashes, parent, request.token_ids[first * bs:(first + len(hashes)) * bs], DEVICE)
+        self.events.stored(hashes, parent, request.token_ids[first * bs:(first + len(hashes)) * bs], DEVICE,
+                           request.lora_name)
 
     def trim(self, request: Request) -> None:
         """Give back the blocks past the request's tokens (those taken for rejected proposals; never

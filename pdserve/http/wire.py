@@ -34,6 +34,7 @@ class Registration(BaseModel):
     block_size: int | None = None
     compatibility_key: str | None = None  # model + KV layout; P and D pair only when theirs are equal
     kv_events: list[KVEventSource] = []  # one per engine (data-parallel rank) behind this url; none: no events
+    loras: list[str] = []  # the LoRA adapters it serves (a request names one in `model`)
 
 
 class PDRequest(BaseModel):

@@ -11,16 +11,18 @@ class KVEventRecorder:
         self.block_size = block_size
         self._events: list[KVEvent] = []
 
-    def stored(self, block_hashes: list[bytes], parent: bytes | None, token_ids: list[int], medium: str) -> None:
+    def stored(self, block_hashes: list[bytes], parent: bytes | None, token_ids: list[int], medium: str,
+               lora_name: str | None = None) -> None:
+        """`lora_name`: the adapter the blocks were computed under (their hashes are keyed by it)."""
         if not block_hashes:
             return
         last = self._events[-1] if self._events else None
         if (not token_ids and parent is None and isinstance(last, BlockStored) and last.medium == medium
-                and not last.token_ids and last.parent_block_hash is None):
+                and not last.token_ids and last.parent_block_hash is None and last.lora_name == lora_name):
             last.block_hashes.extend(block_hashes)  # blocks saved one by one to the host tier: one event
         else:
             self._events.append(BlockStored(list(block_hashes), parent, list(token_ids), self.block_size, None,
-                                            medium))
+                                            medium, lora_name))
 
     def removed(self, block_hash: bytes, medium: str) -> None:
         last = self._events[-1] if self._events else None

@@ -49,9 +49,9 @@ class Selector:
     def pick(self, request: RoutedRequest, exclude: frozenset[str] | set[str] = frozenset()) -> Route | None:
         if request.single:
             return self._pick_single(request, exclude)
-        decode = self._healthy(Role.DECODE, exclude)
-        pairable = [p for p in self._healthy(Role.PREFILL, exclude) if any(compatible(p, d) for d in decode)]
-        mixed = self._healthy(Role.MIXED, exclude)
+        decode = self._healthy(Role.DECODE, exclude, request)
+        pairable = [p for p in self._healthy(Role.PREFILL, exclude, request) if any(compatible(p, d) for d in decode)]
+        mixed = self._healthy(Role.MIXED, exclude, request)
         request.predicted_cached_tokens = None  # each policy that predicts sets it
         if not pairable:
             if not mixed:
@@ -70,13 +70,21 @@ class Selector:
                 return Route(d, decision=decision, predicted_cached_tokens=request.predicted_cached_tokens)
         return Route(first, d, pair_transport(first, d), predicted_cached_tokens=predicted)
 
-    def _healthy(self, role: Role, exclude: frozenset[str] | set[str]) -> list[Instance]:
-        return [i for i in self.registry.healthy(role) if i.url not in exclude]
+    def _healthy(self, role: Role, exclude: frozenset[str] | set[str], request: RoutedRequest | None = None
+                 ) -> list[Instance]:
+        """The role's healthy instances but the excluded ones, and for a LoRA request those serving its adapter."""
+        lora = request.lora if request is not None else None
+        return [i for i in self.registry.healthy(role)
+                if i.url not in exclude and (lora is None or lora in i.info.loras)]
+
+    def serves_lora(self, name: str) -> bool:
+        """Some registered instance serves this LoRA adapter (a `model` naming it is an adapter request)."""
+        return any(name in i.info.loras for i in self.registry.all())
 
     def _pick_single(self, request: RoutedRequest, exclude: frozenset[str] | set[str]) -> Route | None:
         """A prompt-scoring request: a mixed instance, else a prefill instance (it computes prompts) alone."""
         for role, policy in ((Role.MIXED, self.decode_policy), (Role.PREFILL, self.prefill_policy)):
-            if candidates := self._healthy(role, exclude):
+            if candidates := self._healthy(role, exclude, request):
                 return Route(policy.choose(candidates, request))
         return None
 
@@ -93,8 +101,10 @@ class Selector:
     def can_route(self, request: RoutedRequest, excluded: set[str]) -> bool:
         """pick() would find a route for this request, the `excluded` urls left out (no policy state moves)."""
         if request.single:
-            return bool(self._healthy(Role.MIXED, excluded) or self._healthy(Role.PREFILL, excluded))
-        return self.can_serve_without(excluded)
+            return bool(self._healthy(Role.MIXED, excluded, request) or self._healthy(Role.PREFILL, excluded, request))
+        decode = self._healthy(Role.DECODE, excluded, request)
+        return (any(compatible(p, d) for p in self._healthy(Role.PREFILL, excluded, request) for d in decode)
+                or bool(self._healthy(Role.MIXED, excluded, request)))
 
     def why_not(self) -> str:
         prefill, decode = self.registry.healthy(Role.PREFILL), self.registry.healthy(Role.DECODE)

@@ -38,6 +38,7 @@ async def load_lora_adapter(body: LoadLoRA, state: ServerDep) -> PlainTextRespon
     except EngineError as e:
         raise APIError(str(e), param="lora_path") from None
     lora.adapters[body.lora_name] = LoRAModule(body.lora_name, body.lora_path)
+    state.announce_loras()
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
 
@@ -52,6 +53,7 @@ async def unload_lora_adapter(body: UnloadLoRA, state: ServerDep) -> PlainTextRe
     except EngineError as e:
         raise APIError(str(e), 409, "conflict", param="lora_name") from None
     del lora.adapters[body.lora_name]
+    state.announce_loras()
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
 

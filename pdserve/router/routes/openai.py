@@ -72,6 +72,9 @@ async def _forward_checked(raw: Request, state: RouterState, path: str) -> Respo
     except ValueError as e:
         return error_response(f"the request body is not valid JSON: {e}", 400, "invalid_request_error")
     request = state.reader.read(path, parsed)
+    model = parsed.get("model")
+    if isinstance(model, str) and state.selector.serves_lora(model):
+        request.lora = model  # only the instances serving the adapter may take it; its KV hashes apart
     priority = parsed.get("priority", 0)
     request.priority = priority if isinstance(priority, int) else 0  # a bad one: the instance's 400 names it
     avoid: set[str] = set()
