@@ -329,7 +329,6 @@ def test_prefix_cache_reports_cached_tokens(client, tokenizer):
 BAD = {
     "malformed json": ("completions", b'{"prompt": "hi", "max_tokens": ', None),
     "wrong type": ("completions", {"prompt": "hi", "max_tokens": "ten"}, "max_tokens"),
-    "unknown model": ("completions", {"model": "gpt-nope", "prompt": "hi"}, "model"),
     "max_tokens 0": ("completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     "min_tokens over max_tokens": ("completions", {"prompt": "hi", "max_tokens": 5, "min_tokens": 10}, None),
     "prompt too long": ("completions", {"prompt_token_ids": [42] * (MAX_LEN + 10), "max_tokens": 4}, "prompt"),
@@ -342,7 +341,6 @@ BAD = {
     "negative temperature": ("completions", {"prompt": "hi", "temperature": -1}, "temperature"),
     "empty messages": ("chat/completions", {"messages": [], "max_tokens": 4}, "messages"),
     "missing messages": ("chat/completions", {"max_tokens": 4}, "messages"),
-    "chat unknown model": ("chat/completions", {"model": "gpt-nope", "messages": CHATS[0]}, "model"),
     "chat max_tokens 0": ("chat/completions", {"messages": CHATS[0], "max_tokens": 0}, "max_tokens"),
 }
 
@@ -365,10 +363,19 @@ def test_bad_request_is_400_with_openai_error(server, client, case):
     assert ok.choices[0].text and ok.usage.completion_tokens == 2
 
 
+@pytest.mark.parametrize("path,body", [("completions", {"model": "gpt-nope", "prompt": "hi"}),
+                                       ("chat/completions", {"model": "gpt-nope", "messages": CHATS[0]})])
+def test_an_unknown_model_is_404_model_not_found(server, path, body):
+    r = httpx.post(f"{server.url}/v1/{path}", json=body, timeout=30)
+    assert r.status_code == 404, r.text  # as vLLM answers it
+    err = r.json()["error"]
+    assert err["type"] == "model_not_found" and err["param"] == "model" and "gpt-nope" in err["message"]
+
+
 def test_bad_request_through_openai_client(client):
-    with pytest.raises(openai.BadRequestError) as e:
+    with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="gpt-nope", prompt="hi", max_tokens=2)
-    assert e.value.status_code == 400 and "gpt-nope" in e.value.message
+    assert e.value.status_code == 404 and "gpt-nope" in e.value.message
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=[], max_tokens=2)
     with pytest.raises(openai.BadRequestError):
