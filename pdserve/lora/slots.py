@@ -88,7 +88,8 @@ class LoRASlots:
 class LoRABatch:
     """A step's LoRA work. Two ways, by what is cheaper on a CPU, where a small matmul costs tens of
     microseconds whatever its size:
-    - by group: a slot whose tokens are one run (a long prompt chunk) adds x @ A.T @ B.T on its rows only;
+    - by group: a slot whose tokens are one run (a long prompt chunk, or a step of one adapter's decodes) adds
+      x @ A.T @ B.T on its rows only;
     - by mask, for many short groups (decodes of several adapters interleaved): x @ [A of every slot].T once,
       each token's columns of other slots zeroed, then @ [B of every slot] once: three ops per projection
       whatever the number of adapters (measured at batch 16, bf16: 4 adapters cost what one does).
@@ -121,7 +122,8 @@ class LoRABatch:
                 else:
                     spans.append((start, start + n))
             start += n
-        if start > cls.MASK_ROWS and all(len(spans) == 1 for spans in runs.values()):
+        one_run_each = all(len(spans) == 1 for spans in runs.values())
+        if one_run_each and (start > cls.MASK_ROWS or len(runs) == 1):
             return cls(slots, [(s, slice(*spans[0])) for s, spans in runs.items()], None, 0, projections)
         token_slots = torch.repeat_interleave(torch.tensor(chunk_slots), torch.tensor(chunk_lengths)).to(device)
         return cls(slots, None, token_slots, max(used) + 1, projections)
