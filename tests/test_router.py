@@ -136,6 +136,27 @@ def test_a_lora_request_goes_only_to_instances_serving_its_adapter() -> None:
     assert sql.block_hashes(4)[0] != RoutedRequest([1, 2, 3, 4, 5], 5).block_hashes(4)[0]
 
 
+def test_a_lora_request_prefers_an_instance_whose_slots_hold_its_adapter_unless_it_is_much_busier() -> None:
+    from pdserve.admission.load import LoadReport
+    from pdserve.router.selector import WARM_SLACK
+
+    def report(loras: list[str]) -> LoadReport:
+        return LoadReport(0.0, [], 0, 0, 64, 0.0, 0.0, 0.0, 0.0, loras=loras)
+
+    warm = _instance("warm", "mixed", requests=3, loras=["sql", "chat"])
+    cold = _instance("cold", "mixed", requests=0, loras=["sql", "chat"])
+    warm.load, cold.load = report(["sql"]), report(["chat"])
+    registry = Registry()
+    for i in (warm, cold):
+        registry._instances[i.url] = i
+    selector = Selector(registry, LeastRequests(), LeastRequests())
+    assert selector.pick(RoutedRequest(None, 1, lora="sql")).first is warm  # though the busier
+    assert selector.pick(RoutedRequest(None, 1, lora="chat")).first is cold
+    assert selector.pick(RoutedRequest(None, 1)).first is cold  # the base: least requests
+    warm.in_flight_requests = WARM_SLACK + 1
+    assert selector.pick(RoutedRequest(None, 1, lora="sql")).first is cold
+
+
 def _conditional_pair(decider: PrefillDecider) -> tuple[Instance, Instance, Selector, list]:
     """A prefill and a decode instance, and a selector that records its decisions."""
     p = _instance("p", transports=["tcp"], compatibility_key=KEY)

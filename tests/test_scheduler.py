@@ -606,10 +606,11 @@ def test_a_step_holds_at_most_max_loras_adapters_and_the_others_wait_their_turn(
     for r in requests:
         r.lora_name = None if r.request_id.startswith("base") else r.request_id.split("-")[0]
         sched.add_request(r)
+    step(sched)
+    assert sched.load()[4] == ["chat", "sql"]  # the load report's adapters in slots: routers prefer it for them
     outs = run_until_idle(sched)
     for out in outs:
         assert len({c.request.lora_name for c in out.chunks} - {None}) <= 2
-    first = ids(outs[0])
-    assert first == ["sql-0", "chat-1", "sql-2"]  # "code" waits at the head, and the base behind it
+    assert ids(outs[0]) == ["sql-0", "chat-1", "sql-2"]  # "code" waits at the head, and the base behind it
     code_start = next(i for i, o in enumerate(outs) if "code-3" in ids(o))
     assert code_start > 0 and "base-4" in ids(outs[code_start])

@@ -33,6 +33,7 @@ class LoadReport(msgspec.Struct):
     step_base: float = 0.0  # the fit's seconds of a step before its streams and prompt tokens (0: no fit yet)
     prompt_token_cost: float = 0.0  # seconds a prompt token adds to a step that carries decodes
     prompt_tokens_per_step: float = 0.0  # prompt tokens the steps that carried decodes computed, lately
+    loras: list[str] = []  # LoRA adapters its last step computed with: in its device slots (routers prefer it)
 
     @property
     def queued_tokens(self) -> int:
@@ -100,13 +101,13 @@ class LoadTracker:
         base, per_stream, per_token = (*coef, 0.0)[:3]
         return max(0.0, base), max(0.0, per_stream), max(0.0, per_token)
 
-    def report(self, queued: dict[int, int], decoding: int, waiting_streams: int, min_tokens_left: int | None
-               ) -> LoadReport:
+    def report(self, queued: dict[int, int], decoding: int, waiting_streams: int, min_tokens_left: int | None,
+               loras: list[str] | None = None) -> LoadReport:
         next_finish = (min_tokens_left or 0) * self._step_time
         base, per_stream, per_token = self.step_costs()
         return LoadReport(time.time(), sorted(queued.items()), decoding, waiting_streams, self.max_num_seqs,
                           self.prefill_rate, self._step_time, per_stream, next_finish, self.step_tokens, base,
-                          per_token, self._prompt_per_step)
+                          per_token, self._prompt_per_step, loras or [])
 
 
 def _least_squares(rows: list[tuple[float, ...]], y: list[float]) -> list[float]:

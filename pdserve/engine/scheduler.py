@@ -106,6 +106,7 @@ class Scheduler:
         self.max_speculating = spec.disable_by_batch_size if spec is not None else None
         self.controller = SpeculationController() if spec is not None and self.max_speculating is None else None
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens if spec is not None else 0)
+        self.step_loras: set[str] = set()  # the LoRA adapters the last step computed with
 
     # ---- admission and removal -------------------------------------------------------------
 
@@ -197,10 +198,11 @@ class Scheduler:
             self._finish(request, reason)
         return request
 
-    def load(self) -> tuple[dict[int, int], int, int, int | None]:
+    def load(self) -> tuple[dict[int, int], int, int, int | None, list[str]]:
         """For the load report: prompt tokens still to compute by priority, streams decoding, streams that
-        will join them (queued, mid-prefill, awaiting KV; none on a prefill instance), and the fewest
-        tokens a decoding stream has left before its limit (None when none decodes)."""
+        will join them (queued, mid-prefill, awaiting KV; none on a prefill instance), the fewest
+        tokens a decoding stream has left before its limit (None when none decodes), and the LoRA adapters of
+        the last step."""
         queued: dict[int, int] = {}
         decoding, joining, fewest_left = 0, 0, None
         for r in (*self.waiting, *self.running):
@@ -214,7 +216,7 @@ class Scheduler:
             else:
                 queued[r.priority] = queued.get(r.priority, 0) + todo
                 joining += not r.kv_producer
-        return queued, decoding, joining + len(self.preallocated), fewest_left
+        return queued, decoding, joining + len(self.preallocated), fewest_left, sorted(self.step_loras)
 
     # ---- one step ----------------------------------------------------------------------------
 
@@ -276,6 +278,8 @@ class Scheduler:
             self.running.append(request)
             out.chunks.append(ScheduledChunk(request, n))
             budget -= n
+        if out.chunks:
+            self.step_loras = {c.request.lora_name for c in out.chunks if c.request.lora_name is not None}
         return out
 
     def update(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[tuple[Request, int]]:

@@ -33,6 +33,9 @@ def compatible(prefill: Instance, decode: Instance) -> bool:
             and pair_transport(prefill, decode) is not None)
 
 
+WARM_SLACK = 8  # requests in flight a warm instance may have beyond the least busy candidate (untuned)
+
+
 class Selector:
     """Routes are a compatible (prefill, decode) pair or a mixed instance, all chosen among by the same
     policies: the instance that computes the prompt (a prefill or a mixed one) by the prefill policy, then a
@@ -56,13 +59,13 @@ class Selector:
         if not pairable:
             if not mixed:
                 return None
-            chosen = self.decode_policy.choose(mixed, request)
+            chosen = self.decode_policy.choose(self._warm_first(mixed, request), request)
             return Route(chosen, predicted_cached_tokens=request.predicted_cached_tokens)
-        first = self.prefill_policy.choose(pairable + mixed, request)
+        first = self.prefill_policy.choose(self._warm_first(pairable + mixed, request), request)
         predicted = request.predicted_cached_tokens
         if first.role == Role.MIXED:
             return Route(first, predicted_cached_tokens=predicted)
-        d = self.decode_policy.choose([d for d in decode if compatible(first, d)], request)
+        d = self.decode_policy.choose(self._warm_first([d for d in decode if compatible(first, d)], request), request)
         if self.decider is not None:
             decision = self.decider.decide(request, first, d)
             self.on_decision(decision)
@@ -76,6 +79,17 @@ class Selector:
         lora = request.lora if request is not None else None
         return [i for i in self.registry.healthy(role)
                 if i.url not in exclude and (lora is None or lora in i.info.loras)]
+
+    def _warm_first(self, candidates: list[Instance], request: RoutedRequest) -> list[Instance]:
+        """For a LoRA request, the instances whose last load report had its adapter in a step (so in a device
+        slot), unless they have more than WARM_SLACK requests in flight beyond the least busy candidate (then
+        a cold one is worth the adapter's copy-in). Without reports (admission off: no polling), all of them."""
+        if request.lora is None or len(candidates) < 2:
+            return candidates
+        least = min(i.in_flight_requests for i in candidates)
+        warm = [i for i in candidates if i.load is not None and request.lora in i.load.loras
+                and i.in_flight_requests <= least + WARM_SLACK]
+        return warm or candidates
 
     def serves_lora(self, name: str) -> bool:
         """Some registered instance serves this LoRA adapter (a `model` naming it is an adapter request)."""
