@@ -144,6 +144,9 @@ def test_the_engine_serves_adapters_in_rotation_and_keys_its_prefix_cache_by_ada
                             lora_request=requests)
         for out, name, ids in zip(outs, names, prompts, strict=True):
             assert out.outputs[0].token_ids == _peft_greedy(model, name, ids, 6), name
+        llm.engine.add_request("gone-0", prompts[0], params, [], lora_name="gone")  # unloaded since the API checked
+        (out,) = llm.engine.get_outputs(timeout=30)
+        assert out.request_id == "gone-0" and "'gone' is not loaded" in out.error  # this request alone fails
         # the same long prompt under "every", then "qv", then the base, then "every" again: only the last hits
         long = embedded_tokenizer.encode(" ".join(PROMPTS) * 2)
         cached = []

@@ -79,6 +79,7 @@ class EngineCore:
         self.num_computed_tokens = 0  # all tokens run through the model (prefix hits excluded)
         self.num_steps = 0
         self.weights_loaded = True
+        self.loras = {m.name for m in config.lora_modules}  # the adapters the worker holds (requests may name)
         self.load = LoadTracker(config.max_num_seqs, config.max_num_batched_tokens)
         self._load_sent = 0.0  # monotonic time of the last report
         self._load_idle_sent = False  # the report after the last work went out
@@ -201,6 +202,10 @@ class EngineCore:
             return [RequestOutput(msg.request_id, [], finish_reason="error",
                                   error="the model weights are cleared; POST /update_model_weight loads them",
                                   error_status=503,
+                                  num_prompt_tokens=len(msg.prompt_token_ids))]
+        if msg.lora_name is not None and msg.lora_name not in self.loras:  # unloaded since the API checked it
+            return [RequestOutput(msg.request_id, [], finish_reason="error",
+                                  error=f"the LoRA adapter '{msg.lora_name}' is not loaded",
                                   num_prompt_tokens=len(msg.prompt_token_ids))]
         request = Request(msg.request_id, msg.prompt_token_ids, msg.params, tuple(msg.eos_token_ids),
                           num_resumed=msg.num_resumed, priority=msg.priority, lora_name=msg.lora_name)
@@ -395,8 +400,10 @@ class EngineCore:
             if in_use:
                 return UtilityResult(call.call_id, error=f"LoRA adapter {name!r} is in use by {in_use} requests")
             self.worker.lora("unload", name)
+            self.loras.discard(name)
         else:
             self.worker.lora("load", name, call.args.get("path", ""))
+            self.loras.add(name)
         return UtilityResult(call.call_id, {})
 
     def _query(self, call: UtilityCall) -> UtilityResult:
