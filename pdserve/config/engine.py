@@ -16,7 +16,7 @@ from pdserve.config.fastdeploy_flags import first_port, per_rank_ports
 from pdserve.config.flags import option
 from pdserve.config.roles import Role
 from pdserve.kv_events.config import KVEventsConfig, kv_events_config
-from pdserve.lora.modules import LoRAModule, lora_module
+from pdserve.lora.modules import LoRAModule, as_lora_module, lora_module
 from pdserve.spec_decode.config import SpeculativeConfig, speculative_config
 
 ENGINE, PD, LORA = "engine", "prefill/decode disaggregation", "LoRA adapters"
@@ -124,9 +124,7 @@ class EngineConfig:
             raise ValueError(f"--splitwise-role must be mixed, prefill or decode, got {self.splitwise_role!r}") \
                 from None
         object.__setattr__(self, "cache_transfer_protocol", tuple(self.cache_transfer_protocol))
-        object.__setattr__(self, "lora_modules", tuple(m if isinstance(m, LoRAModule) else
-                                                       msgspec.convert(m, LoRAModule) if isinstance(m, dict) else
-                                                       lora_module(m) for m in self.lora_modules))
+        object.__setattr__(self, "lora_modules", tuple(map(as_lora_module, self.lora_modules)))
         self._check()
         self._check_lora()
 

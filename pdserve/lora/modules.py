@@ -46,6 +46,13 @@ def lora_module(text: str) -> LoRAModule:
     return LoRAModule(name, path)
 
 
+def as_lora_module(value: LoRAModule | dict | str) -> LoRAModule:
+    """A module as the config holds it, from a flag's text, a decoded config's dict, or itself."""
+    if isinstance(value, LoRAModule):
+        return value
+    return msgspec.convert(value, LoRAModule) if isinstance(value, dict) else lora_module(value)
+
+
 def lora_hash_root(lora_name: str | None) -> bytes | None:
     """The parent of a prompt's first KV block hash (block_pool.hash_block): None for the base model, so
     its hashes are as before; an adapter's blocks hash apart from the base's and from every other adapter's."""

@@ -106,19 +106,17 @@ class Selector:
         """pick() would find a route (asked without moving any policy's state)."""
         return self.can_serve_without(set())
 
-    def can_serve_without(self, excluded: set[str]) -> bool:
-        """can_serve(), the `excluded` urls left out."""
-        decode = self._healthy(Role.DECODE, excluded)
-        return (any(compatible(p, d) for p in self._healthy(Role.PREFILL, excluded) for d in decode)
-                or bool(self._healthy(Role.MIXED, excluded)))
+    def can_serve_without(self, excluded: set[str], request: RoutedRequest | None = None) -> bool:
+        """can_serve(), the `excluded` urls left out (and for a LoRA request, the instances not serving it)."""
+        decode = self._healthy(Role.DECODE, excluded, request)
+        return (any(compatible(p, d) for p in self._healthy(Role.PREFILL, excluded, request) for d in decode)
+                or bool(self._healthy(Role.MIXED, excluded, request)))
 
     def can_route(self, request: RoutedRequest, excluded: set[str]) -> bool:
         """pick() would find a route for this request, the `excluded` urls left out (no policy state moves)."""
         if request.single:
             return bool(self._healthy(Role.MIXED, excluded, request) or self._healthy(Role.PREFILL, excluded, request))
-        decode = self._healthy(Role.DECODE, excluded, request)
-        return (any(compatible(p, d) for p in self._healthy(Role.PREFILL, excluded, request) for d in decode)
-                or bool(self._healthy(Role.MIXED, excluded, request)))
+        return self.can_serve_without(excluded, request)
 
     def why_not(self) -> str:
         prefill, decode = self.registry.healthy(Role.PREFILL), self.registry.healthy(Role.DECODE)
