@@ -192,6 +192,31 @@ def test_forced_tool_calls(client, choice):
     _arguments_valid(call, WEATHER_TOOL if wanted == "get_weather" else TIME_TOOL)
 
 
+ADD_TOOL = {"type": "function", "function": {
+    "name": "add", "description": "Add two integers",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                   "required": ["a", "b"]}}}
+
+
+def closed(tool: dict) -> dict:
+    """The tool's parameters with additionalProperties false: what its calls must validate against."""
+    return {"function": {"parameters": {**tool["function"]["parameters"], "additionalProperties": False}}}
+
+
+def test_two_functions_required_end_in_calls_without_invented_keys(client):
+    """Issue 41: with open objects this model called add with keys a to h (the second question) and repeated a
+    call word for word (the first); closed, bounded and distinct, its calls validate and end."""
+    for question in ("What is 1 + 2?", "Please add 7 and 8 for me."):
+        out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}],
+                                             max_tokens=200, temperature=0, tools=[ADD_TOOL, TIME_TOOL],
+                                             tool_choice="required")
+        assert out.choices[0].finish_reason == "tool_calls", out.choices[0]
+        calls = out.choices[0].message.tool_calls
+        for c in calls:
+            _arguments_valid(c, closed(ADD_TOOL if c.function.name == "add" else TIME_TOOL))
+        assert len({(c.function.name, c.function.arguments) for c in calls}) == len(calls), calls
+
+
 def test_streamed_tool_call_equals_whole(client):
     kw = dict(model=MODEL, messages=ASK_WEATHER, max_tokens=100, temperature=0, tools=[WEATHER_TOOL],
               tool_choice="required", parallel_tool_calls=False)
@@ -251,6 +276,23 @@ def test_langchain_structured_output_and_tools(server):
                      max_retries=0)
     got = llm.with_structured_output(Weather, method="json_schema").invoke("The weather in Rome: 24 degrees.")
     assert isinstance(got, Weather) and got.city
+
+    class Product(BaseModel):
+        name: str
+        quantity: int
+        price: float
+
+    class Constant(BaseModel):
+        name: str
+        digits: int
+        value: float
+
+    # As a function call, both floats ran to max_tokens (1.99999..., 1.618181818...) before numbers were bounded
+    for model, text in ((Product, "The laptop costs 999.99, we have 3."), (Constant, "What is the golden ratio?")):
+        answer = llm.model_copy(update={"max_tokens": 200}).with_structured_output(
+            model, method="function_calling", include_raw=True).invoke(text)
+        assert isinstance(answer["parsed"], model), answer
+        assert answer["raw"].response_metadata["finish_reason"] == "tool_calls"
     bound = llm.bind_tools([WEATHER_TOOL], tool_choice="get_weather")
     msg = bound.invoke("What is the weather like in Oslo?")
     assert [c["name"] for c in msg.tool_calls] == ["get_weather"]

@@ -9,12 +9,14 @@ instance's top two tokens were a near tie there (tests/greedy.py's HTTP_NEAR_TIE
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import jsonschema
 import openai
 import psutil
 import pytest
@@ -415,10 +417,6 @@ APP_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters"
 def test_structured_output_and_tool_calls_through_pd_equal_mixed(pd: dict) -> None:
     """P samples the first token under the grammar and D's matcher continues from it: the answer is a
     mixed instance's (up to a near tie, tests/greedy.py), streamed or not, and it validates."""
-    import json
-
-    import jsonschema
-
     ask = [{"role": "user", "content": "Describe a film you like as JSON."}]
     requests = [
         dict(messages=ask, response_format={"type": "json_schema",
@@ -443,6 +441,25 @@ def test_structured_output_and_tool_calls_through_pd_equal_mixed(pd: dict) -> No
     assert answers[1].finish_reason == "tool_calls"
     assert [c.function.name for c in answers[1].message.tool_calls] == ["get_weather"]
     assert answers[2].message.content in ("yes", "no")
+    _assert_all_blocks_free(pd)
+
+
+def test_two_functions_required_through_pd_end_as_mixed(pd: dict) -> None:
+    """Issue 41's request through the pair: D's guard (closed objects, bounded numbers, distinct calls)
+    continues from P's first token and the calls end within max_tokens as on a mixed instance."""
+    add = {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
+    kw = dict(messages=[{"role": "user", "content": "What is 1 + 2?"}], tools=[add, APP_TOOL], tool_choice="required")
+    router, mixed = _client(pd["router"].url), _client(pd["mixed"].url)
+    got, want = (c.chat.completions.create(model=MODEL, max_tokens=200, temperature=0, logprobs=True, top_logprobs=2,
+                                           **kw).choices[0] for c in (router, mixed))
+    _assert_same_greedy_chat(got, want)
+    assert got.finish_reason == "tool_calls" and got.message.tool_calls
+    schemas = {t["function"]["name"]: {**t["function"]["parameters"], "additionalProperties": False}
+               for t in (add, APP_TOOL)}
+    for c in got.message.tool_calls:
+        jsonschema.validate(json.loads(c.function.arguments), schemas[c.function.name])
+    assert len({(c.function.name, c.function.arguments) for c in got.message.tool_calls}) == len(got.message.tool_calls)
     _assert_all_blocks_free(pd)
 
 

@@ -15,7 +15,7 @@ from pdserve.sampling import SamplingParams
 from pdserve.sampling.sampler import Sampler, SamplingRow
 from pdserve.structured.matcher import GrammarCompiler, SequenceGrammar, allowed_tokens, unpack_on_device
 from pdserve.structured.spec import StructuredOutput, check, json_schema
-from pdserve.tool_calling.grammar import tool_call_grammar
+from pdserve.tool_calling.grammar import tool_call_spec
 from pdserve.tool_calling.parsers import HermesParser
 from pdserve.tool_calling.prompt import render_messages, template_supports_tools
 
@@ -106,7 +106,7 @@ def test_tool_parameters_with_defs(compiler, embedded_tokenizer):
         "type": "object", "properties": {"guest": {"$ref": "#/$defs/Guest"}}, "required": ["guest"],
         "$defs": {"Guest": {"type": "object", "properties": {"age": {"type": "integer"}}, "required": ["age"],
                             "additionalProperties": False}}}}}
-    spec = tool_call_grammar([nested, TOOL], "book", parallel=False)
+    spec = tool_call_spec([nested, TOOL], "book", parallel=False)
     check(spec)
     assert _accepts(compiler, embedded_tokenizer, spec,
                     '<tool_call>\n{"name":"book","arguments":{"guest":{"age":40}}}\n</tool_call>')
@@ -128,8 +128,8 @@ def test_min_tokens_yields_to_a_complete_grammar():
 
 def test_tool_call_grammar_holds_name_and_arguments(compiler, embedded_tokenizer):
     other = {"type": "function", "function": {"name": "g", "parameters": {"type": "object"}}}
-    required = tool_call_grammar([TOOL, other], None, parallel=True)
-    named = tool_call_grammar([TOOL, other], "f", parallel=True)
+    required = tool_call_spec([TOOL, other], None, parallel=True)
+    named = tool_call_spec([TOOL, other], "f", parallel=True)
     call = '<tool_call>\n{"name":"f","arguments":{"q":"hi"}}\n</tool_call>'
     assert _accepts(compiler, embedded_tokenizer, required, call)
     assert _accepts(compiler, embedded_tokenizer, required, call + "\n" + call)

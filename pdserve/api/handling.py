@@ -23,7 +23,7 @@ from pdserve.engine.messages import PDParams
 from pdserve.http.disconnect import until_disconnect
 from pdserve.structured.spec import StructuredOutput, check, grammar_tokenizer
 from pdserve.tokenization.detokenizer import IncrementalDetokenizer
-from pdserve.tool_calling.grammar import tool_call_grammar
+from pdserve.tool_calling.grammar import tool_call_spec
 from pdserve.tool_calling.prompt import render_messages, template_supports_tools
 
 
@@ -153,14 +153,12 @@ async def _check_off_loop(state: ServerState, spec: StructuredOutput) -> None:
     await asyncio.to_thread(run)
 
 
-async def forced_tool_grammar(state: ServerState, body: ChatCompletionRequest) -> StructuredOutput | None:
+async def tool_grammar(state: ServerState, body: ChatCompletionRequest, forced: bool) -> StructuredOutput:
+    """The grammar of the answer's tool calls: `forced` (tool_choice required or a named function) calls
+    only; otherwise (auto) text, or text and then calls."""
     choice, tools = body.tool_choice, [t.model_dump(exclude_none=True) for t in body.tools or []]
-    if choice == "required":
-        spec = tool_call_grammar(tools, None, body.parallel_tool_calls)
-    elif isinstance(choice, NamedToolChoice):
-        spec = tool_call_grammar(tools, choice.name, False)
-    else:
-        return None
+    only = choice.name if isinstance(choice, NamedToolChoice) else None
+    spec = tool_call_spec(tools, only, body.parallel_tool_calls, forced=forced)
     try:
         await _check_off_loop(state, spec)
     except ValueError as e:

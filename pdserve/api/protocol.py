@@ -84,6 +84,7 @@ class StructuredOutputsParams(BaseModel):
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool | None = None  # vLLM's; objects are closed unless this is false
     whitespace_pattern: str | None = None
     structural_tag: Any = None
 
@@ -95,7 +96,7 @@ class StructuredOutputsParams(BaseModel):
         return v
 
 
-def _spec(kind: str, value: Any, flexible: bool, pattern: str | None) -> StructuredOutput:
+def _spec(kind: str, value: Any, flexible: bool, pattern: str | None, open_objects: bool = False) -> StructuredOutput:
     if kind == "json":
         if isinstance(value, str):
             try:
@@ -105,7 +106,8 @@ def _spec(kind: str, value: Any, flexible: bool, pattern: str | None) -> Structu
         value = json.dumps(value)
     elif kind == "choice":
         value = json.dumps(list(value))
-    return StructuredOutput(kind=kind, value=value, whitespace_flexible=flexible, whitespace_pattern=pattern)
+    return StructuredOutput(kind=kind, value=value, whitespace_flexible=flexible, whitespace_pattern=pattern,
+                            open_objects=open_objects and kind == "json")
 
 
 class _SamplingFields(BaseModel):
@@ -187,7 +189,7 @@ class _SamplingFields(BaseModel):
         elif rf is not None and rf.type == "json_schema":
             if rf.json_schema is None or rf.json_schema.json_schema is None:
                 raise ValueError("response_format.json_schema.schema is required for type json_schema")
-            found.append(_spec("json", rf.json_schema.json_schema, False, pattern))
+            found.append(_spec("json", rf.json_schema.json_schema, False, pattern, rf.json_schema.strict is False))
         so = self.structured_outputs
         if so is not None:
             flexible = so.disable_any_whitespace is False
@@ -198,7 +200,7 @@ class _SamplingFields(BaseModel):
                 given.append(("json_object", ""))
             if len(given) != 1:
                 raise ValueError("structured_outputs takes exactly one of json, regex, choice, grammar, json_object")
-            found.append(_spec(*given[0], flexible, pattern))
+            found.append(_spec(*given[0], flexible, pattern, so.disable_additional_properties is False))
         for kind, value in (("json", self.guided_json), ("regex", self.guided_regex),
                             ("choice", self.guided_choice), ("grammar", self.guided_grammar)):
             if value is not None:

@@ -6,7 +6,8 @@ compiling a new request's spec, consuming the tokens sampled since a sequence's 
 the masks. The step's critical path only unpacks the finished masks. A spec is compiled once into a
 template matcher (kept, least recently used first out); a sequence gets a copy. A sequence that
 starts with output tokens (a decode instance continues from the prefill instance's first token; a
-resumed request from what it had sent) has its matcher advanced over them first.
+resumed request from what it had sent) has its matcher advanced over them first. JSON and tool-call
+sequences also carry a JsonGuard (number bounds, distinct calls), whose mask is ANDed into the grammar's.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pdserve.structured.json_guard import JsonGuard, TokenTexts
 from pdserve.structured.spec import StructuredOutput, grammar_of, grammar_tokenizer
+from pdserve.tool_calling.grammar import is_parallel
 
 log = logging.getLogger("pdserve.structured")
 
@@ -32,6 +35,7 @@ class SequenceGrammar:
     def __init__(self, spec: StructuredOutput, eos_token_ids: Sequence[int], output_token_ids: Sequence[int]) -> None:
         self.spec, self.eos_token_ids = spec, tuple(eos_token_ids)
         self.matcher: object | None = None
+        self.guard: JsonGuard | None = None
         self.pending: list[int] = list(output_token_ids)
         self.error: str | None = None
 
@@ -47,6 +51,7 @@ class SequenceGrammar:
             except ValueError as e:
                 self.error = f"the output constraint does not compile: {e}"
                 return
+            self.guard = compiler.guard(self.spec)
         tokens, self.pending = self.pending, []
         for token_id in tokens:
             if self.matcher.is_stopped():  # the grammar is complete: only EOS follows
@@ -54,6 +59,8 @@ class SequenceGrammar:
             if not self.matcher.consume_token(token_id):
                 self.error = f"token {token_id} does not fit the output constraint ({self.matcher.get_error()})"
                 return
+            if self.guard is not None:
+                self.guard.consume(token_id)
 
 
 class GrammarCompiler:
@@ -65,6 +72,7 @@ class GrammarCompiler:
         self._templates: OrderedDict[tuple[StructuredOutput, tuple[int, ...]], object] = OrderedDict()
         self._cache_size = cache_size
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+        self._texts: TokenTexts | None = None
 
     def matcher(self, spec: StructuredOutput, eos_token_ids: tuple[int, ...]) -> object:
         """A fresh matcher for `spec` (a copy of the cached template); ValueError if it does not compile."""
@@ -84,6 +92,16 @@ class GrammarCompiler:
             self._templates.move_to_end(key)
         return template.deep_copy()
 
+    def guard(self, spec: StructuredOutput) -> JsonGuard | None:
+        """The bounds llguidance cannot express, for the JSON kinds and tool calls (None for the others)."""
+        if spec.kind not in ("json", "json_object", "tool_calls"):
+            return None
+        if self._texts is None:
+            self._texts = TokenTexts.of(grammar_tokenizer(self.tokenizer_json, self.vocab_size), self.vocab_size)
+        if spec.kind == "tool_calls":
+            return JsonGuard(self._texts, calls_only=True, distinct_calls=is_parallel(spec))
+        return JsonGuard(self._texts)
+
     def fill_async(self, grammars: list[SequenceGrammar | None],
                    drafts: list[list[int]] | None = None) -> Future[torch.Tensor | None]:
         """Start filling the masks of `grammars` (None rows allow everything): one row each, or with
@@ -99,27 +117,42 @@ class GrammarCompiler:
         if not any(g is not None and g.error is None for g in grammars):
             return None
         bits = torch.full((sum(1 + len(d) for d in drafts), self.words), -1, dtype=torch.int32)
-        row_bytes, row = self.words * 4, 0
+        rows, row = bits.numpy(), 0
         for g, proposed in zip(grammars, drafts, strict=True):
             if g is not None and g.error is None:
-                self._fill_positions(g.matcher, proposed, bits.data_ptr() + row * row_bytes, row_bytes)
+                self._fill_positions(g, proposed, rows[row:row + 1 + len(proposed)])
             row += 1 + len(proposed)
         return bits
 
     @staticmethod
-    def _fill_positions(matcher: object, proposed: list[int], address: int, row_bytes: int) -> None:
+    def _fill_positions(g: SequenceGrammar, proposed: list[int], rows: np.ndarray) -> None:
         """The mask now, then after each proposal the grammar accepts (rows after a refused one stay
         all-allowed: the verifier stops at the refused proposal, which its mask rules out)."""
-        matcher.unsafe_compute_mask_ptr(address, row_bytes)
+        matcher, row_bytes = g.matcher, rows.shape[1] * 4
+        matcher.unsafe_compute_mask_ptr(rows[0].ctypes.data, row_bytes)
+        _apply_guard(g.guard, matcher, rows[0])
         valid = proposed[:matcher.validate_tokens(proposed)] if proposed else []  # a refused token would break it
+        guard = g.guard.copy() if g.guard is not None and valid else None
         for consumed, token in enumerate(valid, 1):
             matcher.consume_token(token)
-            matcher.unsafe_compute_mask_ptr(address + consumed * row_bytes, row_bytes)
+            matcher.unsafe_compute_mask_ptr(rows[consumed].ctypes.data, row_bytes)
+            if guard is not None:
+                guard.consume(token)
+                _apply_guard(guard, matcher, rows[consumed])
         if valid:
             matcher.rollback(len(valid))
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _apply_guard(guard: JsonGuard | None, matcher: object, row: np.ndarray) -> None:
+    """AND the guard's mask into the grammar's row, unless together they would allow nothing."""
+    words = guard.mask(matcher) if guard is not None else None
+    if words is not None:
+        both = row & words
+        if both.any():
+            row[:] = both
 
 
 def allowed_tokens(bits: torch.Tensor, vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -7,6 +7,9 @@ backend, also in SGLang): it has no dependencies, where xgrammar pulls triton an
 JSON is compact by default (no free whitespace between tokens: `{"a":1,"b":[2]}`). With free
 whitespace a small model, once it has written the last value, may write newlines until max_tokens;
 `whitespace_flexible` (vLLM's `disable_any_whitespace: false`) or a `whitespace_pattern` allows them.
+JSON schemas compile closed unless `open_objects` (strict_schema.py), and their numbers are bounded
+(json_guard.py). `tool_calls` is the Hermes tool-call grammar (tool_calling/grammar.py) over the request's
+functions, its value their JSON.
 """
 
 from __future__ import annotations
@@ -17,14 +20,17 @@ from pathlib import Path
 
 import msgspec
 
-KINDS = ("json", "json_object", "regex", "choice", "grammar", "lark")
+from pdserve.structured.strict_schema import close_schema
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar", "lark", "tool_calls")
 
 
 class StructuredOutput(msgspec.Struct, kw_only=True, omit_defaults=True, frozen=True):
     kind: str  # one of KINDS
-    value: str = ""  # JSON schema text, regex, JSON list of choices, or grammar text (Lark or GBNF)
+    value: str = ""  # JSON schema text, regex, JSON list of choices, grammar text (Lark or GBNF), tool calls' JSON
     whitespace_flexible: bool = False
     whitespace_pattern: str | None = None
+    open_objects: bool = False  # json: objects admit undeclared keys where the schema is silent (JSON Schema's own)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -32,10 +38,10 @@ class StructuredOutput(msgspec.Struct, kw_only=True, omit_defaults=True, frozen=
 
 
 def json_schema(schema: dict | bool, whitespace_flexible: bool = False,
-                whitespace_pattern: str | None = None) -> StructuredOutput:
+                whitespace_pattern: str | None = None, open_objects: bool = False) -> StructuredOutput:
     """The spec for a JSON schema (offline use: `SamplingParams(structured=json_schema(schema))`)."""
     return StructuredOutput(kind="json", value=json.dumps(schema), whitespace_flexible=whitespace_flexible,
-                            whitespace_pattern=whitespace_pattern)
+                            whitespace_pattern=whitespace_pattern, open_objects=open_objects)
 
 
 @lru_cache(maxsize=256)
@@ -43,8 +49,14 @@ def grammar_of(spec: StructuredOutput) -> str:
     """The llguidance grammar (JSON text) for `spec`; ValueError when it cannot be built."""
     from llguidance import LLMatcher, grammar_from
 
+    if spec.kind == "tool_calls":
+        from pdserve.tool_calling.grammar import tool_call_lark
+
+        return grammar_from("lark", tool_call_lark(json.loads(spec.value)))
     if spec.kind in ("json", "json_object"):
         schema = spec.value if spec.kind == "json" else '{"type": "object"}'
+        if spec.kind == "json" and not spec.open_objects:
+            schema = json.dumps(close_schema(json.loads(schema)))
         options: dict = {"whitespace_flexible": spec.whitespace_flexible or spec.whitespace_pattern is not None}
         if spec.whitespace_pattern is not None:
             options["whitespace_pattern"] = spec.whitespace_pattern

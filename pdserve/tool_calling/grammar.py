@@ -1,8 +1,12 @@
-"""The grammar that makes `tool_choice` `required` or a named function hold: the answer is one (or,
-with parallel_tool_calls, several) Hermes `<tool_call>` blocks of `{"name":...,"arguments":...}` with
+"""The grammar of an answer with tool calls: Hermes `<tool_call>` blocks of `{"name":...,"arguments":...}` with
 a listed function's name and arguments valid for its parameters, compact (no free whitespace: see
-structured/spec.py). Each function's parameters are a JSON schema of their own (its own root), so
-their `$ref`s to `#/$defs/...` resolve as the client wrote them (pydantic's nested models)."""
+structured/spec.py). `tool_choice` required or a named function: the answer is one call (or, with
+parallel_tool_calls, several); `auto`: free text, or text up to a first block and then calls.
+
+Each function's parameters are a JSON schema of their own (its own root), so their `$ref`s to `#/$defs/...`
+resolve as the client wrote them (pydantic's nested models). They compile closed (strict_schema.py) unless the
+function says `strict: false`: OpenAI's strict function calling requires closed objects, and without them a
+small model invents one more key per call."""
 
 from __future__ import annotations
 
@@ -10,19 +14,44 @@ import json
 from typing import Any
 
 from pdserve.structured.spec import StructuredOutput
+from pdserve.structured.strict_schema import close_schema
 
 COMPACT = {"whitespace_flexible": False}
+START, END, BETWEEN = "<tool_call>\n", "\n</tool_call>", "\n"
+# Text without a block start; text up to and including the first one
+TEXT = r"/(.|\n)+/ & ~/(.|\n)*<tool_call>(.|\n)*/"
+OPEN = r"/(.|\n)*<tool_call>\n/ & ~/(.|\n)*<tool_call>(.|\n)*<tool_call>(.|\n)*/"
 
 
-def tool_call_grammar(tools: list[dict[str, Any]], only: str | None, parallel: bool) -> StructuredOutput:
-    """`only`: the one function to call (a named tool_choice); None: any of `tools` (`required`)."""
-    functions = [t["function"] for t in tools if only is None or t["function"]["name"] == only]
+def tool_call_spec(tools: list[dict[str, Any]], only: str | None, parallel: bool,
+                   forced: bool = True) -> StructuredOutput:
+    """`only`: the one function to call (a named tool_choice); None: any of `tools`. `forced`: the answer is
+    calls only (required, named); otherwise text may come instead or before (auto)."""
+    functions = [{"name": t["function"]["name"], "parameters": t["function"].get("parameters"),
+                  "strict": t["function"].get("strict")}
+                 for t in tools if only is None or t["function"]["name"] == only]
+    value = {"functions": functions, "parallel": parallel and only is None, "forced": forced}
+    return StructuredOutput(kind="tool_calls", value=json.dumps(value))
+
+
+def tool_call_lark(value: dict[str, Any]) -> str:
+    """The Lark grammar (llguidance's dialect) for a `tool_calls` spec's value."""
     rules = []
-    for i, f in enumerate(functions):
-        head = json.dumps(f'<tool_call>\n{{"name":{json.dumps(f["name"])},"arguments":')
-        schema = {**(f.get("parameters") or {"type": "object"}), "x-guidance": COMPACT}
-        rules.append(f'call_{i}: {head} args_{i} "}}\\n</tool_call>"\nargs_{i}: %json {json.dumps(schema)}')
-    repeat = ' ("\\n" call)*' if parallel and only is None else ""
-    calls = " | ".join(f"call_{i}" for i in range(len(functions)))
-    lark = f"start: call{repeat}\ncall: {calls}\n" + "\n".join(rules) + "\n"
-    return StructuredOutput(kind="lark", value=lark)
+    for i, f in enumerate(value["functions"]):
+        head = json.dumps(f'{{"name":{json.dumps(f["name"])},"arguments":')
+        parameters = f.get("parameters") or {"type": "object"}
+        if f.get("strict") is not False:
+            parameters = close_schema(parameters)
+        schema = {**parameters, "x-guidance": COMPACT} if isinstance(parameters, dict) else parameters
+        rules.append(f'call_{i}: {head} args_{i} "}}"\nargs_{i}: %json {json.dumps(schema)}')
+    calls = " | ".join(f"call_{i}" for i in range(len(value["functions"])))
+    more = f" ({json.dumps(BETWEEN + START)} call {json.dumps(END)})*" if value["parallel"] else ""
+    if value["forced"]:
+        start = f"start: {json.dumps(START)} call {json.dumps(END)}{more}"
+    else:
+        start = f"start: TEXT?\n    | OPEN call {json.dumps(END)}{more}\nTEXT: {TEXT}\nOPEN: {OPEN}"
+    return f"{start}\ncall: {calls}\n" + "\n".join(rules) + "\n"
+
+
+def is_parallel(spec: StructuredOutput) -> bool:
+    return spec.kind == "tool_calls" and bool(json.loads(spec.value)["parallel"])

@@ -14,7 +14,6 @@ from pdserve.api.handling import (
     check_length,
     check_model,
     completion_prompt,
-    forced_tool_grammar,
     migrate,
     pd_params,
     prompt_text,
@@ -22,8 +21,9 @@ from pdserve.api.handling import (
     sampling_params,
     structured_output,
     template_ids,
+    tool_grammar,
 )
-from pdserve.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from pdserve.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, NamedToolChoice
 from pdserve.api.responses_api import ResponsesRequest
 from pdserve.api.responses_api import new_id as new_response_id
 from pdserve.api.state import APIError, ServerDep
@@ -61,12 +61,12 @@ async def chat(body: ChatCompletionRequest, raw: Request, state: ServerDep) -> A
     if body.tools and body.tool_choice != "none":
         shape.tool_parser = PARSERS[state.tool_call_parser]
         shape.max_tool_calls = None if body.parallel_tool_calls else 1
-        forced = await forced_tool_grammar(state, body)
-        if forced is not None:
-            if structured is not None:
-                raise APIError("tool_choice required or a named function cannot be combined with "
-                               "response_format or structured_outputs", param="tool_choice")
-            structured, shape.tools_forced = forced, True
+        forced = body.tool_choice == "required" or isinstance(body.tool_choice, NamedToolChoice)
+        if forced and structured is not None:
+            raise APIError("tool_choice required or a named function cannot be combined with "
+                           "response_format or structured_outputs", param="tool_choice")
+        if structured is None:  # under auto, a client's own constraint stands instead of the calls' grammar
+            structured, shape.tools_forced = await tool_grammar(state, body, forced), forced
     params = sampling_params(state, body, max_tokens, logprobs, structured)
     gen = Generation(f"chatcmpl-{uuid.uuid4().hex}", prompt_ids, pd=pd_params(body), shape=shape, lora_name=lora)
     params = migrate(state, body, gen, params)
