@@ -612,7 +612,8 @@ RESUMED = {  # each with what a resume must carry over: held-back stop text, a g
             "required": ["name", "age"]}}}}),
     "chat, required tool call": ("/v1/chat/completions", {
         "messages": [{"role": "user", "content": "What is the weather in Paris and in Rome?"}], "temperature": 0,
-        "tools": [WEATHER_TOOL], "tool_choice": "required", "max_tokens": 60}),  # the first call, whole
+        "tools": [WEATHER_TOOL], "tool_choice": "required", "parallel_tool_calls": False,
+        "max_tokens": 60}),  # one call, whole (a later call's id is drawn anew where it is resumed)
     "chat, seeded sampling with a penalty": ("/v1/chat/completions", {
         "messages": [{"role": "user", "content": "Tell me a joke."}], "temperature": 1.0, "seed": 7,
         "presence_penalty": 0.5}),
