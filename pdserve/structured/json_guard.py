@@ -133,7 +133,7 @@ class JsonGuard:
     calls_only: bool = False
     distinct_calls: bool = False
     state: State = START
-    output: bytearray = field(default_factory=bytearray)
+    output: bytearray = field(default_factory=bytearray)  # tool calls: the answer so far
     body_start: int | None = None  # where the open call's body starts in `output`
     calls: list[bytes] = field(default_factory=list)  # bodies of the finished calls
 
@@ -147,11 +147,11 @@ class JsonGuard:
 
     def consume(self, token_id: int) -> None:
         data = self.texts.token_bytes[token_id] if token_id < len(self.texts.token_bytes) else b""
-        before = len(self.output)
-        self.output += data
-        if not self.calls_only:
+        if not self.calls_only:  # the whole answer is JSON: only the lexer's state matters
             self.state = advance(self.state, data) or START
             return
+        before = len(self.output)
+        self.output += data
         self._follow_calls(before)
 
     def _follow_calls(self, before: int) -> None:
