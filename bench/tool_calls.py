@@ -8,8 +8,8 @@ with tool_choice `required` (parallel calls allowed) or the function named, gree
 `--seeds` seeds). Per server: the share of answers that end with `finish_reason: tool_calls` within `max_tokens`,
 the share whose every call validates against its parameters closed (`additionalProperties: false`), the share
 holding a call twice, and the mean completion tokens. Parameters are sent as clients write them: objects open.
-vLLM runs with `--enable-auto-tool-choice --tool-call-parser hermes` and its default grammar backend (0.32's CPU
-build answered every forced call here with a JSON string as the arguments, `"1"` or `"add"`, never an object).
+vLLM runs with `--enable-auto-tool-choice --tool-call-parser hermes` and its default grammar backend (none of 0.32's CPU
+build's forced calls validated here; those inspected had a JSON string as the arguments, `"1"` or `"add"`).
 """
 
 from __future__ import annotations
