@@ -72,6 +72,28 @@ def test_tpot_from_the_fitted_step_cost_counts_the_prompts_decode_steps_carry() 
     assert judge_tpot(slo, r, sent_streams=1) is not None  # one more stream: 4 ms more
 
 
+def test_the_fit_never_makes_a_cost_negative() -> None:
+    """A decode instance under conditional PD that computed two prompts of nearly one length itself (steps
+    without streams) and then decoded one stream: unconstrained, the fit put the base at -3.3 s and a stream at
+    3.3 s, and `make demo` refused every request after its second. A negative term is left out instead."""
+    t = LoadTracker(max_num_seqs=64)
+    t.observe(prefill_tokens=285, decodes=0, seconds=0.80)
+    t.observe(prefill_tokens=292, decodes=0, seconds=0.90)
+    for _ in range(110):
+        t.observe(prefill_tokens=0, decodes=1, seconds=0.026)
+    base, per_stream, per_token = t.step_costs()
+    assert 0 < base < 0.001 and per_stream == pytest.approx(0.026, rel=0.01) and 0.0025 < per_token < 0.0035
+    r = t.report({}, decoding=1, waiting_streams=0, min_tokens_left=None)
+    assert judge_tpot(SLO(tpot=0.1), r) is None  # two streams: 52 ms
+
+
+def test_a_stream_that_would_decode_alone_is_never_refused_on_tpot() -> None:
+    slow = LoadReport(time.time(), [], decoding=0, waiting_streams=0, max_num_seqs=64, prefill_rate=1000.0,
+                      step_time=0.2, decode_cost=0.2, next_finish=0.0, step_base=0.2)
+    assert judge_tpot(SLO(tpot=0.1), slow) is None  # it slows nobody; refusing it would leave nothing to learn from
+    assert judge_tpot(SLO(tpot=0.1), slow, sent_streams=1) is not None  # a second one joins the first
+
+
 def test_ttft_from_the_fitted_step_cost_pays_each_step_it_waits() -> None:
     t = LoadTracker(max_num_seqs=64, step_tokens=1000)
     for n, p in ((0, 600), (2, 0), (1, 0), (0, 1000), (2, 400), (3, 0)):

@@ -49,6 +49,7 @@ class LoadTracker:
 
     ALPHA = 0.2  # weight of the newest step in the moving averages
     FIT_STEPS = 256  # steps kept for the cost fit
+    MIN_BASE = 1e-6  # seconds: a fitted base of 0 would read as "no fit yet"
 
     def __init__(self, max_num_seqs: int, step_tokens: int = 0) -> None:
         self.max_num_seqs, self.step_tokens = max_num_seqs, step_tokens
@@ -91,15 +92,25 @@ class LoadTracker:
 
     def step_costs(self) -> tuple[float, float, float]:
         """(base, per stream, per prompt token) seconds of a step; zeros until the steps seen vary in their
-        stream counts. A prompt-token cost is fitted only where prompt tokens varied."""
+        stream counts. A prompt-token cost is fitted only where prompt tokens varied. No cost is negative: a term
+        the fit makes negative is left out and the others fitted again (a decode instance that computed two
+        prompts of nearly one length under conditional PD once gave base -3.3 s and 3.3 s per stream, and every
+        request after was refused). A fit's base is at least MIN_BASE, so a report shows that it has one."""
         steps = self._steps
         if len({n for n, _, _ in steps}) < 2:
             return 0.0, 0.0, 0.0
-        with_prompts = len({p for _, p, _ in steps}) >= 2
-        rows = [(1.0, float(n), float(p)) if with_prompts else (1.0, float(n)) for n, p, _ in steps]
-        coef = _least_squares(rows, [s for _, _, s in steps])
-        base, per_stream, per_token = (*coef, 0.0)[:3]
-        return max(0.0, base), max(0.0, per_stream), max(0.0, per_token)
+        terms = [0, 1, 2] if len({p for _, p, _ in steps}) >= 2 else [0, 1]
+        all_rows = [(1.0, float(n), float(p)) for n, p, _ in steps]
+        while True:
+            coef = _least_squares([tuple(r[t] for t in terms) for r in all_rows], [s for _, _, s in steps])
+            worst = min(range(len(terms)), key=lambda i: coef[i])
+            if coef[worst] >= 0 or len(terms) == 1:
+                break
+            del terms[worst]
+        costs = [0.0, 0.0, 0.0]
+        for t, c in zip(terms, coef, strict=True):
+            costs[t] = max(0.0, c)
+        return max(self.MIN_BASE, costs[0]), costs[1], costs[2]
 
     def report(self, queued: dict[int, int], decoding: int, waiting_streams: int, min_tokens_left: int | None,
                loras: list[str] | None = None) -> LoadReport:

@@ -105,7 +105,10 @@ def judge_ttft(slo: SLO, report: LoadReport, prompt_tokens: int, priority: int, 
 
 
 def judge_tpot(slo: SLO, report: LoadReport, sent_streams: int = 0) -> Refusal | None:
-    tpot = predict_tpot(report, sent_streams)
+    """A refusal when the predicted TPOT misses the SLO; never for a stream that would decode alone: it slows
+    nobody, and an instance that refused it would learn nothing new and refuse every stream after."""
+    alone = report.decoding + report.waiting_streams + sent_streams == 0
+    tpot = None if alone else predict_tpot(report, sent_streams)
     if slo.tpot is None or tpot is None or tpot <= TPOT_MARGIN * slo.tpot:
         return None
     # Retry when a running stream has ended (at its max_tokens at the latest).
