@@ -22,11 +22,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pdserve.tool_calling import grammar as tool_grammar
+
 MAX_SIGNIFICANT_DIGITS = 17  # float64: 17 significant digits round-trip any value
 MAX_INTEGER_DIGITS = 19  # int64 holds every 18-digit integer and most 19-digit ones
 MAX_EXPONENT_DIGITS = 3  # float64's exponents end at 308
 
-CALL_START, CALL_END = b"<tool_call>\n", b"\n</tool_call>"
+CALL_START, CALL_END = tool_grammar.START.encode(), tool_grammar.END.encode()  # the blocks the grammar writes
 
 # Lexer phases outside strings
 OUTSIDE, INTEGER, FRACTION, EXPONENT_MARK, EXPONENT_SIGN, EXPONENT = range(6)
