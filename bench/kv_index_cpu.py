@@ -73,7 +73,7 @@ def main() -> None:
     subscriber = KVEventSubscriber(index)
     subscriber.start()
     for i, (endpoint, replay) in enumerate(list(endpoints)):
-        subscriber.watch(f"http://engine-{i}", [(endpoint, replay)])
+        subscriber.watch(f"http://engine-{i}", [(endpoint, replay)])  # not contacted
     ready.set()
     time.sleep(1.0)
     cpu0, wall0, events0 = time.process_time(), time.perf_counter(), subscriber.stats.events

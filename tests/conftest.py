@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+from tests.loopback_only import enter_loopback_namespace
 
-import pytest
-import torch
+NETWORK = enter_loopback_namespace()  # first, before anything starts a thread: only lo from here on
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 torch.set_num_threads(2)
+
+
+def pytest_report_header() -> str:
+    return f"network: {NETWORK}"
 
 
 @pytest.fixture(scope="session")

@@ -26,7 +26,7 @@ def seed_command(pd_port: int, **swap: str) -> list[str]:
         "--splitwise-role": "prefill", "--scheduler-name": "dp", "--gpu-memory-utilization": "0.9",
         "--quantization": "block_wise_fp8", "--max-num-batched-tokens": "2048", "--cache-transfer-protocol": "rdma",
         "--rdma-comm-ports": "8501,8502,8503,8504,8505,8506,8507,8508", "--cache-queue-port": "9978",
-        "--ips": "10.0.0.1,10.0.0.2",
+        "--ips": "10.0.0.1,10.0.0.2",  # not contacted
         "--graph-optimization-config": '{"use_cudagraph":false,"use_unique_memory_pool":true,'
                                        '"cudagraph_capture_sizes":[1]}',
     }
@@ -75,9 +75,11 @@ def test_the_seed_command_line_serves_with_what_pdserve_has(tmp_path: Path):
 def test_router_without_a_scheme_means_http():
     from pdserve.cli import build_parser
 
-    args = build_parser().parse_args(["serve", "--router", "10.0.0.5:8000"])
-    assert args.router == ["http://10.0.0.5:8000"]
-    assert build_parser().parse_args(["serve", "--router", "https://r:1"]).router == ["https://r:1"]
+    args = build_parser().parse_args(["serve", "--router", "10.0.0.5:8000"])  # not contacted
+    assert args.router == ["http://10.0.0.5:8000"]  # not contacted
+    no_port = "https://r:1"  # not contacted
+    assert build_parser().parse_args(["serve", "--router", no_port]).router == [no_port]
     # several routers of one deployment (pdserve launch --routers): register with each
-    both = build_parser().parse_args(["serve", "--router", "10.0.0.5:8001,http://10.0.0.5:8002"]).router
-    assert both == ["http://10.0.0.5:8001", "http://10.0.0.5:8002"]
+    two = "10.0.0.5:8001,http://10.0.0.5:8002"  # not contacted
+    both = build_parser().parse_args(["serve", "--router", two]).router
+    assert both == ["http://10.0.0.5:8001", "http://10.0.0.5:8002"]  # not contacted

@@ -40,7 +40,7 @@ def test_events_keep_an_index_equal_to_the_prefix_cache_through_evictions_and_a_
     kv, copier = manager(device_blocks=6, host_blocks=5)
     recorder = kv.record_events()
     index = KVIndex()
-    index.set_sources("http://e", ["e#0"])
+    index.set_sources("http://e", ["e#0"])  # not contacted
     kinds = []
     for i in range(12):
         run(kv, copier, f"r{i}", [i % 3] * BS * 2 + [100 + i] * BS * 2 + [7])
@@ -53,7 +53,7 @@ def test_events_keep_an_index_equal_to_the_prefix_cache_through_evictions_and_a_
         <= set(kinds)
     prompt = [1] * BS * 2 + [101] * BS * 2 + [7]
     request = run(kv, copier, "again", prompt)  # the lookup's own answer, and the index's prediction of it
-    assert index.cached_blocks("http://e", request.block_hashes[:4]) >= len(request.hits)
+    assert index.cached_blocks("http://e", request.block_hashes[:4]) >= len(request.hits)  # not contacted
     kv.reset_prefix_cache()
     index.apply("e#0", recorder.take())
     assert index.blocks("e#0") == {} == cache_view(kv)
@@ -131,13 +131,13 @@ def test_a_late_subscriber_takes_a_snapshot_and_one_that_missed_batches_replays_
 
     def synced() -> bool:
         pub.serve_replays()
-        return index.blocks("http://e#0") == cache_view(kv)
+        return index.blocks("http://e#0") == cache_view(kv)  # not contacted
 
     try:
         for i in range(6):  # more batches than its buffer keeps: a subscriber joining now needs a snapshot
             step(i)
         subscriber.start()
-        subscriber.watch("http://e", [(pub.endpoint, pub.replay_endpoint)])
+        subscriber.watch("http://e", [(pub.endpoint, pub.replay_endpoint)])  # not contacted
         wait_for(synced, 10, "the late subscriber's index never matched the cache")
         assert subscriber.stats.snapshots == 1
         send = pub.pub.send_multipart
@@ -147,8 +147,9 @@ def test_a_late_subscriber_takes_a_snapshot_and_one_that_missed_batches_replays_
         step(7)  # its number tells the gap: the lost batch comes from the replay buffer
         wait_for(synced, 10, "the subscriber did not replay the batch it missed")
         assert subscriber.stats.resyncs == 1 and subscriber.stats.snapshots == 1
-        subscriber.watch("http://e", [])  # the instance left: nothing of it stays indexed
-        wait_for(lambda: index.num_blocks == 0 and not index.tracks("http://e"), 5, "a forgotten instance stayed")
+        subscriber.watch("http://e", [])  # the instance left: nothing of it stays indexed (not contacted)
+        forgotten = "http://e"  # not contacted
+        wait_for(lambda: index.num_blocks == 0 and not index.tracks(forgotten), 5, "a forgotten instance stayed")
     finally:
         subscriber.close()
         pub.close()
@@ -172,7 +173,7 @@ def test_a_publisher_restarted_at_the_same_address_is_indexed_anew() -> None:
             recorder = kv.record_events()
             pub = _bind_again(config, kv, ctx)
             if life == 0:
-                subscriber.watch("http://e", [(pub.endpoint, pub.replay_endpoint)])
+                subscriber.watch("http://e", [(pub.endpoint, pub.replay_endpoint)])  # not contacted
             for i in range(steps):
                 run(kv, copier, f"r{life}-{i}", [life * 10 + i % 3] * BS * 2 + [7])
                 copier.complete_saves(kv)
@@ -180,7 +181,7 @@ def test_a_publisher_restarted_at_the_same_address_is_indexed_anew() -> None:
 
             def synced(kv: KVCacheManager = kv, pub: KVEventPublisher = pub) -> bool:
                 pub.serve_replays()
-                return index.blocks("http://e#0") == cache_view(kv)
+                return index.blocks("http://e#0") == cache_view(kv)  # not contacted
 
             wait_for(synced, 10, f"the index of life {life} never matched its cache")
             pub.close()
@@ -204,10 +205,11 @@ def _bind_again(config: KVEventsConfig, kv: KVCacheManager, ctx: zmq.Context) ->
 
 
 def test_kv_events_config_takes_vllm_json_and_names_what_it_refuses() -> None:
-    config = kv_events_config('{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
-                              '"replay_endpoint": "tcp://*:5558", "buffer_steps": 100, "topic": "kv"}')
-    assert config.enabled and config.for_rank(2).endpoint == "tcp://*:5559"
-    assert config.for_rank(2).replay_endpoint == "tcp://*:5560"
+    vllm_example = ('{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+                    '"replay_endpoint": "tcp://*:5558", "buffer_steps": 100, "topic": "kv"}')  # not contacted
+    config = kv_events_config(vllm_example)
+    assert config.enabled and config.for_rank(2).endpoint == "tcp://*:5559"  # not contacted
+    assert config.for_rank(2).replay_endpoint == "tcp://*:5560"  # not contacted
     assert not kv_events_config('{"enable_kv_cache_events": true, "publisher": "null"}').enabled
     with pytest.raises(ValueError, match="unknown_key"):
         kv_events_config('{"enable_kv_cache_events": true, "unknown_key": 1}')

@@ -120,7 +120,7 @@ def test_tcp_writer_reports_a_missing_receiver() -> None:
 def test_endpoint_choice_follows_our_preference_and_reach() -> None:
     ipc_here = IpcEndpoint("seg", 1, host_id())
     ipc_elsewhere = IpcEndpoint("seg", 1, "other-host/boot")
-    tcp = TcpEndpoint("10.0.0.2", 5000)
+    tcp = TcpEndpoint("10.0.0.2", 5000)  # not contacted
     assert choose_endpoint(["ipc", "tcp"], [tcp, ipc_here]) == ipc_here
     assert choose_endpoint(["tcp", "ipc"], [tcp, ipc_here]) == tcp
     assert choose_endpoint(["ipc", "tcp"], [ipc_elsewhere, tcp]) == tcp  # another host's memory is out of reach

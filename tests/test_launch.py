@@ -226,7 +226,8 @@ def test_launch_gives_each_role_its_tensor_parallel_size_and_cores_in_proportion
                                   prefill_tensor_parallel_size=2, decode_tensor_parallel_size=None)
     specs = plan(settings, ["-tp", "3", "--dtype", "float32"])
     assert [s.tensor_parallel_size for s in specs] == [2, 3]
-    assert specs[0].command("http://r", ["-tp", "3"])[-2:] == ["--tensor-parallel-size", "2"]  # the role's wins
+    router = "http://r"  # not contacted
+    assert specs[0].command(router, ["-tp", "3"])[-2:] == ["--tensor-parallel-size", "2"]  # the role's wins
     assert [s.tensor_parallel_size for s in plan(settings, [])] == [2, 1]
     cores = split_cpus([3, 1])
     if cores[0] is not None and len(os.sched_getaffinity(0)) >= 4:

@@ -7,6 +7,7 @@ Placement rules are checked without a cluster where they can be."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -19,6 +20,7 @@ import httpx
 import psutil
 import pytest
 
+from pdserve.deploy.ray_launch import is_loopback
 from pdserve.deploy.ray_placement import Demand, NodeRule, RayNode, placement_table, unplaceable
 from tests.servers import REPO, metrics, segments, wait_for
 from tests.test_launch import Launch, Load
@@ -26,7 +28,7 @@ from tests.tiny_models import greedy_completions, greedy_texts
 
 
 def node(cpus: float, gpus: float = 0, resources: dict | None = None, labels: dict | None = None) -> RayNode:
-    return RayNode(f"{int(cpus)}{int(gpus)}" + "0" * 54, "10.0.0.1", cpus, gpus,
+    return RayNode(f"{int(cpus)}{int(gpus)}" + "0" * 54, "127.0.0.1", cpus, gpus,
                    {"CPU": cpus, "GPU": gpus, **(resources or {})}, labels or {})
 
 
@@ -60,13 +62,21 @@ def test_a_placement_the_cluster_cannot_hold_is_refused_naming_it() -> None:
 
 def test_the_placement_table_has_a_line_per_member() -> None:
     table = placement_table([
-        {"name": "router-0", "role": "router", "node": "4304ae14595f", "ip": "10.0.0.1",
+        {"name": "router-0", "role": "router", "node": "4304ae14595f", "ip": "127.0.0.1",
          "ports": {"port": 8000, "own": 4100}, "pid": 12, "restarts": 0},
         {"name": "decode-0", "role": "decode", "node": "(placing)"}])
     lines = table.splitlines()
     assert lines[0].split() == ["member", "role", "node", "address", "ports", "pid", "restarts"]
-    assert lines[1].split() == ["router-0", "router", "4304ae14595f", "10.0.0.1", "port=8000,own=4100", "12", "0"]
+    assert lines[1].split() == ["router-0", "router", "4304ae14595f", "127.0.0.1", "port=8000,own=4100", "12", "0"]
     assert lines[2].split() == ["decode-0", "decode", "(placing)", "-", "-", "-", "0"]
+
+
+def test_a_loopback_cluster_address_keeps_the_driver_on_loopback() -> None:
+    """launch --ray 127.0.0.1:PORT then connects as 127.0.0.1, where Ray would put the machine's outward address."""
+    assert all(is_loopback(a) for a in ("127.0.0.1:6379", "localhost:6379", "[::1]:6379", "ray://127.0.0.1:10001",
+                                        "127.0.0.1"))
+    elsewhere = ("192.0.2.7:6379", "head.example:6379", "auto")  # not contacted
+    assert not any(is_loopback(a) for a in elsewhere)
 
 
 def test_without_ray_the_flag_says_how_to_install_it() -> None:
@@ -78,11 +88,13 @@ def test_without_ray_the_flag_says_how_to_install_it() -> None:
 
 @pytest.fixture(scope="module")
 def cluster():
-    """Three Ray nodes on this machine: the head (router, prefill), two for decode instances."""
+    """Three Ray nodes on this machine, all on 127.0.0.1: the head (router, prefill), two for decode instances."""
     from ray.cluster_utils import Cluster
 
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"router": 1, "prefill": 1}})
-    workers = [c.add_node(num_cpus=1, resources={"decode": 1}) for _ in range(2)]
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"  # the head would report usage to Ray's server
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "node_ip_address": "127.0.0.1",
+                                                      "resources": {"router": 1, "prefill": 1}})
+    workers = [c.add_node(num_cpus=1, node_ip_address="127.0.0.1", resources={"decode": 1}) for _ in range(2)]
     try:
         yield c, workers
     finally:
@@ -119,6 +131,7 @@ def test_ray_places_1p1d_on_two_nodes_and_heals_a_removed_node(cluster, tiny, tm
                        "float32", "--num-gpu-blocks-override", "200", "--max-model-len", "512")
     try:
         (p,), (d,) = launch.by_role("prefill"), launch.by_role("decode")
+        assert {n.node_ip_address for n in [c.head_node, *workers]} == {p["host"], d["host"]} == {"127.0.0.1"}
         hosts = {f"ray-{n.node_id[:12]}": n for n in [c.head_node, *workers]}
         assert p["host_id"] == f"ray-{c.head_node.node_id[:12]}" and d["host_id"] in hosts, (p, d)
         assert greedy_completions(launch.url, prompts) == greedy_texts(folder, answers)

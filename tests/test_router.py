@@ -193,7 +193,7 @@ def test_conditional_pd_leaves_long_prompts_to_an_idle_decode_instance_when_aske
 
 def test_health_thresholds_and_lost_requests() -> None:
     registry = Registry(fail_threshold=3, success_threshold=2)
-    instance, probe = registry.register(Registration(role="decode", url="http://d", pid=1))
+    instance, probe = registry.register(Registration(role="decode", url="http://d", pid=1))  # not contacted
     assert probe and not instance.healthy
     registry.probe_succeeded(instance)  # a newcomer joins on its first good probe
     assert instance.healthy
@@ -210,13 +210,13 @@ def test_health_thresholds_and_lost_requests() -> None:
     assert not instance.healthy  # coming back takes two
     registry.probe_succeeded(instance)
     assert instance.healthy
-    again, probe = registry.register(Registration(role="decode", url="http://d", pid=2))  # restarted
+    again, probe = registry.register(Registration(role="decode", url="http://d", pid=2))  # restarted; not contacted
     assert probe and again is not instance and not again.healthy
     assert (instance.restarts, again.restarts) == (0, 1) and again.as_dict()["restarts"] == 1
     registry.expiry = 0
     registry.expire()  # forgotten (no heartbeat) while it restarts: the count survives
     assert not registry.all()
-    third, _ = registry.register(Registration(role="decode", url="http://d", pid=3))
+    third, _ = registry.register(Registration(role="decode", url="http://d", pid=3))  # not contacted
     assert third.restarts == 2
 
 

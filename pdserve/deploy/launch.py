@@ -22,7 +22,6 @@ import shutil
 import signal
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,6 +46,7 @@ from pdserve.deploy.supervisor import Supervisor
 from pdserve.router.settings import RouterSettings
 from pdserve.utils.dtype_names import gpu_present
 from pdserve.utils.shm_room import free_host_memory
+from pdserve.utils.stop_flag import StopFlag
 from pdserve.worker import core_loan
 
 
@@ -264,9 +264,9 @@ def launch(args: argparse.Namespace) -> int:
             shutil.rmtree(flags_dir, ignore_errors=True)
 
 
-def stop_on_signals() -> tuple[threading.Event, list[int]]:
-    """SIGINT and SIGTERM set the event (the deployment then stops in order); the list says which came."""
-    stop = threading.Event()
+def stop_on_signals() -> tuple[StopFlag, list[int]]:
+    """SIGINT and SIGTERM set the flag (the deployment then stops in order); the list says which came."""
+    stop = StopFlag()
     stopped_by: list[int] = []
 
     def on_signal(signum: int, frame: object) -> None:
@@ -297,7 +297,7 @@ def _dead(deployment: Supervisor) -> str | None:
 
 
 def wait_ready(failure: Callable[[], str | None], router_urls: list[str], expected: int, timeout: float,
-               stop: threading.Event, names: list[str]) -> str | None:
+               stop: StopFlag, names: list[str]) -> str | None:
     """Until every router has every instance in its pool and can serve; what went wrong, if something did
     (`failure`: a member that failed while starting)."""
     deadline = time.monotonic() + timeout

@@ -15,6 +15,7 @@ changes. Ctrl-C or SIGTERM stops every member's processes, then the actors.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import secrets
 import sys
@@ -56,8 +57,12 @@ def launch_on_ray(args: argparse.Namespace, settings: LaunchSettings) -> int:
     if error := _unsupported(settings):
         print(f"pdserve launch: {error}", file=sys.stderr, flush=True)
         return 2
+    address = cluster_address(settings.ray)
+    node_ip = settings.ray_node_ip_address or ("127.0.0.1" if is_loopback(address) else None)
+    if node_ip and is_loopback(node_ip):
+        stay_on_loopback()
     try:
-        ray.init(address=settings.ray, logging_level="WARNING", log_to_driver=True)
+        ray.init(address=address, _node_ip_address=node_ip, logging_level="WARNING", log_to_driver=True)
     except (ConnectionError, RuntimeError, ValueError) as e:
         print(f"pdserve launch: cannot reach the Ray cluster at {settings.ray!r}: {e}", file=sys.stderr, flush=True)
         return 1
@@ -65,6 +70,43 @@ def launch_on_ray(args: argparse.Namespace, settings: LaunchSettings) -> int:
         return _run(args, settings, RayDeployment(os.environ.get(ENV) or secrets.token_hex(16)))
     finally:
         ray.shutdown()
+
+
+def cluster_address(address: str) -> str:
+    """The cluster's address as Ray finds it: `auto` is $RAY_ADDRESS or the last cluster started on this
+    machine (left as `auto` when there is none: ray.init then says so)."""
+    if address != "auto":
+        return address
+    from ray._private.services import get_ray_address_from_environment
+
+    try:
+        return get_ray_address_from_environment(address, None) or address
+    except ConnectionError:
+        return address
+
+
+def is_loopback(address: str) -> bool:
+    """Whether host:port (or a bare host) names this machine's loopback interface."""
+    address = address.split("://")[-1]
+    host = address.rsplit(":", 1)[0] if address.count(":") == 1 else address
+    host = host.removeprefix("[").split("]")[0]
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def stay_on_loopback() -> None:
+    """Keep Ray from swapping a loopback address for the machine's outward one: ray.init rewrites 127.0.0.1
+    (the cluster's address and this node's) to the outward address unless Ray believes multi-node clusters are
+    off, which is this constant (read by ray._private.services at each call). The nodes themselves keep the
+    addresses they were started with."""
+    from ray._private import ray_constants
+
+    os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
 
 
 def _unsupported(settings: LaunchSettings) -> str | None:

@@ -48,6 +48,9 @@ class LaunchSettings:
               "instance a Ray actor on a node with its cores free, restarted there if its process dies and on "
               "another node if its node does; a router on every router node (pip install 'pdserve[ray]')",
         group="ray")
+    ray_node_ip_address: str | None = option(
+        None, "--ray: this machine's address in the cluster (default: Ray's choice, or 127.0.0.1 when the cluster's "
+              "address is a loopback one: a one-machine cluster built on 127.0.0.1)", group="ray")
     prefill_nodes: str | None = option(
         None, "--ray: the nodes prefill instances may use: key=value (a node label) or NAME (a custom resource the "
               "node has); several, comma-separated, must all hold", group="ray")
