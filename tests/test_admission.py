@@ -101,8 +101,9 @@ async def _flood(url: str, seconds: float, every: float = 0.05, group: int = 3) 
 
 def test_a_burst_is_refused_at_once_and_what_is_admitted_completes(servers: dict) -> None:
     gated = servers["gated"]
-    asyncio.run(_burst(gated.url, 2))  # measurements to predict from
-    results = asyncio.run(_burst(gated.url, 40, stream=True))
+    load = httpx.get(f"{gated.url}/load", timeout=5).json()  # a fresh server: it measured itself before ready
+    assert load["prefill_rate"] > 0 and load["step_base"] > 0 and load["prompt_token_cost"] > 0, load
+    results = asyncio.run(_burst(gated.url, 40, stream=True))  # its first requests
     refused = [r for r in results if r[0] == 429]
     admitted = [r for r in results if r[0] == 200]
     assert len(refused) >= 10 and len(admitted) >= 2, results  # far above what 1.5 s of prefill holds
@@ -111,6 +112,8 @@ def test_a_burst_is_refused_at_once_and_what_is_admitted_completes(servers: dict
     assert max(r[3] for r in admitted) < 2 * TTFT_SLO_MS / 1000  # admitted ones keep (near) the SLO
     m = metrics(gated.metrics_port)
     assert m['pdserve_admission_decisions_total{decision="refused",priority="0",reason="ttft_slo"}'] == len(refused)
+    assert m['pdserve_requests_failed_total{reason="server_overloaded"}'] == len(refused)
+    assert gated.log().count("refused POST /v1/completions: 429 server_overloaded") == len(refused)
     # the server's own clock: every refusal was decided within 100 ms of its arrival
     assert m['pdserve_admission_decision_seconds_bucket{decision="refused",le="0.1"}'] == len(refused)
     assert 0.5 <= _median_bucket(m, "pdserve_admission_ttft_measured_over_predicted") <= 1.5
@@ -180,6 +183,10 @@ def test_the_router_refuses_low_priority_first_and_forgets_nothing(servers: dict
     assert m['pdserve_router_admission_decisions_total{decision="refused",priority="10",reason="ttft_slo"}'] \
         == len(refused)
     assert m['pdserve_router_requests_total{status="429"}'] == len(refused)
+    # every refusal explained: counted by its type, and a log line with the request's id and reason
+    assert m['pdserve_router_requests_failed_total{reason="server_overloaded"}'] == len(refused)
+    lines = [x for x in router.log().splitlines() if "refused POST /v1/completions (request " in x]
+    assert len(lines) == len(refused) and all("429 server_overloaded: the server is overloaded" in x for x in lines)
     assert m['pdserve_router_admission_decision_seconds_bucket{decision="refused",le="0.1"}'] == len(refused)
     _idle(plain)
     wait_for(lambda: all(i["in_flight_requests"] == 0 for i in router.registered()), 10,

@@ -196,3 +196,61 @@ def test_client_key() -> None:
     assert client_key("Bearer sk-a", "alice", None) == "sk-a"
     assert client_key("Bearer shared", "alice", "shared") == "user:alice"  # the server's one key names nobody
     assert client_key(None, None, None) == "anonymous"
+
+
+def _fitted(decoding: int = 30) -> LoadReport:
+    """A report whose fit predicts a TPOT far above 100 ms for one more stream."""
+    return LoadReport(time.time(), [], decoding=decoding, waiting_streams=0, max_num_seqs=64, prefill_rate=2000.0,
+                      step_time=0.2, decode_cost=0.005, next_finish=2.0, step_tokens=2048, step_base=0.05,
+                      prompt_token_cost=0.0004)
+
+
+def test_a_request_that_opens_no_stream_is_never_refused_on_tpot() -> None:
+    """Prompt scoring and max_tokens 1 (an eval harness's loglikelihood requests) slow no stream."""
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry
+
+    from pdserve.admission.metrics import AdmissionMetrics
+    from pdserve.api.admission import Admitted, ServerAdmission
+    from pdserve.router.prompt import PromptReader
+
+    admission = ServerAdmission(SLO(ttft=2.0, tpot=0.1), None, AdmissionMetrics(CollectorRegistry(), "t"), None)
+    raw = SimpleNamespace(headers={})
+    assert isinstance(admission.admit(raw, None, [_fitted()], 20, 0, time.time(), decodes=False), Admitted)
+    refused = admission.admit(raw, None, [_fitted()], 20, 0, time.time(), decodes=True)
+    assert getattr(refused, "reason", None) == "tpot_slo"
+    reader = PromptReader(None)
+    assert not reader.read("/v1/completions", {"prompt": "The sky is", "max_tokens": 1}).decodes
+    assert not reader.read("/v1/chat/completions", {"messages": [], "max_completion_tokens": 0}).decodes
+    scoring = reader.read("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1, "max_tokens": 5})
+    assert scoring.single and not scoring.decodes
+    assert reader.read("/v1/completions", {"prompt": "The sky is", "max_tokens": 2}).decodes
+    assert reader.read("/v1/completions", {"prompt": "The sky is"}).decodes
+
+
+def test_calibration_steps_fit_the_empty_cache_and_the_step_budget() -> None:
+    from pdserve.admission.calibration import CONTEXT, calibration_plan
+
+    plan = calibration_plan(64, 2048, 400, 16, 4096)
+    streams = {s.decodes for s in plan if not s.prompt_tokens}
+    chunks = {s.prompt_tokens for s in plan if not s.decodes}
+    assert streams == {1, 4, 16} and chunks == {256, 1024}  # 64 streams of 256 tokens need 1,024 blocks: left out
+    assert any(s.decodes and s.prompt_tokens for s in plan)  # a step that carries both
+    assert all(s.decodes * CONTEXT // 16 + -(-s.prompt_tokens // 16) <= 400 for s in plan)
+    assert {s.prompt_tokens for s in calibration_plan(4, 64, 200, 16, 512) if not s.decodes} == {16, 64}
+    assert calibration_plan(64, 2048, 1, 16, 4096) == []
+
+
+def test_a_calibrated_tracker_judges_the_first_burst() -> None:
+    """Seeded before any request, the fit refuses what a burst would push past the TTFT objective."""
+    tracker = LoadTracker(64, 2048)
+    assert tracker.report({}, 0, 0, None).prefill_rate == 0  # uncalibrated: nothing to judge with
+    tracker.calibrate([(1, 0, 0.020), (4, 0, 0.026), (16, 0, 0.050), (0, 256, 0.11), (0, 1024, 0.40),
+                       (4, 256, 0.13)])
+    fresh = tracker.report({}, 0, 0, None)
+    assert fresh.step_base > 0 and fresh.decode_cost > 0 and fresh.prompt_token_cost > 0
+    assert fresh.prefill_rate == pytest.approx(1024 / 0.40)
+    assert judge_ttft(SLO(ttft=2.0), fresh, 600, 0)[1] is None  # the burst's first is admitted
+    ttft, refusal = judge_ttft(SLO(ttft=2.0), fresh, 600, 0, sent_tokens=600 * 10)  # its eleventh is not
+    assert refusal is not None and ttft > 2.0

@@ -21,15 +21,23 @@ import psutil
 import pytest
 
 from pdserve.deploy.ray_launch import is_loopback
-from pdserve.deploy.ray_placement import Demand, NodeRule, RayNode, placement_table, unplaceable
+from pdserve.deploy.ray_placement import (
+    Demand,
+    NodeRule,
+    RayNode,
+    cache_memory_share,
+    placement_table,
+    unplaceable,
+)
 from tests.servers import REPO, metrics, segments, wait_for
 from tests.test_launch import Launch, Load
 from tests.tiny_models import greedy_completions, greedy_texts
 
 
-def node(cpus: float, gpus: float = 0, resources: dict | None = None, labels: dict | None = None) -> RayNode:
-    return RayNode(f"{int(cpus)}{int(gpus)}" + "0" * 54, "127.0.0.1", cpus, gpus,
-                   {"CPU": cpus, "GPU": gpus, **(resources or {})}, labels or {})
+def node(cpus: float, gpus: float = 0, resources: dict | None = None, labels: dict | None = None,
+         hostname: str = "") -> RayNode:
+    return RayNode(f"{int(cpus)}{int(gpus)}{hostname}".ljust(56, "0"), "127.0.0.1", cpus, gpus,
+                   {"CPU": cpus, "GPU": gpus, **(resources or {})}, labels or {}, hostname)
 
 
 def test_node_rules_match_labels_and_custom_resources() -> None:
@@ -58,6 +66,17 @@ def test_a_placement_the_cluster_cannot_hold_is_refused_naming_it() -> None:
     assert together == ("decode-0, decode-1, decode-2 ask for 6 CPUs on nodes matching decode: the cluster's such "
                         "nodes have 4 in all")
     assert "no live node of the cluster does" in unplaceable([Demand("p", 1, 0, NodeRule.parse("zone=x"))], nodes)
+
+
+def test_instances_on_one_machine_size_their_caches_from_its_ram_together() -> None:
+    """Two Ray nodes of one machine (1 CPU each) must not each size a KV cache from all of its free RAM."""
+    gib = 2**30
+    a, b, elsewhere = node(1, hostname="box"), node(1, hostname="box"), node(1, hostname="other")
+    assert cache_memory_share(20 * gib, 1, a, [a, b, elsewhere]) == 10 * gib
+    assert cache_memory_share(20 * gib, 1, elsewhere, [a, b, elsewhere]) == 20 * gib
+    assert cache_memory_share(20 * gib, 1, a, [a]) == 20 * gib  # the other node left
+    small = node(2, resources={"memory": 4 * gib}, hostname="box")  # ray start --memory: what the node gives
+    assert cache_memory_share(20 * gib, 1, small, [small]) == 2 * gib
 
 
 def test_the_placement_table_has_a_line_per_member() -> None:

@@ -86,6 +86,18 @@ class LoadTracker:
             self._prompt_per_step = prefill_tokens if first else a * prefill_tokens + (1 - a) * self._prompt_per_step
         self._steps.append((decodes, prefill_tokens, seconds))
 
+    def calibrate(self, steps: list[tuple[int, int, float]]) -> None:
+        """Seed the fit with timed (streams, prompt tokens, seconds) steps taken before any request came: the
+        prefill rate from the largest prompt-only step, the step time from the decode-only ones; real steps
+        then push them out of the fit."""
+        self._steps.extend((decodes, prompt, seconds) for decodes, prompt, seconds in steps)
+        prompts = [(p, s) for n, p, s in steps if p and not n]
+        if prompts:
+            self._prefill_tokens, self._prefill_seconds = max(prompts)
+        decodes = [s for n, p, s in steps if n and not p]
+        if decodes:
+            self._step_time = sum(decodes) / len(decodes)
+
     @property
     def prefill_rate(self) -> float:
         return self._prefill_tokens / self._prefill_seconds if self._prefill_seconds else 0.0

@@ -8,13 +8,11 @@ from pdserve.admission.predictor import SLO
 from pdserve.admission.rate_limit import RateLimits
 
 TTFT_HELP = ("refuse (429, with Retry-After) a request whose predicted time to first token, from the live queue and "
-             "the measured prefill speed, exceeds this many ms (default: off; launch: 2000)")
+             "the measured prefill speed, exceeds this many ms (default: off)")
 TPOT_HELP = ("refuse a new stream when one more would make the decode batch's time per output token exceed this "
-             "many ms (default: off; launch: 100)")
+             "many ms (default: off)")
 RATE_LIMIT_HELP = ("YAML of per-key token buckets (requests/s, tokens/s), read again when it changes; keys are "
                    "Bearer tokens or user:NAME (the `user` field)")
-# `pdserve launch` turns admission on with the SLOs its benchmarks hold (bench/serve_vs_vllm.py's defaults).
-LAUNCH_TTFT_SLO_MS, LAUNCH_TPOT_SLO_MS = 2000.0, 100.0
 
 
 def admission_from_flags(ttft_slo_ms: float | None, tpot_slo_ms: float | None, rate_limit: str | None

@@ -28,9 +28,10 @@ class ServerAdmission:
         self.sent = SentSince()  # one for all ranks: a data-parallel server is judged conservatively
 
     def admit(self, raw: Request, user: str | None, reports: list[LoadReport | None], prompt_tokens: int,
-              priority: int, received: float) -> Admitted | Refusal:
-        """`received`: the request's arrival (unix seconds), for the time the decision took."""
-        ttft, refusal = self._judge(reports, prompt_tokens, priority)
+              priority: int, received: float, decodes: bool = True) -> Admitted | Refusal:
+        """`received`: the request's arrival (unix seconds), for the time the decision took; `decodes`: it opens
+        a stream (max_tokens above 1), else it is never refused on TPOT: it slows no stream."""
+        ttft, refusal = self._judge(reports, prompt_tokens, priority, decodes)
         key = client_key(raw.headers.get("authorization"), user, self.api_key)
         if refusal is None and self.limits is not None:
             refusal = self.limits.admit(key, prompt_tokens)
@@ -40,7 +41,7 @@ class ServerAdmission:
         self.sent.add(prompt_tokens, priority)
         return Admitted(key, ttft)
 
-    def _judge(self, reports: list[LoadReport | None], prompt_tokens: int, priority: int
+    def _judge(self, reports: list[LoadReport | None], prompt_tokens: int, priority: int, decodes: bool
                ) -> tuple[float | None, Refusal | None]:
         """The best rank's prediction; a refusal only when no rank meets the SLOs."""
         if not self.slo.enabled:
@@ -51,7 +52,8 @@ class ServerAdmission:
                 return None, None
             tokens, streams = self.sent.since(report.time, priority)
             ttft, refusal = judge_ttft(self.slo, report, prompt_tokens, priority, tokens)
-            refusal = refusal or judge_tpot(self.slo, report, streams)
+            if decodes:
+                refusal = refusal or judge_tpot(self.slo, report, streams)
             if refusal is None:
                 return ttft, None
             if best is None or refusal.retry_after < best[1].retry_after:

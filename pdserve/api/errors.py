@@ -3,20 +3,38 @@ models refuse, and Starlette's (404, 405)."""
 
 from __future__ import annotations
 
+import logging
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.api.state import APIError
-from pdserve.http.errors import error_body
+from pdserve.http.errors import REQUEST_ID_HEADER, error_body, explain_error
+
+log = logging.getLogger("pdserve.serve")
 
 
-async def api_error(_: Request, e: APIError) -> JSONResponse:
-    return JSONResponse(error_body(str(e), e.status, e.err_type, e.param), status_code=e.status, headers=e.headers)
+def answered(request: Request, response: JSONResponse) -> JSONResponse:
+    """Every error answer is logged with its reason and counted (pdserve_requests_failed_total{reason})."""
+    state = getattr(request.app.state, "server", None)
+    if state is not None:
+        explain_error(log, state.metrics.failed, request.method, request.url.path,
+                      request.headers.get(REQUEST_ID_HEADER), response.status_code, response.body)
+    return response
 
 
-async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+async def api_error(request: Request, e: APIError) -> JSONResponse:
+    return answered(request, JSONResponse(error_body(str(e), e.status, e.err_type, e.param), status_code=e.status,
+                                          headers=e.headers))
+
+
+async def validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+    return answered(request, _validation_answer(e))
+
+
+def _validation_answer(e: RequestValidationError) -> JSONResponse:
     first = e.errors()[0] if e.errors() else {}
     if first.get("type") == "json_invalid":  # its loc is a character offset, not a field
         reason = (first.get("ctx") or {}).get("error", "JSON decode error")
@@ -31,8 +49,8 @@ async def validation_error(_: Request, e: RequestValidationError) -> JSONRespons
     return JSONResponse(error_body(message, 400, param=".".join(loc) or None), status_code=400)
 
 
-async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-    return JSONResponse(error_body(str(e.detail), e.status_code), status_code=e.status_code)
+async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+    return answered(request, JSONResponse(error_body(str(e.detail), e.status_code), status_code=e.status_code))
 
 
 def add_error_handlers(app: FastAPI) -> None:

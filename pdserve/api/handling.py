@@ -48,11 +48,11 @@ def check_length(state: ServerState, prompt_ids: list[int]) -> None:
         raise APIError("prompt token ids must be in [0, vocab size)", param="prompt")
 
 
-def admit(state: ServerState, raw: Request, body: Any, gen: Generation) -> None:
+def admit(state: ServerState, raw: Request, body: Any, gen: Generation, decodes: bool) -> None:
     engine = state.engine
     reports = [r.engine.load for r in engine.ranks] if isinstance(engine, DataParallelEngine) else [engine.load]
     verdict = state.admission.admit(raw, getattr(body, "user", None), reports, len(gen.prompt_token_ids),
-                                    gen.priority, gen.created)
+                                    gen.priority, gen.created, decodes)
     if isinstance(verdict, Refusal):
         raise APIError(verdict.message, 429, verdict.error_type, headers={"Retry-After": verdict.retry_after_header})
     gen.admitted = verdict
@@ -108,8 +108,9 @@ async def respond(state: ServerState, raw: Request, body: Any, gen: Generation, 
     if state.in_flight >= state.max_concurrency:
         raise APIError(f"too many requests in flight (--max-concurrency {state.max_concurrency}); retry later",
                        429, "rate_limit_exceeded")
+    # A PD side or a moved stream was admitted by the router already.
     if state.admission is not None and body.pd is None and getattr(body, "migration", None) is None:
-        admit(state, raw, body, gen)  # a PD side or a moved stream was admitted by the router already
+        admit(state, raw, body, gen, decodes=params.max_tokens > 1)
     state.in_flight += 1
     state.metrics.request_started()
     if body.stream:

@@ -25,6 +25,9 @@ class ServerMetrics:
             return gauge
 
         self.requests = Counter("pdserve_requests", "finished requests by outcome", ["finish_reason"], registry=r)
+        self.failed = Counter("pdserve_requests_failed", "requests answered with an error, by its OpenAI type "
+                              "(server_overloaded: admission; rate_limit_exceeded; invalid_request_error; ...)",
+                              ["reason"], registry=r)
         self.in_flight = Gauge("pdserve_requests_in_flight", "requests being served", registry=r)
         self.prompt_tokens = Counter("pdserve_prompt_tokens", "prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("pdserve_generation_tokens", "generated tokens", registry=r)

@@ -99,6 +99,8 @@ def serve(args: argparse.Namespace) -> int:
     metrics_reservation = listening_socket(host, metrics_port)  # prometheus binds its own; held until then
     advertise = advertised_host(host, settings.advertise_host)
     config = engine_config_from_args(args, pd_host=host, advertise_host=advertise)
+    if slo.enabled:  # admission judges from the first request: measured before ready
+        config = dataclasses.replace(config, calibrate_load=True)
     if settings.router and config.kv_events_config is None:  # the routers index what it caches
         config = dataclasses.replace(config, kv_events_config=on_free_ports(host))
     name = settings.served_model_name or model_name(args.model)

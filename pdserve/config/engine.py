@@ -59,6 +59,10 @@ class EngineConfig:
     kv_cache_memory: int | None = option(  # bytes; CPU: the "device memory" the cache is sized from
         None, "CPU: the memory the cache is sized from, e.g. 4G (default: available RAM)", type=parse_size,
         group=ENGINE)
+    calibrate_load: bool = option(
+        False, "before ready, time a few decode and prompt steps so that admission by SLO judges the first request "
+        "on measurements (on whenever --ttft-slo-ms or --tpot-slo-ms is given; pdserve launch sets it on its "
+        "instances when its routers admit by SLO)", group=ENGINE, switch=True)
     num_gpu_blocks_override: int | None = option(None, "number of KV blocks; skips the profile run", group=ENGINE)
     tensor_parallel_size: int = option(
         1, "worker ranks of one instance, each with its share of the attention heads, KV heads and MLP columns "

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import httpx
 
+from pdserve.admission.predictor import SLO
 from pdserve.api.serve import DEMO_REQUEST, free_port
 from pdserve.config.flags import add_flags, from_args, to_flags
 from pdserve.config.roles import Role
@@ -205,6 +206,8 @@ def memory_shares(instance_args: list[str], n: int) -> list[str]:
 
 def launch(args: argparse.Namespace) -> int:
     settings = from_args(LaunchSettings, args)
+    if SLO.from_ms(args.ttft_slo_ms, args.tpot_slo_ms).enabled:  # the routers judge from the instances' first report
+        args.instance_args = [*args.instance_args, "--calibrate-load"]
     if settings.ray is not None:
         from pdserve.deploy.ray_launch import launch_on_ray
 

@@ -22,6 +22,7 @@ from pdserve.api.serve import free_port
 from pdserve.config.roles import Role
 from pdserve.deploy.cluster_auth import ENV
 from pdserve.deploy.launch import InstanceSpec, needs_memory_share
+from pdserve.deploy.ray_placement import RayNode, alive_nodes, cache_memory_share
 from pdserve.deploy.supervisor import Supervisor
 from pdserve.utils.shm_room import free_host_memory
 
@@ -85,15 +86,15 @@ class RayMember:
         return ports, f"http://{self.ip}:{spec.port}", cmd
 
     def _memory_share(self) -> list[str]:
-        """On a CPU node, where no flag sizes the cache, the share of the node's free RAM that its share of
-        the node's CPUs is: Ray places by CPUs, so instances placed together never size past the RAM."""
+        """On a CPU node, where no flag sizes the cache, its share of the machine's free RAM (ray_placement)."""
         import ray
 
         if not needs_memory_share(self.plan.args):
             return []
-        node_cpus = next((n["Resources"].get("CPU", 1.0) for n in ray.nodes() if n["NodeID"] == self.node_id), 1.0)
-        share = free_host_memory() * min(1.0, self.plan.cores / max(node_cpus, 1.0))
-        return ["--kv-cache-memory", str(int(share))]
+        entries = ray.nodes()
+        node = RayNode.from_ray(next(e for e in entries if e["NodeID"] == self.node_id))
+        share = cache_memory_share(free_host_memory(), self.plan.cores, node, alive_nodes(entries))
+        return ["--kv-cache-memory", str(share)]
 
     def _tend(self) -> None:
         self.supervisor.start(self.plan.name, self.cmd)

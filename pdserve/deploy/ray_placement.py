@@ -26,12 +26,18 @@ class RayNode:
     gpus: float
     resources: dict[str, float] = field(default_factory=dict)
     labels: dict[str, str] = field(default_factory=dict)
+    hostname: str = ""  # the machine's: several Ray nodes may run on one
 
     @classmethod
     def from_ray(cls, entry: dict[str, Any]) -> RayNode:
         resources = entry.get("Resources", {})
         return cls(entry["NodeID"], entry["NodeManagerAddress"], resources.get("CPU", 0.0),
-                   resources.get("GPU", 0.0), dict(resources), dict(entry.get("Labels") or {}))
+                   resources.get("GPU", 0.0), dict(resources), dict(entry.get("Labels") or {}),
+                   entry.get("NodeManagerHostname") or "")
+
+    @property
+    def machine(self) -> str:
+        return self.hostname or self.ip
 
     @property
     def short_id(self) -> str:
@@ -40,6 +46,18 @@ class RayNode:
 
 def alive_nodes(entries: Iterable[dict[str, Any]]) -> list[RayNode]:
     return [RayNode.from_ray(e) for e in entries if e.get("Alive")]
+
+
+def cache_memory_share(free_bytes: int, cores: float, node: RayNode, nodes: list[RayNode]) -> int:
+    """The RAM an instance of `cores` CPUs on `node` may size its KV cache from, where no flag sizes it: its share,
+    by CPUs, of its machine's free RAM, counting every Ray node on that machine (Ray places by CPUs, so the
+    instances of one machine together never size past what it has; two Ray nodes on one host each sized from
+    all of it and the second instance found no room), and no more than its share of the node's own `memory`."""
+    machine_cpus = sum(n.cpus for n in nodes if n.machine == node.machine) or node.cpus
+    share = free_bytes * min(1.0, cores / max(machine_cpus, 1.0))
+    if (node_memory := node.resources.get("memory")) and node.cpus:
+        share = min(share, node_memory * min(1.0, cores / node.cpus))
+    return int(share)
 
 
 @dataclass(frozen=True)

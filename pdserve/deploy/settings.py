@@ -7,7 +7,6 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.admission.settings import LAUNCH_TPOT_SLO_MS, LAUNCH_TTFT_SLO_MS
 from pdserve.config.flags import option
 from pdserve.config.roles import Role
 
@@ -100,12 +99,14 @@ ROUTER_FLAGS = {
     "kv_overlap_score_weight": "",
     "kv_decode_load_weight": "",
     "api_key": "",
-    "ttft_slo_ms": " (0: off)",
-    "tpot_slo_ms": " (0: off)",
+    "ttft_slo_ms": "; the instances then time their steps before ready, so the first request is judged",
+    "tpot_slo_ms": "",
     "rate_limit": "",
     "load_interval": "",
 }
 # Launch's own defaults for them. The API key is not taken from $PDSERVE_API_KEY here: the routers
-# read the variable themselves, which keeps the key off their command lines.
+# read the variable themselves, which keeps the key off their command lines. Admission by SLO stays off unless
+# asked for (as in vLLM and Dynamo): a batch client (an eval harness, a benchmark, a script) wants every answer,
+# late or not, and bench/light_load.py measured `make demo`'s deployment refusing such loads with it on.
 ROUTER_DEFAULTS = {"pd_policy": "conditional", "max_local_prefill_length": 512, "local_prefill_decode_requests": 4,
-                   "api_key": None, "ttft_slo_ms": LAUNCH_TTFT_SLO_MS, "tpot_slo_ms": LAUNCH_TPOT_SLO_MS}
+                   "api_key": None}

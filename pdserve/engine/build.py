@@ -16,6 +16,7 @@ from pdserve.engine.block_copies import BlockCopies, ServiceCopies
 from pdserve.engine.engine_core import EngineCore
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.kv_connector import KVConnector, NoCacheService
+from pdserve.engine.load_calibration import calibrate_load
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 from pdserve.engine.worker_copies import WorkerCopies
 from pdserve.kv_events.publisher import KVEventPublisher
@@ -46,4 +47,7 @@ def build_engine_core(config: EngineConfig, started: StartedProcesses, ctx: zmq.
     if config.kv_events_config is not None and config.kv_events_config.enabled:
         kv.record_events()
         publisher = KVEventPublisher(config.kv_events_config, kv.snapshot, ctx, config.data_parallel_rank)
-    return EngineCore(config, started.worker, scheduler, layout, copies, connector, service, publisher)
+    core = EngineCore(config, started.worker, scheduler, layout, copies, connector, service, publisher)
+    if config.calibrate_load:
+        calibrate_load(core.load, started.worker, config, layout.num_blocks, started.max_model_len)
+    return core

@@ -213,6 +213,18 @@ class WorkerShutdown(msgspec.Struct, tag=True):
     pass
 
 
+class CalibrateCommand(msgspec.Struct, tag=True):
+    """Time these step shapes (admission/calibration.py): (streams decoding, prompt tokens) each."""
+
+    steps: list[tuple[int, int]]
+    context: int  # tokens of context of each decoding stream
+    repeats: int
+
+
+class Calibration(msgspec.Struct, tag=True):
+    seconds: list[float]  # per step of the command, the fastest of its repeats
+
+
 class WeightsCommand(msgspec.Struct, tag=True):
     """Free the weights and the KV cache ("clear"), or load both again from disk ("load")."""
 
@@ -220,7 +232,7 @@ class WeightsCommand(msgspec.Struct, tag=True):
     segment: str | None = None  # "load", a rank after the first: the cache segment rank 0 created again
 
 
-WorkerInput = ExecuteStep | WeightsCommand | LoRACommand | CacheCommand | WorkerShutdown
+WorkerInput = ExecuteStep | WeightsCommand | LoRACommand | CacheCommand | CalibrateCommand | WorkerShutdown
 
 
 # ---- worker -> engine ------------------------------------------------------------------------
@@ -272,4 +284,4 @@ class WorkerOk(msgspec.Struct, tag=True):
     kv_cache_name: str | None = None  # after loading weights again: the (new) cache segment
 
 
-WorkerMessage = StepResult | WorkerLoaded | WorkerReady | WorkerError | WorkerOk
+WorkerMessage = StepResult | WorkerLoaded | WorkerReady | WorkerError | WorkerOk | Calibration

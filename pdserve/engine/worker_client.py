@@ -17,6 +17,8 @@ import zmq
 from pdserve.config.engine import EngineConfig
 from pdserve.engine.messages import (
     CacheCommand,
+    CalibrateCommand,
+    Calibration,
     ExecuteStep,
     LoRACommand,
     StepResult,
@@ -98,6 +100,14 @@ class WorkerClient:
             rank.send(WeightsCommand(action, ok.kv_cache_name))
             self._expect(rank, WorkerOk, None, f"{action} its weights", RuntimeError)
         return ok
+
+    def calibrate(self, command: CalibrateCommand, timeout: float) -> Calibration:
+        """Every rank times the same steps (they meet in the all-reduces); the first rank's times."""
+        for rank in self.ranks:
+            rank.send(command)
+        times = [self._expect(rank, Calibration, timeout, "time the calibration steps", RuntimeError)
+                 for rank in self.ranks]
+        return times[0]
 
     def lora(self, action: str, name: str, path: str = "") -> None:
         """Load or unload a LoRA adapter on every rank; a RuntimeError says why one could not."""

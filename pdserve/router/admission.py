@@ -77,7 +77,7 @@ class RouterAdmission:
                 ttft, refusal = judge_ttft(self.slo, instance.load, todo, request.priority, tokens, now)
                 if ttft is not None:
                     admitted.predicted_ttft[instance.url] = ttft
-            if refusal is None and instance.role in (Role.DECODE, Role.MIXED) and not request.single:
+            if refusal is None and instance.role in (Role.DECODE, Role.MIXED) and request.decodes:
                 refusal = judge_tpot(self.slo, instance.load, streams)
             if refusal is not None:
                 admitted.excluded.add(instance.url)

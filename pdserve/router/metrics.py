@@ -17,6 +17,9 @@ class RouterMetrics:
         self.prometheus = CollectorRegistry()
         r = self.prometheus
         self.requests = Counter("pdserve_router_requests", "requests answered, by HTTP status", ["status"], registry=r)
+        self.failed = Counter("pdserve_router_requests_failed", "requests answered with an error, by its OpenAI type "
+                              "(server_overloaded: admission; rate_limit_exceeded; pd_error; ...)", ["reason"],
+                              registry=r)
         self.retries = Counter("pdserve_router_retries", "requests tried again on another route", registry=r)
         self.refused = Counter("pdserve_router_refused", "refused: bad registration signature, too large "
                                "(a bad API key is refused before routing and not counted)", ["reason"], registry=r)

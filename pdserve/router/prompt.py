@@ -26,6 +26,7 @@ class PromptReader:
         except Exception:  # malformed: the instance answers it with a clear 400
             request = RoutedRequest(None, 0)
         request.single = scores_prompt(body)
+        request.decodes = not request.single and not at_most_one_token(body)
         return request
 
     def _completion(self, body: dict) -> RoutedRequest:
@@ -56,6 +57,12 @@ class PromptReader:
             messages, add_generation_prompt=body.get("add_generation_prompt", True), tokenize=True,
             **extra, **(body.get("chat_template_kwargs") or {}))
         return RoutedRequest(ids, len(ids))
+
+
+def at_most_one_token(body: dict) -> bool:
+    """max_tokens (or max_completion_tokens) 0 or 1: the answer is the prompt's step alone, no decoding."""
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    return isinstance(limit, int) and not isinstance(limit, bool) and limit <= 1
 
 
 def scores_prompt(body: dict) -> bool:

@@ -17,6 +17,7 @@ import zmq
 
 from pdserve.engine.messages import (
     CacheCommand,
+    CalibrateCommand,
     ExecuteStep,
     LoRACommand,
     WorkerError,
@@ -67,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 if isinstance(msg, ExecuteStep):
                     reply = loan.run(lambda: worker.execute(msg)) if loan else worker.execute(msg)  # noqa: B023
+                elif isinstance(msg, CalibrateCommand):
+                    reply = worker.calibrate(msg)
                 elif isinstance(msg, LoRACommand):
                     try:
                         reply = worker.lora(msg)

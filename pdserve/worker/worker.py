@@ -17,6 +17,8 @@ from pdserve.engine.messages import (
     DEVICE,
     BlockCopy,
     CacheCommand,
+    CalibrateCommand,
+    Calibration,
     Chunk,
     ExecuteStep,
     LoRACommand,
@@ -37,6 +39,7 @@ from pdserve.model.tensor_parallel import TensorParallel
 from pdserve.sampling import SamplerOutput, SamplingRow, make_generator, skip_draws
 from pdserve.spec_decode.verifier import accepted_tokens, position_rows, rewind
 from pdserve.structured.matcher import GrammarCompiler, SequenceGrammar, allowed_tokens
+from pdserve.worker.calibration import time_steps
 from pdserve.worker.kv_copier import CopyEvent, KVCopier
 from pdserve.worker.layer_announcer import LayerAnnouncer
 from pdserve.worker.model_runner import ModelRunner
@@ -145,6 +148,9 @@ class Worker:
         else:
             self._shared = KVCache.attach_shared(self.layout, command.segment)
         self.runner.kv_cache = self._shared.rank_view(self.tp.rank, self.tp.size)
+
+    def calibrate(self, command: CalibrateCommand) -> Calibration:
+        return time_steps(self.runner, command, self.tp.rank == 0)
 
     def lora(self, command: LoRACommand) -> WorkerOk:
         """Load or unload an adapter (POST /v1/load_lora_adapter, /v1/unload_lora_adapter)."""

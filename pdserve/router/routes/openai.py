@@ -4,7 +4,9 @@ prefill/decode pair or a mixed instance); models, tokenize and detokenize to any
 from __future__ import annotations
 
 import json
+import logging
 import time
+import uuid
 from collections.abc import Mapping
 
 import aiohttp
@@ -13,12 +15,13 @@ from fastapi.responses import JSONResponse, Response
 
 from pdserve.admission.predictor import Refusal
 from pdserve.http.disconnect import until_disconnect
-from pdserve.http.errors import error_body
+from pdserve.http.errors import REQUEST_ID_HEADER, error_body, explain_error
 from pdserve.router.admission import Admitted
 from pdserve.router.forward import error_response
 from pdserve.router.state import RouterDep, RouterState
 
 router = APIRouter()
+log = logging.getLogger("pdserve.router")
 
 
 @router.post("/v1/completions")
@@ -52,12 +55,17 @@ async def detokenize(raw: Request, state: RouterDep) -> Response:
 
 
 async def _forward(raw: Request, state: RouterState, path: str) -> Response:
-    response = await _forward_checked(raw, state, path)
+    request_id = raw.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+    response = await _forward_checked(raw, state, path, request_id)
     state.metrics.requests.labels(str(response.status_code)).inc()
+    if response.status_code >= 400:
+        explain_error(log, state.metrics.failed, raw.method, path, request_id, response.status_code,
+                      getattr(response, "body", b""))
+        response.headers[REQUEST_ID_HEADER] = request_id
     return response
 
 
-async def _forward_checked(raw: Request, state: RouterState, path: str) -> Response:
+async def _forward_checked(raw: Request, state: RouterState, path: str, request_id: str) -> Response:
     received = time.monotonic()
     limit = state.settings.max_request_bytes
     body = await _read_limited(raw, limit)
@@ -86,7 +94,8 @@ async def _forward_checked(raw: Request, state: RouterState, path: str) -> Respo
                                 headers={"Retry-After": verdict.retry_after_header})
         admitted, avoid = verdict, verdict.excluded
     started = time.monotonic()
-    work = state.forwarder.forward(path, parsed, request, _passed_headers(raw.headers), avoid)
+    headers = {**_passed_headers(raw.headers), REQUEST_ID_HEADER: request_id}
+    work = state.forwarder.forward(path, parsed, request, headers, avoid)
     # A streamed answer stops when the client does (its generator is closed); a whole one would not.
     response = await (work if parsed.get("stream") else until_disconnect(raw, work))
     if admitted is not None:

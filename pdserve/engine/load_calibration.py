@@ -1,0 +1,38 @@
+"""Before the engine says it is ready: time the calibration steps (admission/calibration.py) on the worker and
+seed the load tracker with them, so admission judges the first request on measurements."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from pdserve.admission.calibration import CONTEXT, REPEATS, calibration_plan
+from pdserve.admission.load import LoadTracker
+from pdserve.config.engine import EngineConfig
+from pdserve.engine.messages import CalibrateCommand
+from pdserve.engine.worker_client import WorkerClient
+
+log = logging.getLogger("pdserve.engine")
+
+
+def calibrate_load(tracker: LoadTracker, worker: WorkerClient, config: EngineConfig, num_blocks: int,
+                   max_model_len: int) -> None:
+    """A calibration that fails leaves the tracker empty (admission then waits for real steps), said in the log."""
+    plan = calibration_plan(config.max_num_seqs, config.max_num_batched_tokens, num_blocks, config.block_size,
+                            max_model_len)
+    if not plan:
+        log.warning("load calibration skipped: the KV cache (%d blocks) holds none of its steps", num_blocks)
+        return
+    start = time.perf_counter()
+    command = CalibrateCommand([(s.decodes, s.prompt_tokens) for s in plan], min(CONTEXT, max_model_len - 1),
+                               REPEATS)
+    try:
+        timed = worker.calibrate(command, config.startup_timeout)
+    except RuntimeError as e:
+        log.warning("load calibration failed, admission waits for real steps: %s", e)
+        return
+    tracker.calibrate([(s.decodes, s.prompt_tokens, t) for s, t in zip(plan, timed.seconds, strict=True)])
+    base, per_stream, per_token = tracker.step_costs()
+    log.info("load calibration: %d steps in %.1f s: step %.1f ms + %.2f ms per stream + %.3f ms per prompt token, "
+             "prefill %.0f tokens/s", len(plan), time.perf_counter() - start, base * 1e3, per_stream * 1e3,
+             per_token * 1e3, tracker.prefill_rate)

@@ -1,0 +1,52 @@
+"""The worker's side of admission's calibration (admission/calibration.py): real forward passes of the step
+shapes the engine asks for, over the cache that nobody uses yet, timed.
+
+The blocks written are free at startup: no request, prefix index or transfer refers to them, and nothing is
+announced to a peer (no layer callback), so the run leaves no trace but warm kernels."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from pdserve.engine.messages import CalibrateCommand, Calibration
+from pdserve.model import SequenceChunk
+from pdserve.worker.model_runner import ModelRunner
+
+TOKEN = 1  # any id: a step's cost does not depend on which tokens it computes
+
+
+def time_steps(runner: ModelRunner, command: CalibrateCommand, first_rank: bool) -> Calibration:
+    """Per step, the mean of `repeats` timed runs after an untimed one. Every tensor-parallel rank runs the same
+    steps (they meet in the all-reduces); the first rank's times are the instance's."""
+    seconds = []
+    for decodes, prompt_tokens in command.steps:
+        chunks = step_chunks(decodes, prompt_tokens, command.context, runner.block_size)
+        forward: Callable[[], object] = ((lambda c=chunks: runner.logits(c)) if first_rank
+                                         else (lambda c=chunks: runner.forward_only(c)))
+        times = [_timed(forward, runner.device) for _ in range(command.repeats + 1)][1:]
+        seconds.append(sum(times) / len(times))
+    return Calibration(seconds)
+
+
+def step_chunks(decodes: int, prompt_tokens: int, context: int, block_size: int) -> list[SequenceChunk]:
+    """`decodes` streams each one token past `context - 1` cached ones, and a prompt chunk computed from
+    scratch, each on blocks of its own from block 0 on."""
+    per_stream = -(-context // block_size)
+    chunks = [SequenceChunk([TOKEN], context - 1, list(range(i * per_stream, (i + 1) * per_stream)))
+              for i in range(decodes)]
+    if prompt_tokens:
+        first = decodes * per_stream
+        chunks.append(SequenceChunk([TOKEN] * prompt_tokens, 0,
+                                    list(range(first, first + -(-prompt_tokens // block_size)))))
+    return chunks
+
+
+def _timed(forward: Callable[[], object], device: torch.device) -> float:
+    start = time.perf_counter()
+    forward()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
