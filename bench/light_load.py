@@ -3,11 +3,12 @@
     .venv/bin/python bench/light_load.py [--rounds 1] [--out bench-results/light_load.md]
 
 What an eval harness or a script sends, answered as they would want it (every request, late or not), through
-`pdserve launch --prefill 1 --decode 1 --kv-cache-memory 2G --max-model-len 4096` (make demo's flags), fresh
-for each setting:
+`pdserve launch --prefill 1 --decode 1 --kv-cache-memory 2G --max-model-len 4096` (make demo's flags) and a
+2P2D fp32 deployment with --pd-policy always, each fresh for each setting:
 - lm-eval's `local-completions` shape: 4 workers, 10 requests each, one after another: prompt scoring (echo +
   logprobs, max_tokens 1) and short greedy generations (32 tokens), alternating;
-- a burst: 8 concurrent chats of 32 tokens, three times.
+- a burst: 8 concurrent chats of 32 tokens, three times;
+with --neighbour, a busy loop per core runs beside them (another job on the box).
 The openai client with max_retries=0, so each 429 is counted. Prints, per setting, how many were answered,
 refused (429) and failed otherwise, and the wall time of each load.
 """
@@ -15,16 +16,23 @@ refused (429) and failed otherwise, and the wall time of each load.
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import openai
 from pd_sweep import served
 
-LAUNCH = [sys.executable, "-m", "pdserve.cli", "launch", "--prefill", "1", "--decode", "1", "--port", "{port}",
-          "--kv-cache-memory", "2G", "--max-model-len", "4096"]
+LAUNCH = [sys.executable, "-m", "pdserve.cli", "launch", "--port", "{port}", "--kv-cache-memory", "2G",
+          "--max-model-len", "4096"]
+DEPLOYMENTS = {"make demo 1P1D": ["--prefill", "1", "--decode", "1"],
+               "2P2D fp32, pd-policy always": ["--prefill", "2", "--decode", "2", "--dtype", "float32",
+                                               "--pd-policy", "always"]}
 SETTINGS = {"admission on (2000 / 100 ms)": ["--ttft-slo-ms", "2000", "--tpot-slo-ms", "100"],
             "admission off": ["--ttft-slo-ms", "0", "--tpot-slo-ms", "0"]}
 QUESTIONS = [
@@ -69,8 +77,22 @@ def burst(client: openai.OpenAI, model: str) -> list[str]:
         return list(pool.map(chat, range(8)))
 
 
-def measure(flags: list[str], log: Path) -> dict[str, tuple[list[str], float]]:
-    with served("launch", [*LAUNCH, *flags], {}, log) as url:
+@contextmanager
+def neighbour(busy: bool) -> Iterator[None]:
+    """A noisy neighbour on the box while the loads run: a busy loop per core (as another job would be)."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)] \
+        if busy else []
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def measure(flags: list[str], log: Path, busy: bool) -> dict[str, tuple[list[str], float]]:
+    """Each load once against a fresh deployment started with `flags` (the neighbour arrives once it is up)."""
+    with served("launch", [*LAUNCH, *flags], {}, log) as url, neighbour(busy):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
         model = client.models.list().data[0].id
         start = time.perf_counter()
@@ -87,16 +109,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=1, help="each setting this many times, taking turns")
     parser.add_argument("--out", type=Path, default=Path("bench-results/light_load.md"))
+    parser.add_argument("--neighbour", action="store_true", help="a busy loop per core while the loads run")
     args = parser.parse_args()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    lines = ["| setting | round | load | answered | 429 | other failures | seconds |", "|---|---|---|---|---|---|---|"]
+    lines = ["| deployment | setting | round | load | answered | 429 | other failures | seconds |",
+             "|---|---|---|---|---|---|---|---|"]
     for round_ in range(args.rounds):
-        for name, flags in SETTINGS.items():
-            for load, (results, seconds) in measure(flags, args.out.with_suffix(f".{round_}.log")).items():
-                other = [r for r in results if r.startswith("failed")]
-                lines.append(f"| {name} | {round_ + 1} | {load} | {results.count('answered')} of {len(results)} | "
-                             f"{results.count('429')} | {len(other)} {other[:1] or ''} | {seconds:.1f} |")
-                print(lines[-1], flush=True)
+        for deployment, shape in DEPLOYMENTS.items():
+            for name, flags in SETTINGS.items():
+                log = args.out.with_suffix(f".{round_}.log")
+                for load, (results, seconds) in measure([*shape, *flags], log, args.neighbour).items():
+                    other = [r for r in results if r.startswith("failed")]
+                    lines.append(f"| {deployment} | {name} | {round_ + 1} | {load} | {results.count('answered')} of "
+                                 f"{len(results)} | {results.count('429')} | {len(other)} {other[:1] or ''} | "
+                                 f"{seconds:.1f} |")
+                    print(lines[-1], flush=True)
     args.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
