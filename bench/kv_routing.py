@@ -29,6 +29,7 @@ from pd_sweep import served
 FLAGS = ["--kv-cache-memory", "1G", "--max-model-len", "4096"]
 ROUTED = ["--routers", "2", "--prefill-policy", "cache_aware", "--decode-policy", "cache_aware"]
 NO_EVENTS = ["--kv-events-config", '{"publisher": "null"}']
+LEAST_LOAD = ["--prefill-policy", "least_tokens", "--decode-policy", "least_requests"]  # launch's default until stop 50
 
 
 def commands() -> dict[str, list[str]]:
@@ -43,6 +44,9 @@ def commands() -> dict[str, list[str]]:
                         "round_robin"],
         "2p2d": [*pdserve, "launch", "--prefill", "2", "--decode", "2", "--port", "{port}", *FLAGS, *ROUTED,
                  "--pd-policy", "always"],
+        "least_load": [*mixed4, "--routers", "2", *LEAST_LOAD],
+        "2p2d_least_load": [*pdserve, "launch", "--prefill", "2", "--decode", "2", "--port", "{port}", *FLAGS,
+                            "--routers", "2", *LEAST_LOAD, "--pd-policy", "always"],
     }
 
 
@@ -50,7 +54,9 @@ NAMES = {"one": "one mixed instance (holds everything)", "events": "4 mixed, cac
          "approximate": "4 mixed, cache_aware approximate",
          "events_dynamo": "4 mixed, cache_aware on KV events, decoding blocks weighed 1.0 (Dynamo)",
          "round_robin": "4 mixed, round robin",
-         "2p2d": "2P2D, cache_aware on KV events"}
+         "2p2d": "2P2D, cache_aware on KV events",
+         "least_load": "4 mixed, least_tokens / least_requests",
+         "2p2d_least_load": "2P2D, least_tokens / least_requests"}
 
 
 def engine_hits(url: str) -> dict[str, tuple[float, float]]:
@@ -112,6 +118,12 @@ def report(rows: dict[str, dict]) -> str:
     if ev and ap:
         ratio.append(f"TTFT p50 turns 2+, events / approximate: {ev['ttft_p50'] / ap['ttft_p50']:.2f} (goal <= 0.8)")
         ratio.append(f"goodput, events / approximate: {ev['goodput'] / max(ap['goodput'], 1e-9):.2f} (goal >= 1.2)")
+    for cache, least in (("events", "least_load"), ("2p2d", "2p2d_least_load")):
+        if rows.get(cache) and rows.get(least):
+            ratio.append(f"TTFT p50 turns 2+, {NAMES[cache]} / {NAMES[least]}: "
+                         f"{rows[cache]['ttft_p50'] / rows[least]['ttft_p50']:.2f}; hit share "
+                         f"{rows[cache]['hit_share']:.1%} / {rows[least]['hit_share']:.1%}; goodput "
+                         f"{rows[cache]['goodput'] / max(rows[least]['goodput'], 1e-9):.2f}x")
     if rows.get("2p2d") and one:
         ratio.append(f"hit share, 2P2D / one instance: {rows['2p2d']['hit_share'] / max(one['hit_share'], 1e-9):.2f}")
     return "\n".join(lines + [""] + ratio)

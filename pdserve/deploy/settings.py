@@ -88,8 +88,8 @@ def role_counts(launch: Any) -> dict[Role, int]:
 # The router's settings (router/settings.py) that launch takes as flags and passes on to its routers, with
 # what launch adds to each one's help.
 ROUTER_FLAGS = {
-    "prefill_policy": "",
-    "decode_policy": "",
+    "prefill_policy": " (launch's default: cache_aware, on the instances' KV events)",
+    "decode_policy": " (launch's default: cache_aware)",
     "pd_policy": " (launch's default: conditional, short prompts are computed on the decode instance)",
     "max_local_prefill_length": " (launch's default 512 won on ShareGPT here)",
     "max_prefill_queue_tokens": "",
@@ -108,5 +108,7 @@ ROUTER_FLAGS = {
 # read the variable themselves, which keeps the key off their command lines. Admission by SLO stays off unless
 # asked for (as in vLLM and Dynamo): a batch client (an eval harness, a benchmark, a script) wants every answer,
 # late or not, and bench/light_load.py measured `make demo`'s deployment refusing such loads with it on.
+# Routing by cached prefix (on the KV events every launched instance publishes) halved the TTFT of later
+# turns against least_tokens / least_requests on multi-turn chats (bench/kv_routing.py, docs/measurements.md).
 ROUTER_DEFAULTS = {"pd_policy": "conditional", "max_local_prefill_length": 512, "local_prefill_decode_requests": 4,
-                   "api_key": None}
+                   "api_key": None, "prefill_policy": "cache_aware", "decode_policy": "cache_aware"}
