@@ -29,6 +29,7 @@ from pdserve.deploy.ray_placement import (
     placement_table,
     unplaceable,
 )
+from pdserve.utils.shm_room import free_host_memory
 from tests.servers import REPO, metrics, segments, wait_for
 from tests.test_launch import Launch, Load
 from tests.tiny_models import greedy_completions, greedy_texts
@@ -138,6 +139,25 @@ def test_an_unsatisfiable_placement_is_an_error_naming_it(cluster, tmp_path: Pat
     assert r.returncode == 1, r.stderr[-2000:]
     assert ("cannot place the deployment: decode-0 asks for 3 CPUs on a node matching decode: the largest such node "
             "has 1 CPUs") in r.stderr
+
+
+@pytest.mark.e2e
+def test_instances_on_one_machines_ray_nodes_split_its_ram(cluster, tiny, tmp_path: Path) -> None:
+    """Three Ray nodes of 1 CPU on this one machine: with no flag sizing the caches, each instance sizes its KV cache
+    from a third of the free RAM, not from all of it (two nodes on one host once asked for 2 x all of it)."""
+    c, _ = cluster
+    folder, _, _ = tiny
+    free_gib = free_host_memory() / 2**30
+    launch = RayLaunch(tmp_path, c.address, "--prefill", "1", "--decode", "1", "--prefill-nodes", "prefill",
+                       "--decode-nodes", "decode", "--model", str(folder), "--dtype", "float32",
+                       "--gpu-memory-utilization", "0.02", "--max-model-len", "512")
+    try:
+        sizes = [float(x) for x in re.findall(r"profile run: device memory ([\d.]+) GiB", launch.log())]
+        assert len(sizes) == 2 and all(0.2 * free_gib <= s <= 0.4 * free_gib for s in sizes), (sizes, free_gib)
+        launch.proc.send_signal(signal.SIGINT)
+        assert launch.proc.wait(60) == 130, launch.log()[-3000:]
+    finally:
+        launch.kill()
 
 
 @pytest.mark.e2e
