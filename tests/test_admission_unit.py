@@ -254,3 +254,30 @@ def test_a_calibrated_tracker_judges_the_first_burst() -> None:
     assert judge_ttft(SLO(ttft=2.0), fresh, 600, 0)[1] is None  # the burst's first is admitted
     ttft, refusal = judge_ttft(SLO(ttft=2.0), fresh, 600, 0, sent_tokens=600 * 10)  # its eleventh is not
     assert refusal is not None and ttft > 2.0
+
+
+def test_a_served_report_counts_what_the_server_handed_its_engine_since() -> None:
+    """A request on its way to the engine is in no engine report yet: /load folds it in."""
+    r = report([(0, 100)])
+    sent = SentSince()
+    sent.add(500, 0, now=r.time - 1)  # before the report: in it
+    sent.add(300, 0, now=r.time + 0.01)
+    sent.add(200, 10, now=r.time + 0.02)
+    sent.add(0, 0, now=r.time + 0.03)  # a PD decode side: a stream, no prompt to compute
+    served = sent.fold_into(r, acked=7)
+    assert served.queued == [(0, 400), (10, 200)] and served.waiting_streams == r.waiting_streams + 3
+    assert served.time == r.time and served.acked == 7
+
+
+def test_a_router_forgets_what_an_instance_acknowledged_not_what_it_sent_before_a_poll() -> None:
+    """Requests still in the instance's API server when the poll started are counted until it has them."""
+    from pdserve.http.wire import parse_sent
+
+    sent = SentSince()
+    for seq, tokens in ((1, 600), (2, 600), (3, 600)):
+        sent.add(tokens, 0, now=100.0, seq=seq)
+    sent.acknowledge(1)
+    assert sent.since(0.0) == (1200, 2)  # 2 and 3 were sent before any poll, and are not taken yet
+    sent.acknowledge(3)
+    assert sent.since(0.0) == (0, 0)
+    assert parse_sent("4f2a:17") == ("4f2a", 17) and parse_sent("nonsense") is None and parse_sent(None) is None

@@ -34,6 +34,7 @@ class LoadReport(msgspec.Struct):
     prompt_token_cost: float = 0.0  # seconds a prompt token adds to a step that carries decodes
     prompt_tokens_per_step: float = 0.0  # prompt tokens the steps that carried decodes computed, lately
     loras: list[str] = []  # LoRA adapters its last step computed with: in its device slots (routers prefer it)
+    acked: int = -1  # as served to a router: the highest of its sequence numbers taken (-1: not counted so)
 
     @property
     def queued_tokens(self) -> int:

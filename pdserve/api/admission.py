@@ -23,9 +23,12 @@ class Admitted:
 
 
 class ServerAdmission:
-    def __init__(self, slo: SLO, limits: RateLimits | None, metrics: AdmissionMetrics, api_key: str | None) -> None:
+    def __init__(self, slo: SLO, limits: RateLimits | None, metrics: AdmissionMetrics, api_key: str | None,
+                 sent: SentSince | None = None) -> None:
+        """`sent`: what the server handed its engines (its caller adds every request it takes); one for all ranks:
+        a data-parallel server is judged conservatively."""
         self.slo, self.limits, self.metrics, self.api_key = slo, limits, metrics, api_key
-        self.sent = SentSince()  # one for all ranks: a data-parallel server is judged conservatively
+        self.sent = sent if sent is not None else SentSince()
 
     def admit(self, raw: Request, user: str | None, reports: list[LoadReport | None], prompt_tokens: int,
               priority: int, received: float, decodes: bool = True) -> Admitted | Refusal:
@@ -38,7 +41,6 @@ class ServerAdmission:
         self.metrics.count(refusal, priority, time.time() - received)
         if refusal is not None:
             return refusal
-        self.sent.add(prompt_tokens, priority)
         return Admitted(key, ttft)
 
     def _judge(self, reports: list[LoadReport | None], prompt_tokens: int, priority: int, decodes: bool

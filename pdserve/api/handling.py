@@ -21,6 +21,7 @@ from pdserve.api.responses_api import respond_stream, respond_whole
 from pdserve.api.state import APIError, ServerState
 from pdserve.engine.messages import PDParams
 from pdserve.http.disconnect import until_disconnect
+from pdserve.http.wire import SENT_HEADER, parse_sent
 from pdserve.structured.spec import StructuredOutput, check, grammar_tokenizer
 from pdserve.tokenization.detokenizer import IncrementalDetokenizer
 from pdserve.tool_calling.grammar import tool_call_spec
@@ -56,6 +57,16 @@ def admit(state: ServerState, raw: Request, body: Any, gen: Generation, decodes:
     if isinstance(verdict, Refusal):
         raise APIError(verdict.message, 429, verdict.error_type, headers={"Retry-After": verdict.retry_after_header})
     gen.admitted = verdict
+
+
+def took(state: ServerState, raw: Request, body: Any, gen: Generation) -> None:
+    """The request goes to the engine: counted in the load this server reports until the engine's own report
+    has it, and acknowledged to the router that sent it."""
+    decode_side = body.pd is not None and body.pd.role == "decode"  # its prompt is computed elsewhere
+    state.taken.add(0 if decode_side else len(gen.prompt_token_ids), gen.priority)
+    if sent := parse_sent(raw.headers.get(SENT_HEADER)):
+        router, seq = sent
+        state.acked[router] = max(seq, state.acked.get(router, 0))
 
 
 def request_priority(state: ServerState, body: Any) -> int:
@@ -111,6 +122,7 @@ async def respond(state: ServerState, raw: Request, body: Any, gen: Generation, 
     # A PD side or a moved stream was admitted by the router already.
     if state.admission is not None and body.pd is None and getattr(body, "migration", None) is None:
         admit(state, raw, body, gen, decodes=params.max_tokens > 1)
+    took(state, raw, body, gen)
     state.in_flight += 1
     state.metrics.request_started()
     if body.stream:

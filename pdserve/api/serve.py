@@ -120,7 +120,7 @@ def serve(args: argparse.Namespace) -> int:
             state.lora = LoRAServing.of(config.lora_modules, config.enable_lora_runtime_loading)
         if slo.enabled or rate_limits is not None:
             state.admission = ServerAdmission(slo, rate_limits, AdmissionMetrics(metrics.registry, "pdserve"),
-                                              settings.api_key)
+                                              settings.api_key, state.taken)
         if settings.router:
             state.router_urls = settings.router
             state.instances = registrations(engine, f"http://{advertise}:{port}", advertise, metrics_port, name,

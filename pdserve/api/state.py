@@ -9,6 +9,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from pdserve.admission.sent import SentSince
 from pdserve.api.admission import ServerAdmission
 from pdserve.api.async_engine import AsyncEngine
 from pdserve.api.data_parallel import DataParallelEngine
@@ -45,6 +46,10 @@ class ServerState:
     data_parallel_size: int = 1  # engine is a DataParallelEngine when above 1
     scheduling_policy: str = "fcfs"  # the engine's --scheduling-policy: a `priority` other than 0 needs "priority"
     admission: ServerAdmission | None = None  # --ttft-slo-ms, --tpot-slo-ms, --rate-limit
+    # Requests handed to the engine lately, which its last load report may not include yet (admission/sent.py),
+    # and per router the highest of its sequence numbers taken.
+    taken: SentSince = field(default_factory=SentSince)
+    acked: dict[str, int] = field(default_factory=dict)
     lora: LoRAServing | None = None  # --enable-lora: the adapters a request may name in `model`
 
     def announce_loras(self) -> None:

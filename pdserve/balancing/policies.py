@@ -50,6 +50,7 @@ class RoutedRequest:
     # scores its prompt (echo + logprobs, prompt_logprobs): one instance computes it all, no PD pair
     single: bool = False
     decodes: bool = True  # it opens a stream of tokens: not a prompt scored, not max_tokens <= 1 (admission's TPOT)
+    sent_tag: str | None = None  # "router id:sequence number" of its route, which the instances acknowledge
     predicted_cached_tokens: int | None = None  # cache_aware: what it expects the chosen instance to have cached
     priority: int = 0  # the request's `priority` field (admission counts the queue at its priority and above)
     admitted: Any = None  # router/admission.Admitted, when the router admits by SLO or rate limit

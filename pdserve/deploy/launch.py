@@ -224,6 +224,7 @@ def launch(args: argparse.Namespace) -> int:
     flags_dir: Path | None = None
     try:
         routers = plan_routers(settings.host, settings.routers or default_routers())
+        router_settings = dataclasses.replace(router_settings, admitting_routers=len(routers))
         for r in routers:
             deployment.start(r.name, r.command(router_settings))
         registrations = registration_urls(settings.host, settings.port, routers)

@@ -130,7 +130,9 @@ def _run(args: argparse.Namespace, settings: LaunchSettings, deployment: RayDepl
             return _fail(f"no live node matches --router-nodes {rule}")
         if error := unplaceable(demands, nodes):
             return _fail(f"cannot place the deployment: {error}")
-        urls = deployment.start_routers(routers, settings, from_args(RouterSettings, args))
+        admitting = len(routers) * (settings.routers or 1)
+        urls = deployment.start_routers(routers, settings,
+                                        replace(from_args(RouterSettings, args), admitting_routers=admitting))
         if urls is None:
             return _fail("the routers did not start (their output is above)")
         for plan, demand in zip(plans, demands, strict=True):

@@ -10,6 +10,16 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+# A router's generation request carries "ROUTER_ID:SEQ" in this header; the instance's /load?router=ROUTER_ID
+# answers with the highest SEQ it has taken from that router (LoadReport.acked: admission/sent.py).
+SENT_HEADER = "x-pdserve-sent"
+
+
+def parse_sent(value: str | None) -> tuple[str, int] | None:
+    """(router id, sequence number) from the header, None when absent or malformed."""
+    router, _, seq = (value or "").rpartition(":")
+    return (router, int(seq)) if router and seq.isdigit() else None
+
 
 class KVEventSource(BaseModel):
     """Where one engine of an instance publishes its KV events (kv_events/): vLLM's PUB and replay sockets."""

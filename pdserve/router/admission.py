@@ -10,8 +10,10 @@ priority or above, so it may be admitted where a low-priority one is refused.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -41,10 +43,14 @@ class Admitted:
 
 class RouterAdmission:
     def __init__(self, slo: SLO, limits: RateLimits | None, metrics: AdmissionMetrics, registry: Registry,
-                 selector: Selector, api_key: str | None, kv_index: KVIndex | None = None) -> None:
+                 selector: Selector, api_key: str | None, kv_index: KVIndex | None = None, peers: int = 1) -> None:
+        """`peers`: routers admitting to the same instances (this one included), each sent a like share."""
         self.slo, self.limits, self.metrics = slo, limits, metrics
         self.registry, self.selector, self.api_key = registry, selector, api_key
         self.kv_index = kv_index  # what each instance caches (KV events): a prompt's cached part is not computed
+        self.peers = max(1, peers)
+        self.router_id = uuid.uuid4().hex[:12]  # the instances acknowledge what they took of ours (admission/sent.py)
+        self._seq = itertools.count(1)
 
     def admit(self, headers: Mapping[str, str], body: dict, request: RoutedRequest, received: float
               ) -> Admitted | Refusal:
@@ -70,7 +76,8 @@ class RouterAdmission:
         for instance in self.registry.all():
             if instance.load is None:
                 continue
-            tokens, streams = instance.sent.since(instance.load.time, request.priority)
+            tokens, streams = (n * self.peers for n in instance.sent.since(_counted_until(instance.load),
+                                                                             request.priority))
             refusal = None
             if instance.role in (Role.PREFILL, Role.MIXED):
                 todo = request.num_tokens - self._cached_tokens(instance, request)
@@ -91,24 +98,32 @@ class RouterAdmission:
         return self.kv_index.cached_blocks(instance.url, request.lookup_hashes(bs)) * bs
 
     def routed(self, route: Route, request: RoutedRequest) -> None:
-        """A route was taken: its instances' queues grow by this request until their next report says so."""
+        """A route was taken: its instances' queues grow by this request until their reports acknowledge it."""
         if request.admitted is not None:
             request.admitted.routed.append(route.first.url)
-        route.first.sent.add(request.num_tokens, request.priority)
+        seq = next(self._seq)
+        request.sent_tag = f"{self.router_id}:{seq}"
+        route.first.sent.add(request.num_tokens, request.priority, seq=seq)
         if route.decode is not None:
-            route.decode.sent.add(0, request.priority)
+            route.decode.sent.add(0, request.priority, seq=seq)
 
     def finished(self, admitted: Admitted, completion_tokens: int) -> None:
         if self.limits is not None and admitted.key is not None:
             self.limits.charge(admitted.key, completion_tokens)
 
 
+def _counted_until(report: LoadReport) -> float:
+    """What this router sent before this time is in the report: an instance that acknowledges what it took says
+    so itself (nothing to forget by time), else the poll's start."""
+    return report.time if report.acked < 0 else 0.0
+
+
 class LoadPoller:
     """GET /load on every instance every `interval` seconds; a report is timed by the poll's start on this
-    router's clock (instances on other hosts have other clocks)."""
+    router's clock (instances on other hosts have other clocks), and what it acknowledges is forgotten."""
 
-    def __init__(self, registry: Registry, client: aiohttp.ClientSession, interval: float) -> None:
-        self.registry, self.client, self.interval = registry, client, interval
+    def __init__(self, registry: Registry, client: aiohttp.ClientSession, interval: float, router_id: str) -> None:
+        self.registry, self.client, self.interval, self.router_id = registry, client, interval, router_id
         self._decoder = msgspec.json.Decoder(LoadReport | None)
 
     async def run(self) -> None:
@@ -123,11 +138,13 @@ class LoadPoller:
     async def poll(self, instance: Instance) -> None:
         asked = time.time()
         try:
-            async with self.client.get(f"{instance.url}/load",
+            async with self.client.get(f"{instance.url}/load", params={"router": self.router_id},
                                        timeout=aiohttp.ClientTimeout(total=max(1.0, 5 * self.interval))) as r:
                 if r.status != 200:
                     return
                 report = self._decoder.decode(await r.read())
         except (TimeoutError, aiohttp.ClientError, msgspec.DecodeError):
             return  # health checks decide whether it is gone; its last report stays until then
+        if report is not None and report.acked >= 0:
+            instance.sent.acknowledge(report.acked)
         instance.load = None if report is None else msgspec.structs.replace(report, time=asked)

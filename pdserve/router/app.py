@@ -53,7 +53,8 @@ def build_router_app(settings: RouterSettings, reader: PromptReader,
             state.registry.register(info, static=True)
         tasks = [asyncio.create_task(state.checker.run())]
         if admission is not None and admission.slo.enabled:
-            tasks.append(asyncio.create_task(LoadPoller(state.registry, client, settings.load_interval).run()))
+            tasks.append(asyncio.create_task(LoadPoller(state.registry, client, settings.load_interval,
+                                                            admission.router_id).run()))
         state.kv_events.start()
         yield
         for task in tasks:
@@ -89,7 +90,7 @@ def _router_state(settings: RouterSettings, reader: PromptReader) -> RouterState
     slo, limits = admission_from_flags(settings.ttft_slo_ms, settings.tpot_slo_ms, settings.rate_limit)
     if slo.enabled or limits is not None:
         state.admission = RouterAdmission(slo, limits, AdmissionMetrics(metrics.prometheus, "pdserve_router"),
-                                          registry, selector, settings.api_key, kv_index)
+                                          registry, selector, settings.api_key, kv_index, settings.admitting_routers)
     return state
 
 

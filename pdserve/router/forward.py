@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.balancing.policies import RoutedRequest
 from pdserve.http.errors import PD_ERROR, error_body
-from pdserve.http.wire import PDRequest
+from pdserve.http.wire import SENT_HEADER, PDRequest
 from pdserve.router.exchange import BROKEN, Exchange, cancel_response, close_late_response, drain, pump
 from pdserve.router.migration import AnswerSoFar, can_migrate
 from pdserve.router.registry import Instance, Registry
@@ -118,12 +118,13 @@ class Forwarder:
                 break
             self.routed_at = time.monotonic()
             self.on_route(route, request)
+            hop = {**headers, SENT_HEADER: request.sent_tag} if request.sent_tag else headers
             if route.decode is None:
-                outcome = await self._single(route, path, body, request, headers)
+                outcome = await self._single(route, path, body, request, hop)
                 if isinstance(outcome, Response) and not isinstance(outcome, StreamingResponse):
                     self._count_cached(route, outcome.body)
             else:
-                outcome = await self._pd(route, path, body, request, headers)
+                outcome = await self._pd(route, path, body, request, hop)
             if not isinstance(outcome, Retry):
                 return outcome
             if outcome.failed is not None:

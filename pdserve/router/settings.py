@@ -71,4 +71,8 @@ class RouterSettings:
     tpot_slo_ms: float | None = option(None, TPOT_HELP)
     rate_limit: str | None = option(None, RATE_LIMIT_HELP)
     load_interval: float = option(0.1, "seconds between polls of each instance's /load (admission by SLO)")
+    admitting_routers: int = option(
+        1, "routers admitting to the same instances, behind one port or load balancer (pdserve launch sets it): "
+           "until an instance takes them, each counts what it sent that many times, as connections are spread "
+           "evenly (two routers each admitted a whole burst's worth within one poll)")
     request_timeout: float = option(600.0, "seconds an instance may take to answer")

@@ -27,15 +27,16 @@ async def health(state: ServerDep) -> Response:
 
 
 @router.get("/load")
-async def load(state: ServerDep) -> Response:
-    """The engine's latest load report (JSON; null before its first), for routers that admit by SLO. On a
-    data-parallel server, /dp/R/load is rank R's."""
+async def load(state: ServerDep, router: str | None = None) -> Response:
+    """The engine's latest load report (JSON; null before its first), for routers that admit by SLO, with what
+    this server handed the engine since and, for `router`, the highest of its sequence numbers taken. On a
+    data-parallel server, /dp/R/load is rank R's own report."""
     engine = state.engine
     if isinstance(engine, DataParallelEngine):
         rank = ROUTED_RANK.get()
         report = engine.ranks[rank].engine.load if rank is not None and rank < len(engine.ranks) else None
-    else:
-        report = engine.load
+    elif (report := engine.load) is not None:
+        report = state.taken.fold_into(report, state.acked.get(router, 0) if router else -1)
     return Response(msgspec.json.encode(report), media_type="application/json")
 
 
