@@ -3,9 +3,8 @@
 Two callers count. The API server counts what it handed its engine, by time (one host, one clock), and folds
 what came after the engine's last report into the report it serves at /load. A router counts what it sent each
 instance, by a sequence number the instance acknowledges in that served report (the highest it has taken from this
-router): a request is forgotten once the instance has it, not once a poll started. Forgetting by the poll's
-time lost the requests on their way through a busy API server (read, tokenized, not yet in any engine report):
-a fresh 1P1D admitted 18 of a 64-request burst where about 9 fit in the TTFT objective.
+router): a request is forgotten once the instance has it, not once a poll started, which would forget the
+requests still on their way through a busy API server (read, tokenized, not yet in any engine report).
 """
 
 from __future__ import annotations
