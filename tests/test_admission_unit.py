@@ -215,7 +215,8 @@ def test_a_request_that_opens_no_stream_is_never_refused_on_tpot() -> None:
     from pdserve.api.admission import Admitted, ServerAdmission
     from pdserve.router.prompt import PromptReader
 
-    admission = ServerAdmission(SLO(ttft=2.0, tpot=0.1), None, AdmissionMetrics(CollectorRegistry(), "t"), None)
+    admission = ServerAdmission(SLO(ttft=2.0, tpot=0.1), None, AdmissionMetrics(CollectorRegistry(), "t"), None,
+                                SentSince())
     raw = SimpleNamespace(headers={})
     assert isinstance(admission.admit(raw, None, [_fitted()], 20, 0, time.time(), decodes=False), Admitted)
     refused = admission.admit(raw, None, [_fitted()], 20, 0, time.time(), decodes=True)

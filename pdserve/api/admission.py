@@ -24,11 +24,10 @@ class Admitted:
 
 class ServerAdmission:
     def __init__(self, slo: SLO, limits: RateLimits | None, metrics: AdmissionMetrics, api_key: str | None,
-                 sent: SentSince | None = None) -> None:
+                 sent: SentSince) -> None:
         """`sent`: what the server handed its engines (its caller adds every request it takes); one for all ranks:
         a data-parallel server is judged conservatively."""
-        self.slo, self.limits, self.metrics, self.api_key = slo, limits, metrics, api_key
-        self.sent = sent if sent is not None else SentSince()
+        self.slo, self.limits, self.metrics, self.api_key, self.sent = slo, limits, metrics, api_key, sent
 
     def admit(self, raw: Request, user: str | None, reports: list[LoadReport | None], prompt_tokens: int,
               priority: int, received: float, decodes: bool = True) -> Admitted | Refusal:
