@@ -1,7 +1,7 @@
 """Chaos: a 2P2D `pdserve launch` deployment under steady load while a random process is SIGKILLed
 every few seconds; what the clients saw, how fast the deployment healed, and what leaked.
 
-    .venv/bin/python bench/chaos.py [--duration 180] [--kill-every 20] [--clients 4] [--seed 0]
+    .venv/bin/python bench/chaos.py [--duration 180] [--kill-every 20] [--clients 4] [--seed 0] [--resume]
                                     [--out bench-results/chaos.md] [-- extra flags for every instance]
 
 Victims, drawn at random: an instance's server process, its engine, worker or cache service, or one
@@ -16,6 +16,9 @@ IPC folders left.
 Also: streams the routers migrated to another pair mid-answer (and how long each took), failures
 that were streams cut by their own router's death, and the deployment's processes still running
 after Ctrl-C.
+With --resume, a client whose stream was cut after tokens sends the prompt with the text so far and asks for
+the tokens still due (docs/resuming.md: the recipe, with continue_final_message on chat); such a request counts
+as succeeded when its resumption does, and the report says how many were resumed.
 Goals (issue 26): >= 99.5% succeed, every failure a stream cut by its own router's death, every
 victim back within 15 s, nothing leaks.
 """
@@ -55,6 +58,7 @@ class Outcome:
     streamed: bool  # a token had arrived before it failed
     client_retries: int
     error: str = ""
+    resumed: int = 0  # times it was sent again with the text so far (--resume)
 
 
 @dataclass
@@ -70,6 +74,7 @@ class Kill:
 class Load:
     url: str
     max_tokens: int
+    resume: bool = False
     stop: threading.Event = field(default_factory=threading.Event)
     outcomes: list[Outcome] = field(default_factory=list)
 
@@ -84,36 +89,45 @@ class Load:
         refused connection or a 5xx before any token: what the `openai` client does by default."""
         start = time.monotonic()
         body = {"prompt": prompt, "max_tokens": self.max_tokens, "temperature": 0, "ignore_eos": True,
-                "stream": True}
-        for retries in range(4):
-            ok, streamed, error, retryable = self.attempt(http, body)
+                "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        retries = resumed = 0
+        while True:
+            ok, streamed, error, retryable, text, tokens = self.attempt(http, body)
+            if not ok and streamed and self.resume and resumed < 3 and tokens < body["max_tokens"]:
+                resumed += 1  # the recipe of docs/resuming.md: the text so far becomes prompt
+                body = {**body, "prompt": body["prompt"] + text, "max_tokens": body["max_tokens"] - tokens}
+                continue
             if ok or not retryable or retries == 3:
-                return Outcome(start, time.monotonic() - start, ok, streamed, retries, error)
+                return Outcome(start, time.monotonic() - start, ok, streamed or resumed > 0, retries, error, resumed)
             time.sleep(0.5 * 2 ** retries)
-        raise AssertionError("unreachable")
+            retries += 1
 
-    def attempt(self, http: httpx.Client, body: dict) -> tuple[bool, bool, str, bool]:
-        """(succeeded, a token had arrived, error, worth retrying)"""
-        streamed = False
+    def attempt(self, http: httpx.Client, body: dict) -> tuple[bool, bool, str, bool, str, int]:
+        """(succeeded, a token had arrived, error, worth retrying, the text that arrived, its tokens)"""
+        streamed, pieces, tokens = False, [], 0
         try:
             with http.stream("POST", f"{self.url}/v1/completions", json=body) as r:
                 if r.status_code != 200:
                     r.read()
-                    return False, False, f"{r.status_code} {r.text[:160]}", r.status_code >= 500 or r.status_code == 429
+                    return (False, False, f"{r.status_code} {r.text[:160]}",
+                            r.status_code >= 500 or r.status_code == 429, "", 0)
                 for line in r.iter_lines():
                     if not line.startswith("data: "):
                         continue
                     if line == "data: [DONE]":
-                        return True, streamed, "", False
+                        return True, streamed, "", False, "".join(pieces), tokens
                     event = json.loads(line[6:])
                     if "error" in event:
-                        return False, streamed, f"error event: {event['error'].get('message', '')[:160]}", False
+                        return (False, streamed, f"error event: {event['error'].get('message', '')[:160]}", False,
+                                "", 0)
                     streamed = True
-            return False, streamed, "the stream ended without [DONE]", False
+                    pieces.extend(c.get("text", "") for c in event.get("choices", []))
+                    tokens = (event.get("usage") or {}).get("completion_tokens", tokens)
+            return False, streamed, "the stream ended without [DONE]", False, "".join(pieces), tokens
         except httpx.ConnectError as e:  # nothing reached a server
-            return False, False, repr(e), True
+            return False, False, repr(e), True, "", 0
         except httpx.HTTPError as e:
-            return False, streamed, repr(e)[:160], not streamed
+            return False, streamed, repr(e)[:160], not streamed, "".join(pieces), tokens
 
 
 class Deployment:
@@ -207,7 +221,7 @@ def run(args: argparse.Namespace) -> str:
     segments_before = segments()
     dep = Deployment(args, tmp)
     print(f"deployment ready on {dep.url}; load and kills for {args.duration:.0f} s", flush=True)
-    load = Load(dep.url, args.max_tokens)
+    load = Load(dep.url, args.max_tokens, args.resume)
     threads = [threading.Thread(target=load.client, args=(args.seed + i,), daemon=True) for i in range(args.clients)]
     for t in threads:
         t.start()
@@ -307,7 +321,11 @@ def report(args: argparse.Namespace, outcomes: list[Outcome], kills: list[Kill],
              f"| {len(outcomes)} | {len(ok)} | {len(failed)} | {sum(o.streamed for o in failed)} | {by_router} | "
              f"{sum(o.client_retries for o in outcomes)} | {router_retries} | {moved_text} | "
              f"{100 * len(ok) / max(1, len(outcomes)):.1f}% | {_pct(lat, 50):.0f} / {_pct(lat, 90):.0f} / "
-             f"{_pct(lat, 99):.0f} |", "", "| kill | victim | of | back in service after |", "|---|---|---|---|"]
+             f"{_pct(lat, 99):.0f} |", "",
+             f"clients {'resume' if args.resume else 'do not resume'} a cut stream (--resume): "
+             f"{sum(o.resumed > 0 for o in outcomes)} requests resumed, "
+             f"{sum(o.resumed > 0 and o.ok for o in outcomes)} of them completed", "",
+             "| kill | victim | of | back in service after |", "|---|---|---|---|"]
     for i, k in enumerate(kills, 1):
         back = f"{k.back_after:.1f} s" if k.back_after is not None else "NOT BACK within 120 s"
         lines.append(f"| {i} | {k.victim} | {k.target} | {back} |")
@@ -329,6 +347,7 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--resume", action="store_true", help="clients resume a cut stream with the text so far")
     parser.add_argument("--out", type=Path, default=None, help="also write the report here (markdown)")
     args, rest = parser.parse_known_args()
     args.instance_args = [a for a in rest if a != "--"] or ["--num-gpu-blocks-override", "300", "--max-model-len",

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.admission.load import LoadReport, LoadTracker
-from pdserve.admission.predictor import SLO, TPOT_MARGIN, judge_tpot, judge_ttft, predict_ttft
+from pdserve.admission.predictor import SLO, TPOT_MARGIN, Refusal, judge_tpot, judge_ttft, predict_ttft
 from pdserve.admission.rate_limit import RateLimits, client_key
 from pdserve.admission.sent import SentSince
 
@@ -252,6 +252,7 @@ def test_a_calibrated_tracker_judges_the_first_burst() -> None:
     fresh = tracker.report({}, 0, 0, None)
     assert fresh.step_base > 0 and fresh.decode_cost > 0 and fresh.prompt_token_cost > 0
     assert fresh.prefill_rate == pytest.approx(1024 / 0.40)
+    assert (fresh.quiet_step_base, fresh.quiet_decode_cost) == (fresh.step_base, fresh.decode_cost)  # the floor's
     assert judge_ttft(SLO(ttft=2.0), fresh, 600, 0)[1] is None  # the burst's first is admitted
     ttft, refusal = judge_ttft(SLO(ttft=2.0), fresh, 600, 0, sent_tokens=600 * 10)  # its eleventh is not
     assert refusal is not None and ttft > 2.0
@@ -282,3 +283,76 @@ def test_a_router_forgets_what_an_instance_acknowledged_not_what_it_sent_before_
     sent.acknowledge(3)
     assert sent.since(0.0) == (0, 0)
     assert parse_sent("4f2a:17") == ("4f2a", 17) and parse_sent("nonsense") is None and parse_sent(None) is None
+
+
+def _neighboured(decoding: int, quiet: bool = True) -> LoadReport:
+    """Live steps four times slower than the calibration measured alone (a neighbour came): the live fit refuses
+    on both SLOs; the calibration says 5 prompts of 600 tokens fit in half of 2 s, 40 streams in half of 100 ms."""
+    return LoadReport(time.time(), [(0, 600)], decoding=decoding, waiting_streams=1, max_num_seqs=64,
+                      prefill_rate=600.0, step_time=0.2, decode_cost=0.004, next_finish=2.0, step_tokens=2048,
+                      step_base=0.1, prompt_token_cost=0.0016, decodes_per_step=float(decoding),
+                      quiet_step_base=0.01 if quiet else 0.0, quiet_decode_cost=0.001, quiet_prefill_rate=3000.0)
+
+
+def test_the_floor_is_what_the_calibration_serves_within_half_of_each_slo() -> None:
+    from pdserve.admission.floor import in_flight_floor
+
+    slo = SLO(ttft=2.0, tpot=0.1)
+    assert in_flight_floor(slo, _neighboured(2), 600, decodes=True) == 5  # 0.5 x 2 s x 3,000 tokens/s / 600
+    assert in_flight_floor(slo, _neighboured(2), None, decodes=True) == 40  # (50 - 10 ms) / 1 ms: a decode instance
+    assert in_flight_floor(slo, _neighboured(2), 600, decodes=False) == 5  # a prefill instance
+    assert in_flight_floor(SLO(tpot=0.1), _neighboured(2), 600, decodes=False) == 64  # no SLO binds: max_num_seqs
+    assert in_flight_floor(slo, _neighboured(2, quiet=False), 600, decodes=True) == 0  # not calibrated: no floor
+
+
+def test_an_instance_below_its_floor_is_never_refused() -> None:
+    """A few requests on a slowed instance are admitted; past the floor, the live prediction refuses."""
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry
+
+    from pdserve.admission.metrics import AdmissionMetrics
+    from pdserve.api.admission import Admitted, ServerAdmission
+
+    admission = ServerAdmission(SLO(ttft=2.0, tpot=0.1), None, AdmissionMetrics(CollectorRegistry(), "t"), None,
+                                SentSince())
+    raw = SimpleNamespace(headers={})
+    assert judge_tpot(admission.slo, _neighboured(3)) is not None  # the live prediction alone would refuse
+    assert isinstance(admission.admit(raw, None, [_neighboured(3)], 600, 0, time.time()), Admitted)  # 5th of 5
+    assert isinstance(admission.admit(raw, None, [_neighboured(4)], 600, 0, time.time()), Refusal)  # the 6th
+    assert isinstance(admission.admit(raw, None, [_neighboured(1, quiet=False)], 600, 0, time.time()), Refusal)
+
+
+def test_ttft_predictions_are_corrected_by_their_recent_error() -> None:
+    from pdserve.admission.correction import Correction
+
+    correction = Correction()
+    for _ in range(4):
+        correction.observe(1.0, 1.6)
+    assert correction.factor == 1.0  # too few to go by
+    correction.observe(1.0, 1.6)
+    assert correction.factor == pytest.approx(1.6)
+    for _ in range(100):
+        correction.observe(0.1, 5.0)
+    assert correction.factor == pytest.approx(2.0, abs=1e-3)  # never more than doubled
+    r = report([(0, 1000)])
+    assert judge_ttft(SLO(ttft=2.0), r, 500, 0, now=r.time)[1] is None  # 1.5 s predicted
+    ttft, refusal = judge_ttft(SLO(ttft=2.0), r, 500, 0, now=r.time, correction=1.6)
+    assert ttft == pytest.approx(1.5) and refusal is not None  # the uncorrected one is what is measured against
+    assert "2400 ms" in refusal.message and refusal.retry_after == pytest.approx(0.4)
+
+
+def test_tpot_is_corrected_by_how_far_the_steps_lately_ran_from_the_fit() -> None:
+    """Steps lately twice what the fit says of them: one more stream is judged at twice the fit's TPOT."""
+    tracker = LoadTracker(64, 2048)
+    for n in (2, 4, 8, 4, 2, 8) * 50:  # the fit's 256 steps and more
+        tracker.observe(0, n, 0.01 + 0.002 * n)
+    fitted = tracker.report({}, 8, 0, None)
+    assert fitted.tpot_error == pytest.approx(1.0, rel=0.05)
+    assert 2 < fitted.decodes_per_step < 8
+    assert judge_tpot(SLO(tpot=0.04), fitted) is None  # 10 + 9 x 2 = 28 ms, within 0.9 x 40
+    for _ in range(10):
+        tracker.observe(0, 8, 2 * (0.01 + 0.002 * 8))  # a neighbour came
+    slowed = tracker.report({}, 8, 0, None)
+    assert slowed.tpot_error > 1.4
+    assert judge_tpot(SLO(tpot=0.04), slowed) is not None

@@ -324,6 +324,32 @@ def test_prefix_cache_reports_cached_tokens(client, tokenizer):
     assert_same_greedy_completion(second, first, "prompt served from the prefix cache")
 
 
+def test_continue_final_message_continues_a_partial_answer(server, client, tokenizer):
+    """A client whose stream was cut sends the answer so far as the last message: the prompt is transformers' own
+    rendering with the message left open, and the answer continues it as a completion of that text does."""
+    from transformers import AutoTokenizer
+
+    from pdserve.loader import resolve_model_folder
+
+    partial = client.chat.completions.create(model=MODEL, messages=CHATS[0], temperature=0, max_tokens=6)
+    messages = [*CHATS[0], {"role": "assistant", "content": partial.choices[0].message.content}]
+    hf = AutoTokenizer.from_pretrained(resolve_model_folder(None))
+    want = hf.apply_chat_template(messages, continue_final_message=True, tokenize=False)
+    assert want.endswith(partial.choices[0].message.content)
+    ids = httpx.post(f"{server.url}/tokenize", json={"messages": messages, "add_generation_prompt": False,
+                                                       "continue_final_message": True}, timeout=30).json()["tokens"]
+    assert ids == hf.encode(want, add_special_tokens=False)
+    resumed = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=8,
+                                             extra_body={"continue_final_message": True,
+                                                         "add_generation_prompt": False})
+    as_text = client.completions.create(model=MODEL, prompt=ids, temperature=0, max_tokens=8)
+    assert resumed.choices[0].message.content == as_text.choices[0].text
+    assert resumed.usage.prompt_tokens == len(ids)
+    both = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": messages, "continue_final_message": True,
+                                                                  "max_tokens": 4}, timeout=30)
+    assert both.status_code == 400 and "add_generation_prompt" in both.json()["error"]["message"]
+
+
 # ---- 7. bad input ----------------------------------------------------------------------------
 
 BAD = {

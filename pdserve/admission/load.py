@@ -35,6 +35,21 @@ class LoadReport(msgspec.Struct):
     prompt_tokens_per_step: float = 0.0  # prompt tokens the steps that carried decodes computed, lately
     loras: list[str] = []  # LoRA adapters its last step computed with: in its device slots (routers prefer it)
     acked: int = -1  # as served to a router: the highest of its sequence numbers taken (-1: not counted so)
+    decodes_per_step: float = 0.0  # streams the steps that carried decodes decoded, lately
+    quiet_step_base: float = 0.0  # the calibration's own fit, before any request (0: not calibrated): what the
+    quiet_decode_cost: float = 0.0  # instance serves on its own, for the floor of in-flight requests
+    quiet_prefill_rate: float = 0.0
+
+    @property
+    def tpot_error(self) -> float:
+        """The step time measured lately over what the fit says of the same steps (their average streams and
+        prompt tokens): above 1 when steps got slower than the fit's 256 steps knew (a neighbour came), below
+        when faster; 1 without a fit or decodes."""
+        fitted = (self.step_base + self.decode_cost * self.decodes_per_step
+                  + self.prompt_token_cost * self.prompt_tokens_per_step)
+        if self.step_base <= 0 or self.step_time <= 0 or self.decodes_per_step <= 0 or fitted <= 0:
+            return 1.0
+        return self.step_time / fitted
 
     @property
     def queued_tokens(self) -> int:
@@ -55,7 +70,8 @@ class LoadTracker:
     def __init__(self, max_num_seqs: int, step_tokens: int = 0) -> None:
         self.max_num_seqs, self.step_tokens = max_num_seqs, step_tokens
         self._prefill_tokens = self._prefill_seconds = 0.0
-        self._step_time = self._prompt_per_step = 0.0
+        self._step_time = self._prompt_per_step = self._decodes_per_step = 0.0
+        self._quiet = (0.0, 0.0, 0.0)  # the calibration's (base, per stream, prefill rate)
         self._steps: deque[tuple[int, int, float]] = deque(maxlen=self.FIT_STEPS)  # (streams, prompt tokens, s)
         self._open: tuple[int, int, float] | None = None  # the last step's (prompt tokens, streams, start)
 
@@ -85,6 +101,7 @@ class LoadTracker:
             first = self._step_time == 0.0
             self._step_time = seconds if first else a * seconds + (1 - a) * self._step_time
             self._prompt_per_step = prefill_tokens if first else a * prefill_tokens + (1 - a) * self._prompt_per_step
+            self._decodes_per_step = decodes if first else a * decodes + (1 - a) * self._decodes_per_step
         self._steps.append((decodes, prefill_tokens, seconds))
 
     def calibrate(self, steps: list[tuple[int, int, float]]) -> None:
@@ -95,9 +112,12 @@ class LoadTracker:
         prompts = [(p, s) for n, p, s in steps if p and not n]
         if prompts:
             self._prefill_tokens, self._prefill_seconds = max(prompts)
-        decodes = [s for n, p, s in steps if n and not p]
+        decodes = [(n, s) for n, p, s in steps if n and not p]
         if decodes:
-            self._step_time = sum(decodes) / len(decodes)
+            self._step_time = sum(s for _, s in decodes) / len(decodes)
+            self._decodes_per_step = sum(n for n, _ in decodes) / len(decodes)
+        base, per_stream, _ = self.step_costs()
+        self._quiet = (base, per_stream, self.prefill_rate)
 
     @property
     def prefill_rate(self) -> float:
@@ -129,9 +149,11 @@ class LoadTracker:
                loras: list[str] | None = None) -> LoadReport:
         next_finish = (min_tokens_left or 0) * self._step_time
         base, per_stream, per_token = self.step_costs()
+        quiet_base, quiet_cost, quiet_rate = self._quiet
         return LoadReport(time.time(), sorted(queued.items()), decoding, waiting_streams, self.max_num_seqs,
                           self.prefill_rate, self._step_time, per_stream, next_finish, self.step_tokens, base,
-                          per_token, self._prompt_per_step, loras or [])
+                          per_token, self._prompt_per_step, loras or [], decodes_per_step=self._decodes_per_step,
+                          quiet_step_base=quiet_base, quiet_decode_cost=quiet_cost, quiet_prefill_rate=quiet_rate)
 
 
 def _least_squares(rows: list[tuple[float, ...]], y: list[float]) -> list[float]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pdserve.admission.predictor import Refusal
 
@@ -22,6 +22,10 @@ class AdmissionMetrics:
         self.ttft_error = Histogram(f"{prefix}_admission_ttft_measured_over_predicted",
                                     "admitted requests' measured TTFT over the TTFT admission predicted",
                                     buckets=RATIO_BUCKETS, registry=registry)
+        self.ttft_correction = Gauge(f"{prefix}_admission_ttft_correction",
+                                     "what predicted TTFTs are multiplied by before they are judged: measured over "
+                                     "predicted lately (1 until 5 are seen; within 0.5-2), by instance on a router",
+                                     ["instance"], registry=registry)
 
     def count(self, refusal: Refusal | None, priority: int, seconds: float) -> None:
         decision = "admitted" if refusal is None else "refused"

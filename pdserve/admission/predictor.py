@@ -14,6 +14,9 @@ A stream is admitted while the predicted TPOT stays within TPOT_MARGIN of the SL
 batch near its limit, so a stream's TPOT (its steps' average) sits near the prediction, and a limit at the
 SLO itself leaves half the streams just over it (measured: admitted streams at 100-110 ms of a 100 ms SLO).
 A report without measurements yet (a fresh instance) predicts nothing, and nothing is refused on it.
+Both predictions are corrected by their recent error before they are judged: TTFT by the caller's average of
+measured over predicted (correction.py), TPOT by the instance's own (LoadReport.tpot_error). Callers never
+refuse an instance below its floor of in-flight requests (floor.py).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import math
 import time
 from dataclasses import dataclass
 
+from pdserve.admission.correction import clamp
 from pdserve.admission.load import LoadReport
 
 TPOT_MARGIN = 0.9  # admit while the predicted TPOT is at most this share of --tpot-slo-ms
@@ -93,15 +97,16 @@ def predict_tpot(report: LoadReport, sent_streams: int = 0) -> float | None:
 
 
 def judge_ttft(slo: SLO, report: LoadReport, prompt_tokens: int, priority: int, sent_tokens: int = 0,
-               now: float | None = None) -> tuple[float | None, Refusal | None]:
-    """(the predicted TTFT, a refusal when it misses the SLO)."""
+               now: float | None = None, correction: float = 1.0) -> tuple[float | None, Refusal | None]:
+    """(the predicted TTFT before `correction`, a refusal when the corrected one misses the SLO)."""
     ttft = predict_ttft(report, prompt_tokens, priority, sent_tokens, now)
-    if slo.ttft is None or ttft is None or ttft <= slo.ttft:
+    if slo.ttft is None or ttft is None or ttft * correction <= slo.ttft:
         return ttft, None
+    corrected = ttft * correction
     # Retry once the queue ahead has drained by the excess (it drains at the measured rate).
     return ttft, Refusal("ttft_slo", f"the server is overloaded: the predicted time to first token is "
-                         f"{ttft * 1000:.0f} ms, above the {slo.ttft * 1000:.0f} ms objective; retry later",
-                         ttft - slo.ttft)
+                         f"{corrected * 1000:.0f} ms, above the {slo.ttft * 1000:.0f} ms objective; retry later",
+                         corrected - slo.ttft)
 
 
 def judge_tpot(slo: SLO, report: LoadReport, sent_streams: int = 0) -> Refusal | None:
@@ -109,6 +114,8 @@ def judge_tpot(slo: SLO, report: LoadReport, sent_streams: int = 0) -> Refusal |
     nobody, and an instance that refused it would learn nothing new and refuse every stream after."""
     alone = report.decoding + report.waiting_streams + sent_streams == 0
     tpot = None if alone else predict_tpot(report, sent_streams)
+    if tpot is not None:
+        tpot *= clamp(report.tpot_error)
     if slo.tpot is None or tpot is None or tpot <= TPOT_MARGIN * slo.tpot:
         return None
     # Retry when a running stream has ended (at its max_tokens at the latest).

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
+from pdserve.admission.correction import Correction
+from pdserve.admission.floor import below_floor
 from pdserve.admission.load import LoadReport
 from pdserve.admission.metrics import AdmissionMetrics
 from pdserve.admission.predictor import SLO, Refusal, judge_tpot, judge_ttft
@@ -28,6 +30,7 @@ class ServerAdmission:
         """`sent`: what the server handed its engines (its caller adds every request it takes); one for all ranks:
         a data-parallel server is judged conservatively."""
         self.slo, self.limits, self.metrics, self.api_key, self.sent = slo, limits, metrics, api_key, sent
+        self.ttft_correction = Correction()
 
     def admit(self, raw: Request, user: str | None, reports: list[LoadReport | None], prompt_tokens: int,
               priority: int, received: float, decodes: bool = True) -> Admitted | Refusal:
@@ -44,7 +47,7 @@ class ServerAdmission:
 
     def _judge(self, reports: list[LoadReport | None], prompt_tokens: int, priority: int, decodes: bool
                ) -> tuple[float | None, Refusal | None]:
-        """The best rank's prediction; a refusal only when no rank meets the SLOs."""
+        """The best rank's prediction; a refusal only when no rank meets the SLOs (or is below its floor)."""
         if not self.slo.enabled:
             return None, None
         best: tuple[float | None, Refusal | None] | None = None
@@ -52,9 +55,12 @@ class ServerAdmission:
             if report is None:  # a rank that has not reported yet: nothing to refuse on
                 return None, None
             tokens, streams = self.sent.since(report.time, priority)
-            ttft, refusal = judge_ttft(self.slo, report, prompt_tokens, priority, tokens)
+            ttft, refusal = judge_ttft(self.slo, report, prompt_tokens, priority, tokens,
+                                       correction=self.ttft_correction.factor)
             if decodes:
                 refusal = refusal or judge_tpot(self.slo, report, streams)
+            if refusal is not None and below_floor(self.slo, report, prompt_tokens, decodes, streams):
+                refusal = None
             if refusal is None:
                 return ttft, None
             if best is None or refusal.retry_after < best[1].retry_after:
@@ -65,3 +71,5 @@ class ServerAdmission:
         if self.limits is not None:
             self.limits.charge(admitted.key, completion_tokens)
         self.metrics.observe_ttft(admitted.predicted_ttft, measured_ttft)
+        self.ttft_correction.observe(admitted.predicted_ttft, measured_ttft)
+        self.metrics.ttft_correction.labels("").set(self.ttft_correction.factor)

@@ -181,7 +181,8 @@ async def tool_grammar(state: ServerState, body: ChatCompletionRequest, forced: 
 
 def chat_prompt(state: ServerState, body: ChatCompletionRequest) -> list[int]:
     tools = body.tools if body.tool_choice != "none" else None
-    ids = template_ids(state, body.messages, body.add_generation_prompt, tools, body.chat_template_kwargs)
+    ids = template_ids(state, body.messages, body.add_generation_prompt, tools, body.chat_template_kwargs,
+                       body.continue_final_message)
     tok = state.tokenizer
     if body.add_special_tokens and tok.add_bos_token and tok.bos_token_id is not None:
         ids = [tok.bos_token_id, *ids]  # vLLM's add_special_tokens on chat: the tokenizer's BOS before the template's
@@ -189,13 +190,14 @@ def chat_prompt(state: ServerState, body: ChatCompletionRequest) -> list[int]:
 
 
 def template_ids(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,
-                 tools: list[Tool] | None, kwargs: dict | None) -> list[int]:
+                 tools: list[Tool] | None, kwargs: dict | None, continue_final_message: bool = False) -> list[int]:
     dumped = [m.model_dump(exclude_none=True) for m in messages]
     tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
     rendered, extra = render_messages(dumped, tool_dicts, template_supports_tools(state.tokenizer.chat_template))
     try:
         return state.tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt,
-                                                   tokenize=True, **extra, **(kwargs or {}))
+                                                   tokenize=True, continue_final_message=continue_final_message,
+                                                   **extra, **(kwargs or {}))
     except Exception as e:  # the template raised on these messages
         raise APIError(f"cannot apply the chat template: {e}", param="messages") from None
 

@@ -37,7 +37,6 @@ REFUSED: dict[str, str] = {
     "include_stop_str_in_output": "include_stop_str_in_output is not supported",
     "truncate_prompt_tokens": "truncate_prompt_tokens is not supported",
     "spaces_between_special_tokens": "spaces_between_special_tokens=false is not supported",
-    "continue_final_message": "continue_final_message is not supported",
     "chat_template": "a per-request chat_template is not supported",
     "documents": "documents are not supported",
     "mm_processor_kwargs": "multimodal inputs are not supported",
@@ -47,7 +46,7 @@ REFUSED: dict[str, str] = {
     "vllm_xargs": "vllm_xargs is not supported",
 }
 NEUTRAL: dict[str, Any] = {"best_of": 1, "use_beam_search": False, "length_penalty": 1.0, "modalities": ["text"],
-                           "spaces_between_special_tokens": True, "continue_final_message": False,
+                           "spaces_between_special_tokens": True,
                            "include_stop_str_in_output": False, "return_tokens_as_token_ids": False,
                            "return_token_ids": False}
 # accepted and ignored: they do not change the answer
@@ -238,6 +237,7 @@ class CompletionRequest(_SamplingFields):
     add_special_tokens: bool = True  # the tokenizer's BOS (if it adds one) before a text prompt
     max_tokens: int | None = Field(16, ge=0)  # 0 only with echo: score the prompt, generate nothing
     logprobs: int | None = Field(None, ge=0, le=20)
+    continue_final_message: Literal[False] = False  # a chat field: a completion's prompt is already open
 
     @field_validator("max_tokens")
     @classmethod
@@ -290,6 +290,7 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last message's content is left open and continued
     add_special_tokens: bool = False  # vLLM's: the template writes the special tokens itself
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Tool] | None = None
@@ -299,6 +300,9 @@ class ChatCompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _tool_choice_needs_tools(self) -> ChatCompletionRequest:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true: send "
+                             "add_generation_prompt false to continue the last message")
         if self.allowed_token_ids and (self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)):
             raise ValueError("allowed_token_ids cannot be combined with a forced tool_choice")
         choice = self.tool_choice
@@ -317,6 +321,7 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     return_token_strs: bool = False
     tools: list[Tool] | None = None
     chat_template_kwargs: dict[str, Any] | None = None

@@ -32,6 +32,7 @@ REFUSED_HERE = {
     "top_logprobs": "logprobs are served on /v1/chat/completions and /v1/completions",
     "prompt_logprobs": "prompt logprobs are served on /v1/chat/completions and /v1/completions",
     "n": "a response has one answer here; n > 1 is served on /v1/chat/completions",
+    "continue_final_message": "continue_final_message is served on /v1/chat/completions",
 }
 NEUTRAL_HERE = {"n": 1}
 TEXT_PARTS = ("input_text", "output_text", "text")

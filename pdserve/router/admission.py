@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 import aiohttp
 import msgspec
 
+from pdserve.admission.correction import Correction
+from pdserve.admission.floor import below_floor
 from pdserve.admission.load import LoadReport
 from pdserve.admission.metrics import AdmissionMetrics
 from pdserve.admission.predictor import SLO, Refusal, judge_tpot, judge_ttft
@@ -51,6 +53,7 @@ class RouterAdmission:
         self.peers = max(1, peers)
         self.router_id = uuid.uuid4().hex[:12]  # the instances acknowledge what they took of ours (admission/sent.py)
         self._seq = itertools.count(1)
+        self.ttft_correction: dict[str, Correction] = {}  # by instance url
 
     def admit(self, headers: Mapping[str, str], body: dict, request: RoutedRequest, received: float
               ) -> Admitted | Refusal:
@@ -78,14 +81,18 @@ class RouterAdmission:
                 continue
             tokens, streams = (n * self.peers for n in instance.sent.since(_counted_until(instance.load),
                                                                              request.priority))
-            refusal = None
+            refusal, todo = None, None
+            decodes = instance.role in (Role.DECODE, Role.MIXED) and request.decodes
             if instance.role in (Role.PREFILL, Role.MIXED):
                 todo = request.num_tokens - self._cached_tokens(instance, request)
-                ttft, refusal = judge_ttft(self.slo, instance.load, todo, request.priority, tokens, now)
+                correction = self._correction(instance.url).factor
+                ttft, refusal = judge_ttft(self.slo, instance.load, todo, request.priority, tokens, now, correction)
                 if ttft is not None:
                     admitted.predicted_ttft[instance.url] = ttft
-            if refusal is None and instance.role in (Role.DECODE, Role.MIXED) and request.decodes:
+            if refusal is None and decodes:
                 refusal = judge_tpot(self.slo, instance.load, streams)
+            if refusal is not None and below_floor(self.slo, instance.load, todo, decodes, streams):
+                refusal = None
             if refusal is not None:
                 admitted.excluded.add(instance.url)
                 refusals.append(refusal)
@@ -106,6 +113,20 @@ class RouterAdmission:
         route.first.sent.add(request.num_tokens, request.priority, seq=seq)
         if route.decode is not None:
             route.decode.sent.add(0, request.priority, seq=seq)
+
+    def _correction(self, url: str) -> Correction:
+        return self.ttft_correction.setdefault(url, Correction())
+
+    def first_token(self, admitted: Admitted, seconds: float) -> None:
+        """A stream's first event came `seconds` after it was routed: against the TTFT predicted on the instance
+        that computed its prompt."""
+        url = next((u for u in admitted.routed if u in admitted.predicted_ttft), None)
+        predicted = admitted.predicted_ttft.get(url) if url is not None else None
+        self.metrics.observe_ttft(predicted, seconds)
+        if url is not None:
+            correction = self._correction(url)
+            correction.observe(predicted, seconds)
+            self.metrics.ttft_correction.labels(url).set(correction.factor)
 
     def finished(self, admitted: Admitted, completion_tokens: int) -> None:
         if self.limits is not None and admitted.key is not None:

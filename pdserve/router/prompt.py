@@ -55,7 +55,8 @@ class PromptReader:
         messages, extra = render_messages(messages, tools, template_supports_tools(self.tokenizer.chat_template))
         ids = self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=body.get("add_generation_prompt", True), tokenize=True,
-            **extra, **(body.get("chat_template_kwargs") or {}))
+            continue_final_message=bool(body.get("continue_final_message")), **extra,
+            **(body.get("chat_template_kwargs") or {}))
         return RoutedRequest(ids, len(ids))
 
 

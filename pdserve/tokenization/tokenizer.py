@@ -58,10 +58,15 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tokenize: bool = False,
+        continue_final_message: bool = False,
         **kwargs: Any,
     ) -> str | list[int]:
+        """`continue_final_message`: the text ends with the last message's content, left open (no end of turn),
+        so generation continues it: a partial assistant answer resumed, or words put in the model's mouth."""
         if not self.chat_template:
             raise ValueError("this model has no chat template; use the completions API instead")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         text = self._compiled_template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
@@ -69,6 +74,8 @@ class Tokenizer:
             eos_token=self.eos_token or "",
             **kwargs,
         )
+        if continue_final_message:
+            text = _cut_after_final_message(text, messages)
         # The template already wrote any BOS it wants, so no special tokens are added (as in HF).
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
@@ -113,3 +120,18 @@ def _chat_template(folder: Path, cfg: dict[str, Any]) -> str | None:
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default") or next(iter(named.values()), None)
     return template
+
+
+def _cut_after_final_message(text: str, messages: list[dict[str, Any]]) -> str:
+    """The rendered text up to the end of the last message's content (as transformers does: some templates strip
+    a message's whitespace, so the stripped content is looked for next)."""
+    final = messages[-1].get("content") if messages else None
+    if isinstance(final, list):
+        final = "".join(p.get("text", "") for p in final if isinstance(p, dict))
+    if not isinstance(final, str) or not final.strip():
+        raise ValueError("continue_final_message needs a last message with text content to continue")
+    for needle in (final, final.strip()):
+        at = text.rfind(needle)
+        if at >= 0:
+            return text[: at + len(needle)]
+    raise ValueError("continue_final_message: the chat template does not write the last message's content as given")

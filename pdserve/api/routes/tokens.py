@@ -15,7 +15,8 @@ router = APIRouter()
 async def tokenize(body: TokenizeRequest, state: ServerDep) -> dict:
     check_model(state, body.model)
     if body.messages is not None:
-        ids = template_ids(state, body.messages, body.add_generation_prompt, body.tools, body.chat_template_kwargs)
+        ids = template_ids(state, body.messages, body.add_generation_prompt, body.tools, body.chat_template_kwargs,
+                           body.continue_final_message)
     elif body.prompt is not None:
         ids = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     else:

@@ -110,8 +110,7 @@ def _admission_finished(state: RouterState, admitted: Admitted, response: Respon
     if response.status_code != 200:
         return
     if stream:
-        predicted = [admitted.predicted_ttft[u] for u in admitted.routed if u in admitted.predicted_ttft]
-        state.admission.metrics.observe_ttft(predicted[0] if predicted else None, seconds)
+        state.admission.first_token(admitted, seconds)
         return
     if state.admission.limits is None:  # nothing to charge: no need to read the answer
         return
