@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 CONTEXT = 256  # tokens of context each decoding stream has: a short chat's
-REPEATS = 1  # each shape timed this many times after one untimed run (oneDNN makes its kernels on first use)
+REPEATS = 2  # each shape timed this many times after one untimed run (oneDNN makes its kernels on first use); the
+            # fastest counts
 MAX_CHUNK = 1024  # prompt tokens of the largest timed chunk: a prompt token's cost is flat from here on, and
                   # the whole calibration stays near a second on 2 cores
 

@@ -222,7 +222,7 @@ class CalibrateCommand(msgspec.Struct, tag=True):
 
 
 class Calibration(msgspec.Struct, tag=True):
-    seconds: list[float]  # per step of the command, the mean of its timed repeats
+    seconds: list[float]  # per step of the command, the fastest of its timed repeats
 
 
 class WeightsCommand(msgspec.Struct, tag=True):

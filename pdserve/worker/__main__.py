@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
                 if isinstance(msg, ExecuteStep):
                     reply = loan.run(lambda: worker.execute(msg)) if loan else worker.execute(msg)  # noqa: B023
                 elif isinstance(msg, CalibrateCommand):
-                    reply = worker.calibrate(msg)
+                    reply = (loan.run_timed(lambda each: worker.calibrate(msg, each)) if loan  # noqa: B023
+                             else worker.calibrate(msg))
                 elif isinstance(msg, LoRACommand):
                     try:
                         reply = worker.lora(msg)

@@ -18,16 +18,19 @@ from pdserve.worker.model_runner import ModelRunner
 TOKEN = 1  # any id: a step's cost does not depend on which tokens it computes
 
 
-def time_steps(runner: ModelRunner, command: CalibrateCommand, first_rank: bool) -> Calibration:
-    """Per step, the mean of `repeats` timed runs after an untimed one. Every tensor-parallel rank runs the same
-    steps (they meet in the all-reduces); the first rank's times are the instance's."""
+def time_steps(runner: ModelRunner, command: CalibrateCommand, first_rank: bool,
+               run: Callable[[Callable[[], object]], object] | None = None) -> Calibration:
+    """Per step, the fastest of `repeats` timed runs after an untimed one (a run that met another process on
+    its cores says nothing of the instance). Every tensor-parallel rank runs the same steps (they meet in the
+    all-reduces); the first rank's times are the instance's. `run` wraps each timed run (the core loan's)."""
+    run = run or (lambda step: step())
     seconds = []
     for decodes, prompt_tokens in command.steps:
         chunks = step_chunks(decodes, prompt_tokens, command.context, runner.block_size)
         forward: Callable[[], object] = ((lambda c=chunks: runner.logits(c)) if first_rank
                                          else (lambda c=chunks: runner.forward_only(c)))
-        times = [_timed(forward, runner.device) for _ in range(command.repeats + 1)][1:]
-        seconds.append(sum(times) / len(times))
+        times = [run(lambda f=forward: _timed(f, runner.device)) for _ in range(command.repeats + 1)][1:]
+        seconds.append(min(times))
     return Calibration(seconds)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -24,6 +25,7 @@ from typing import TypeVar
 LEND_ENV = "PDSERVE_LEND_CORES"  # prefill worker: the flag file it raises while computing
 BORROW_ENV = "PDSERVE_BORROW_CORES"  # decode worker: FLAG_FILE:OWN_CORES:BORROWED_CORES (cores as 0,1,...)
 FLAG_BYTES = 64
+ALONE_WAIT_S = 30.0  # a calibration step waits at most this long for the lender to finish its own steps
 T = TypeVar("T")
 
 
@@ -48,6 +50,10 @@ class Lender:
         finally:
             self._flag[0] = 0
 
+    def run_timed(self, steps: Callable[[Callable[[Callable[[], T]], T]], object]) -> object:
+        """Admission's calibration: the flag up for all of it, so the borrower stays off these cores meanwhile."""
+        return self.run(lambda: steps(lambda step: step()))
+
 
 class Borrower:
     def __init__(self, path: str, own: set[int], borrowed: set[int]) -> None:
@@ -67,6 +73,18 @@ class Borrower:
             self._torch.set_num_threads(want)
             self.threads = want
         return step()
+
+    def run_timed(self, steps: Callable[[Callable[[Callable[[], T]], T]], object]) -> object:
+        """Admission's calibration: each timed step waits until the lender computes nothing (its own calibration
+        included, at most ALONE_WAIT_S) and runs on every core, so the times are this instance's alone, not a
+        mix of one core and two cores fighting over one (a step then took 118 ms whatever its batch)."""
+        def alone(step: Callable[[], T]) -> T:
+            deadline = time.monotonic() + ALONE_WAIT_S
+            while self._flag[0] and time.monotonic() < deadline:
+                time.sleep(0.005)
+            return self.run(step)
+
+        return steps(alone)
 
 
 def from_env() -> Lender | Borrower | None:

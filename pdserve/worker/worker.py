@@ -6,6 +6,7 @@ cache service creates a shared segment and the worker attaches. Executes the ste
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import msgspec
 import psutil
@@ -149,8 +150,10 @@ class Worker:
             self._shared = KVCache.attach_shared(self.layout, command.segment)
         self.runner.kv_cache = self._shared.rank_view(self.tp.rank, self.tp.size)
 
-    def calibrate(self, command: CalibrateCommand) -> Calibration:
-        return time_steps(self.runner, command, self.tp.rank == 0)
+    def calibrate(self, command: CalibrateCommand, run: Callable[[Callable[[], object]], object] | None = None
+                  ) -> Calibration:
+        """`run`: how each timed step runs (the core loan's, under launch)."""
+        return time_steps(self.runner, command, self.tp.rank == 0, run)
 
     def lora(self, command: LoRACommand) -> WorkerOk:
         """Load or unload an adapter (POST /v1/load_lora_adapter, /v1/unload_lora_adapter)."""
