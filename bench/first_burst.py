@@ -94,9 +94,9 @@ def main() -> None:
     lines = ["| setting | round | answered | 429 | failed | first token within 2 s | admitted TTFT p50 / p90 s "
              "| refusal ms p50 / p99 | Retry-After |", "|---|---|---|---|---|---|---|---|---|"]
     for round_ in range(1, args.rounds + 1):
-        for name, flags in SETTINGS.items():
+        for i, (name, flags) in enumerate(SETTINGS.items()):
             command = [*DEPLOYMENTS[args.deployment], *flags]
-            with served(name, command, {}, args.out.with_suffix(f".{round_}.log")) as url:
+            with served(name, command, {}, args.out.with_suffix(f".{round_}.{i}.log")) as url:  # one log each
                 lines.append(row(name, round_, asyncio.run(burst(url, args.requests, args.prompt_words))))
             print(lines[-1], flush=True)
     args.out.write_text("\n".join(lines) + "\n")

@@ -115,9 +115,9 @@ def main() -> None:
     lines = ["| deployment | setting | round | load | answered | 429 | other failures | seconds |",
              "|---|---|---|---|---|---|---|---|"]
     for round_ in range(args.rounds):
-        for deployment, shape in DEPLOYMENTS.items():
-            for name, flags in SETTINGS.items():
-                log = args.out.with_suffix(f".{round_}.log")
+        for d, (deployment, shape) in enumerate(DEPLOYMENTS.items()):
+            for i, (name, flags) in enumerate(SETTINGS.items()):
+                log = args.out.with_suffix(f".{round_}.{d}{i}.log")  # one log per deployment and setting
                 for load, (results, seconds) in measure([*shape, *flags], log, args.neighbour).items():
                     other = [r for r in results if r.startswith("failed")]
                     lines.append(f"| {deployment} | {name} | {round_ + 1} | {load} | {results.count('answered')} of "
