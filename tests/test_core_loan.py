@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -59,3 +60,38 @@ def test_decode_worker_uses_the_lent_cores_only_while_the_prefill_worker_is_idle
     assert result == {"mask": {own}, "idle": 2, "busy": 1, "after": 2}
     assert flag.read_bytes()[0] == 0  # lowered after the step
     assert os.sched_getaffinity(0) == mask_before  # only the borrowing thread was pinned
+
+
+def test_a_prefill_step_waits_for_the_decode_step_on_its_cores(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                               ) -> None:
+    """A prompt arriving mid-step starts once the decode step that borrowed its core has ended, not beside it."""
+    own, lent = sorted(os.sched_getaffinity(0))[:2]
+    flag = core_loan.create_flag(tmp_path / "p.flag")
+    monkeypatch.setenv(core_loan.LEND_ENV, str(flag))
+    lender = core_loan.from_env()
+    monkeypatch.delenv(core_loan.LEND_ENV)
+    monkeypatch.setenv(core_loan.BORROW_ENV, core_loan.borrow_spec(flag, {own}, {lent}))
+    threads_before = torch.get_num_threads()
+    events: list[str] = []
+    decoding = threading.Event()
+
+    def decode_step() -> None:
+        events.append("decode starts")
+        decoding.set()
+        time.sleep(0.1)
+        events.append("decode ends")
+
+    def decode_side() -> None:
+        borrower = core_loan.from_env()
+        borrower.run(decode_step)
+
+    try:
+        t = threading.Thread(target=decode_side)
+        t.start()
+        decoding.wait(10)
+        lender.run(lambda: events.append("prefill starts") or time.sleep(0.05))
+        t.join(30)
+    finally:
+        torch.set_num_threads(threads_before)
+    assert events[:3] == ["decode starts", "decode ends", "prefill starts"]
+    assert flag.read_bytes()[:2] == b"\0\0"

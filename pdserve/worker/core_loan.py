@@ -11,6 +11,12 @@ by re-splitting SMs).
 
 D's process may run on both core sets (its OpenMP team is created there), its main thread is pinned to
 its own cores, so the torch threads it drops when P is busy are the ones on P's cores.
+
+The flag file holds two bytes: P's "computing" and D's "on your cores". D raises its byte before it looks at
+P's and runs a step on the borrowed cores only if P's is down; P raises its byte and then waits (at most
+LENDER_WAIT_S) until D's is down before it computes. Without the wait, a prompt arriving mid-step found one of
+D's OpenMP threads on its core: both teams then waited on a preempted thread at every barrier, which
+stretched D's step (an inter-token gap) and P's first chunk together.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ LEND_ENV = "PDSERVE_LEND_CORES"  # prefill worker: the flag file it raises while
 BORROW_ENV = "PDSERVE_BORROW_CORES"  # decode worker: FLAG_FILE:OWN_CORES:BORROWED_CORES (cores as 0,1,...)
 FLAG_BYTES = 64
 ALONE_WAIT_S = 30.0  # a calibration step waits at most this long for the lender to finish its own steps
+LENDER_WAIT_S = 0.2  # a lender waits at most this long for a borrowed step to end (longer: a dead borrower's byte)
+COMPUTING, BORROWING = 0, 1  # the flag file's bytes: the lender computes; the borrower runs on the lent cores
 T = TypeVar("T")
 
 
@@ -44,11 +52,14 @@ class Lender:
         self._flag = _map(path)
 
     def run(self, step: Callable[[], T]) -> T:
-        self._flag[0] = 1
+        self._flag[COMPUTING] = 1
+        deadline = time.monotonic() + LENDER_WAIT_S
+        while self._flag[BORROWING] and time.monotonic() < deadline:
+            time.sleep(0.0005)
         try:
             return step()
         finally:
-            self._flag[0] = 0
+            self._flag[COMPUTING] = 0
 
     def run_timed(self, steps: Callable[[Callable[[Callable[[], T]], T]], object]) -> object:
         """Admission's calibration: the flag up for all of it, so the borrower stays off these cores meanwhile."""
@@ -66,13 +77,21 @@ class Borrower:
         torch.randn(1 << 20).sum()  # the OpenMP team is created now, free to run on every core
         os.sched_setaffinity(0, own)  # this thread only (Linux): the team's master stays on D's cores
         self.threads = self.all
+        self._flag[BORROWING] = 0  # a borrower that died mid-step left it up
 
     def run(self, step: Callable[[], T]) -> T:
-        want = self.own if self._flag[0] else self.all
+        self._flag[BORROWING] = 1  # first, then look: a lender raising its flag now waits for this step
+        borrowing = not self._flag[COMPUTING]
+        if not borrowing:
+            self._flag[BORROWING] = 0
+        want = self.all if borrowing else self.own
         if want != self.threads:
             self._torch.set_num_threads(want)
             self.threads = want
-        return step()
+        try:
+            return step()
+        finally:
+            self._flag[BORROWING] = 0
 
     def run_timed(self, steps: Callable[[Callable[[Callable[[], T]], T]], object]) -> object:
         """Admission's calibration: each timed step waits until the lender computes nothing (its own calibration
@@ -80,7 +99,7 @@ class Borrower:
         mix of one core and two cores fighting over one (a step then took 118 ms whatever its batch)."""
         def alone(step: Callable[[], T]) -> T:
             deadline = time.monotonic() + ALONE_WAIT_S
-            while self._flag[0] and time.monotonic() < deadline:
+            while self._flag[COMPUTING] and time.monotonic() < deadline:
                 time.sleep(0.005)
             return self.run(step)
 
