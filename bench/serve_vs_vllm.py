@@ -72,7 +72,8 @@ def commands(args: argparse.Namespace, folder: Path) -> dict[str, tuple[list[str
         "vllm_ngram": ([*vllm, *spec], vllm_env),
         "mixed": ([*pdserve, "serve", "--port", "{port}", *FLAGS], {}),
         "mixed_ngram": ([*pdserve, "serve", "--port", "{port}", *FLAGS, *spec], {}),
-        "launch": ([*pdserve, "launch", "--prefill", "1", "--decode", "1", "--port", "{port}", *FLAGS], {}),  # its defaults
+        # launch with its own defaults (cores lent, conditional PD)
+        "launch": ([*pdserve, "launch", "--prefill", "1", "--decode", "1", "--port", "{port}", *FLAGS], {}),
         "1p1d": ([*launch, "--cpu-binding", "pin"], {}),
         "conditional": ([*launch, "--cpu-binding", "pin", *conditional], {}),
         "lend": ([*launch, "--cpu-binding", "lend"], {}),
