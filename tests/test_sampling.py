@@ -247,3 +247,25 @@ def test_params_msgpack_round_trip() -> None:
     assert msgspec.msgpack.decode(as_int, type=SamplingParams).temperature == 1.0
     with pytest.raises(msgspec.ValidationError, match="top_p"):
         msgspec.msgpack.decode(msgspec.msgpack.encode({"top_p": 0.0}), type=SamplingParams)
+
+
+@pytest.mark.parametrize("width", [1, 20, 50, 256, 1000])
+def test_top_candidates_are_the_rows_top_k(width: int) -> None:
+    """The chunked top-k the top-p / top-k / top_logprobs paths use returns what a topk over the whole row does,
+    masked tokens (-inf) and peaked rows included, in descending order."""
+    from pdserve.sampling.sampler import top_candidates
+
+    g = torch.Generator().manual_seed(width)
+    x = torch.randn(6, 49152, generator=g) * 3
+    x[1, ::2] = -torch.inf  # a grammar's mask
+    x[2, 777] = 40.0  # one sure token
+    x[3, :40000] = -torch.inf
+    vals, ids = top_candidates(x, width)
+    want_vals, want_ids = x.topk(width, dim=-1)
+    assert torch.equal(vals, want_vals)
+    finite = torch.isfinite(want_vals)
+    assert torch.equal(ids[finite], want_ids[finite])
+    assert torch.equal(x.gather(1, ids), vals)
+    odd = torch.randn(2, 1001, generator=g)  # not a whole number of chunks: the plain topk
+    assert torch.equal(top_candidates(odd, width if width < 1001 else 1001)[1],
+                       odd.topk(width if width < 1001 else 1001, dim=-1).indices)

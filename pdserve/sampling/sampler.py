@@ -75,7 +75,7 @@ class Sampler:
         constrained = grammar_mask is not None or any(r.constrained for r in rows)
         if (not want_logprobs and not blocked and not penalised and not constrained
                 and all(p.greedy for p in params)):
-            return SamplerOutput(token_ids=logits.argmax(dim=-1))
+            return SamplerOutput(token_ids=argmax(logits))
 
         device = logits.device
         raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if want_logprobs else None
@@ -91,7 +91,7 @@ class Sampler:
         if len(sampled) == n:  # argmax over the vocabulary costs more than the draw: skipped when unused
             token_ids = _sample(x, rows)
         else:
-            token_ids = x.argmax(dim=-1)
+            token_ids = argmax(x)
             if sampled:
                 idx = torch.tensor(sampled, device=device)
                 token_ids[idx] = _sample(x[idx], [rows[i] for i in sampled])
@@ -101,7 +101,7 @@ class Sampler:
             out.logprobs = raw_logprobs.gather(1, token_ids[:, None]).squeeze(1)
             k = max(p.logprobs or 0 for p in params)
             if k > 0:
-                out.top_logprobs, out.top_token_ids = raw_logprobs.topk(k, dim=-1)
+                out.top_logprobs, out.top_token_ids = top_candidates(raw_logprobs, k)
         return out
 
 
@@ -184,6 +184,7 @@ def _apply_penalties(x: torch.Tensor, rows: list[SamplingRow]) -> None:
 
 
 NUCLEUS_CANDIDATES = 256  # top-p is looked for among the most likely tokens first (the full sort costs ~30x)
+CHUNK = 32  # tokens per chunk in top_candidates
 
 
 def _sample(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -257,17 +258,19 @@ def _sample_candidates(x: torch.Tensor, u: torch.Tensor, rows: list[int], ks: li
     min-p, then the draw."""
     vocab, device = x.shape[1], x.device
     idx = torch.tensor(rows, device=device)
-    sub = x[idx]
+    sub = x if rows == list(range(x.shape[0])) else x[idx]  # every row (the usual case): no copy
     k_rows = [ks[j] for j in rows]
     p_rows = [ps[j] for j in rows]
     width = min(vocab, max(max((k for k in k_rows if k < vocab), default=0),
                            NUCLEUS_CANDIDATES if any(p < 1.0 for p in p_rows) else 0))
-    vals, ids = sub.topk(width, dim=-1)  # descending
+    vals, ids = top_candidates(sub, width)  # descending
     k_t = torch.tensor(k_rows, device=device)
     vals.masked_fill_(torch.arange(width, device=device)[None, :] >= k_t[:, None], -torch.inf)
     # top-p is relative to what top-k kept; with top-k off, to the whole row
-    denom = torch.where((k_t < vocab)[:, None], vals.logsumexp(dim=-1, keepdim=True),
-                        sub.logsumexp(dim=-1, keepdim=True))
+    top_k = (k_t < vocab)[:, None]
+    denom = vals.logsumexp(dim=-1, keepdim=True)
+    if not bool(top_k.all()):  # a row without top-k: its top-p is relative to the whole row
+        denom = torch.where(top_k, denom, _row_logsumexp(sub, vals, ids))
     probs = (vals - denom).exp()
     cum = probs.cumsum(dim=-1)
     p_t = torch.tensor(p_rows, device=device)[:, None]
@@ -282,6 +285,40 @@ def _sample_candidates(x: torch.Tensor, u: torch.Tensor, rows: list[int], ks: li
         filtered = _top_k_top_p(x[w], [vocab] * len(wide), [p_rows[i] for i in wide])
         out[torch.tensor(wide, device=device)] = _draw(filtered, u[w], [min_ps[rows[i]] for i in wide])
     return out
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1) of [N, V] rows, the same index (the first of equal maxima): the chunk holding the row's
+    maximum first, then the maximum within it. torch's CPU argmax took 1.8 ms for 64 x 49,152 floats, its amax
+    0.08 ms."""
+    m, vocab = x.shape
+    if vocab % CHUNK or vocab < 4 * CHUNK or not x.is_contiguous() or x.device.type != "cpu":
+        return x.argmax(dim=-1)
+    chunk = x.view(m, vocab // CHUNK, CHUNK).amax(dim=-1).argmax(dim=-1)
+    first = chunk * CHUNK
+    within = x.gather(1, first[:, None] + torch.arange(CHUNK)).argmax(dim=-1)
+    return first + within
+
+
+def _row_logsumexp(x: torch.Tensor, top: torch.Tensor, top_ids: torch.Tensor) -> torch.Tensor:
+    """logsumexp over each whole row [N, 1], from log_softmax (one fused pass; logsumexp takes several): the row's
+    maximum less its own log-probability."""
+    return top[:, :1] - x.log_softmax(dim=-1).gather(1, top_ids[:, :1])
+
+
+def top_candidates(x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x.topk(width) per row (values descending, their indices) by way of chunk maxima: the `width` largest lie
+    in the `width` chunks of CHUNK tokens whose maxima are largest (a tie at the last place may pick another of
+    equal value), so a topk over the chunks' maxima and one over those chunks' tokens replace a topk over the
+    whole vocabulary, which took ~190 us a row at 49,152."""
+    m, vocab = x.shape
+    chunks = vocab // CHUNK
+    if vocab % CHUNK or 2 * width * CHUNK > vocab or not x.is_contiguous():
+        return x.topk(width, dim=-1)
+    best = x.view(m, chunks, CHUNK).amax(dim=-1).topk(width, dim=-1).indices
+    candidates = (best[:, :, None] * CHUNK + torch.arange(CHUNK, device=x.device)).view(m, width * CHUNK)
+    vals, at = x.gather(1, candidates).topk(width, dim=-1)
+    return vals, candidates.gather(1, at)
 
 
 def _top_k_top_p(x: torch.Tensor, ks: list[int], ps: list[float]) -> torch.Tensor:

@@ -25,6 +25,7 @@ from pdserve.engine.messages import (
     WorkerShutdown,
 )
 from pdserve.loader.errors import ModelLoadError
+from pdserve.utils.memory import keep_freed_memory
 from pdserve.utils.process import child_entry, recv_until_stopped
 from pdserve.worker import core_loan
 
@@ -35,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--rendezvous", help="the file the tensor-parallel ranks meet through")
     args, config = child_entry("worker", parser, argv)
+    keep_freed_memory()  # every step frees and allocates the same large temporaries again
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PAIR)
     sock.setsockopt(zmq.LINGER, 1000)
