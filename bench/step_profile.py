@@ -61,12 +61,15 @@ def _median_seconds(fn, reps: int, warmup: int = 2, best: bool = False) -> float
 
 
 def limits(dtype: torch.dtype, reps: int) -> dict:
-    """GEMM GFLOP/s of the MLP's gate|up shape (rows x 576 @ 576 x 3,072) and memory GB/s."""
+    """GEMM GFLOP/s of the MLP's gate|up shape (rows x 576 @ 576 x 3,072, the weight in L2: a matmul's own rate)
+    through oneDNN as the model calls it (packed weight), and memory GB/s."""
+    from pdserve.model.linear import make_linear
+
     out: dict = {"gemm_gflops": {}}
-    w = torch.randn(3072, 576, dtype=dtype)
+    linear = make_linear(torch.randn(3072, 576, dtype=dtype), None, None)
     for rows in (1024, 64, 16, 1):
         x = torch.randn(rows, 576, dtype=dtype)
-        s = _median_seconds(lambda x=x: torch.nn.functional.linear(x, w), reps * 4, best=True)
+        s = _median_seconds(lambda x=x: linear(x), reps * 4, best=True)
         out["gemm_gflops"][rows] = 2 * rows * 576 * 3072 / s / 1e9
     a = torch.ones(256 << 20, dtype=torch.uint8)
     b = torch.empty_like(a)
