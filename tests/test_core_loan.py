@@ -32,15 +32,23 @@ def test_launch_pairs_each_prefill_with_one_decode(tmp_path: Path) -> None:
     assert lend_cores(specs[:2], [{0}, {0}], tmp_path)[0] == [{0}, {0}]
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
-def test_decode_worker_uses_the_lent_cores_only_while_the_prefill_worker_is_idle(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _lender_and_borrower_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                             ) -> tuple[core_loan.Lender, Path, int]:
+    """A prefill worker's lender on a fresh flag file, and the environment a decode worker borrows its core with:
+    (the lender, the flag file, the decode worker's own core)."""
     own, lent = sorted(os.sched_getaffinity(0))[:2]
     flag = core_loan.create_flag(tmp_path / "p.flag")
     monkeypatch.setenv(core_loan.LEND_ENV, str(flag))
     lender = core_loan.from_env()
     monkeypatch.delenv(core_loan.LEND_ENV)
     monkeypatch.setenv(core_loan.BORROW_ENV, core_loan.borrow_spec(flag, {own}, {lent}))
+    return lender, flag, own
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_decode_worker_uses_the_lent_cores_only_while_the_prefill_worker_is_idle(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    lender, flag, own = _lender_and_borrower_env(tmp_path, monkeypatch)
     threads_before, mask_before = torch.get_num_threads(), os.sched_getaffinity(0)
     result: dict = {}
 
@@ -62,15 +70,11 @@ def test_decode_worker_uses_the_lent_cores_only_while_the_prefill_worker_is_idle
     assert os.sched_getaffinity(0) == mask_before  # only the borrowing thread was pinned
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
 def test_a_prefill_step_waits_for_the_decode_step_on_its_cores(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                                                                ) -> None:
     """A prompt arriving mid-step starts once the decode step that borrowed its core has ended, not beside it."""
-    own, lent = sorted(os.sched_getaffinity(0))[:2]
-    flag = core_loan.create_flag(tmp_path / "p.flag")
-    monkeypatch.setenv(core_loan.LEND_ENV, str(flag))
-    lender = core_loan.from_env()
-    monkeypatch.delenv(core_loan.LEND_ENV)
-    monkeypatch.setenv(core_loan.BORROW_ENV, core_loan.borrow_spec(flag, {own}, {lent}))
+    lender, flag, _ = _lender_and_borrower_env(tmp_path, monkeypatch)
     threads_before = torch.get_num_threads()
     events: list[str] = []
     decoding = threading.Event()
