@@ -191,6 +191,39 @@ def test_conditional_pd_leaves_long_prompts_to_an_idle_decode_instance_when_aske
     assert [(x.local, x.reason) for x in seen] == [(True, "decode_idle"), (False, "long")]
 
 
+def test_conditional_pd_leaves_the_prompt_to_p_where_d_would_be_late() -> None:
+    """With a TTFT objective, a decode instance whose own computing of the prompt would miss it does not take the
+    prompt, whatever the decider's rule says (here: D idle); the prefill instance computes it, and the request
+    is admitted. Once D's queue is short again, D computes it itself."""
+    from prometheus_client import CollectorRegistry
+
+    from pdserve.admission.load import LoadReport
+    from pdserve.admission.metrics import AdmissionMetrics
+    from pdserve.admission.predictor import SLO
+    from pdserve.router.admission import Admitted, RouterAdmission
+
+    p, d, selector, seen = _conditional_pair(PrefillDecider(max_local_prefill_length=8,
+                                                            local_prefill_decode_requests=1))
+
+    def report(queued_tokens: int) -> LoadReport:
+        return LoadReport(time.time(), [(0, queued_tokens)] if queued_tokens else [], 0, 0, 64, prefill_rate=1000.0,
+                          step_time=0.02, decode_cost=0.001, next_finish=0.0)
+
+    admission = RouterAdmission(SLO(ttft=2.0), None, AdmissionMetrics(CollectorRegistry(), "t"), selector.registry,
+                                selector, None)
+    p.load, d.load = report(0), report(3000)  # D has 3 s of prompts of its own queued
+    late = RoutedRequest(list(range(100, 140)), 40)
+    assert isinstance(admission.admit({}, {}, late, time.monotonic()), Admitted)
+    assert late.slow_local_prefill == {d.url}
+    route = selector.pick(late)
+    assert route.first is p and route.decode is d
+    d.load = report(0)
+    quick = RoutedRequest(list(range(200, 240)), 40)
+    assert isinstance(admission.admit({}, {}, quick, time.monotonic()), Admitted)
+    assert selector.pick(quick).first is d
+    assert [(x.local, x.reason) for x in seen] == [(False, "slow_locally"), (True, "decode_idle")]
+
+
 def test_health_thresholds_and_lost_requests() -> None:
     registry = Registry(fail_threshold=3, success_threshold=2)
     instance, probe = registry.register(Registration(role="decode", url="http://d", pid=1))  # not contacted

@@ -55,6 +55,9 @@ class RoutedRequest:
     priority: int = 0  # the request's `priority` field (admission counts the queue at its priority and above)
     admitted: Any = None  # router/admission.Admitted, when the router admits by SLO or rate limit
     lora: str | None = None  # the LoRA adapter its `model` names: only instances serving it may take it
+    # decode instances whose own computing of its prompt would miss the TTFT objective (admission): conditional
+    # disaggregation leaves the prompt to a prefill instance there
+    slow_local_prefill: set[str] = field(default_factory=set)
     _hashes: dict[int, list[bytes]] = field(default_factory=dict)
 
     def block_hashes(self, block_size: int) -> list[bytes]:

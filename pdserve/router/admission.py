@@ -89,6 +89,8 @@ class RouterAdmission:
                 ttft, refusal = judge_ttft(self.slo, instance.load, todo, request.priority, tokens, now, correction)
                 if ttft is not None:
                     admitted.predicted_ttft[instance.url] = ttft
+            elif instance.role == Role.DECODE:
+                self._judge_local_prefill(instance, request, tokens, now)
             if refusal is None and decodes:
                 refusal = judge_tpot(self.slo, instance.load, streams)
             if refusal is not None and below_floor(self.slo, instance.load, todo, decodes, streams):
@@ -97,6 +99,16 @@ class RouterAdmission:
                 admitted.excluded.add(instance.url)
                 refusals.append(refusal)
         return refusals
+
+    def _judge_local_prefill(self, instance: Instance, request: RoutedRequest, sent_tokens: int, now: float) -> None:
+        """A decode instance may compute a prompt itself (conditional disaggregation): where its first token would
+        miss the TTFT objective, the route leaves the prompt to a prefill instance. Never a refusal: the decode
+        instance still decodes what a prefill instance computed."""
+        todo = request.num_tokens - self._cached_tokens(instance, request)
+        _, refusal = judge_ttft(self.slo, instance.load, todo, request.priority, sent_tokens, now,
+                                self._correction(instance.url).factor)
+        if refusal is not None and not below_floor(self.slo, instance.load, todo, False):
+            request.slow_local_prefill.add(instance.url)
 
     def _cached_tokens(self, instance: Instance, request: RoutedRequest) -> int:
         bs = instance.block_size

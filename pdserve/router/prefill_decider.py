@@ -25,7 +25,7 @@ from pdserve.kv_events.index import KVIndex
 from pdserve.router.registry import Instance
 
 PD_POLICIES = ("always", "conditional")
-REASONS = ("short", "cached", "prefill_busy", "decode_idle", "long")  # all but long are local
+REASONS = ("short", "cached", "prefill_busy", "decode_idle", "long", "slow_locally")  # the last two are remote
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,9 @@ class PrefillDecider:
         hashes = request.block_hashes(block_size)
         cached = self.cache.cached_blocks(decode.url, request.lookup_hashes(block_size)) * block_size
         uncached = max(0, request.num_tokens - cached)
-        if uncached <= self.max_local_prefill_length:
+        if decode.url in request.slow_local_prefill:  # admission: computed there, its first token would be late
+            decision = Decision(False, "slow_locally", uncached)
+        elif uncached <= self.max_local_prefill_length:
             decision = Decision(True, "short" if request.num_tokens <= self.max_local_prefill_length else "cached",
                                 uncached)
         elif prefill.in_flight_tokens >= self.max_prefill_queue_tokens:
