@@ -37,9 +37,6 @@ def keep_freed_memory() -> None:
 
 
 def release_freed_memory() -> None:
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # musl has no malloc_trim
-        pass
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):  # musl has none
+        libc.malloc_trim(0)
