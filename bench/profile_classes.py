@@ -6,7 +6,7 @@ from __future__ import annotations
 CLASSES = ["linears", "logits", "attention", "small ops", "sampling", "other"]
 
 _LINEAR = ("_linear_pointwise", "aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::bmm",
-           "onednn_mm", "_weight_int8pack_mm", "dynamic_quant", "zentorch_linear")
+           "onednn_mm", "_weight_int8pack_mm", "dynamic_quant", "zentorch_linear", "few_row_linear")
 _ATTENTION = ("paged_attention", "write_kv", "scaled_dot_product", "cpu_attention", "cpu_attn",
               "reshape_and_cache", "index_select", "flash_attention", "_softmax", "attn")
 _SMALL = ("rms_norm", "rotary", "silu", "embedding", "aten::add", "aten::mul", "aten::cat", "aten::copy_",

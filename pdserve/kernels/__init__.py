@@ -26,10 +26,23 @@ from pdserve.utils.cpu_features import cpu_flags
 log = logging.getLogger("pdserve.kernels")
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "paged_attention.cpp", CSRC / "fused_ops.cpp", CSRC / "shm_all_reduce.cpp"]
+SOURCES = [CSRC / "paged_attention.cpp", CSRC / "fused_ops.cpp", CSRC / "shm_all_reduce.cpp",
+           CSRC / "few_row_linear.cpp"]
 # -Wno-psabi: on AVX2 the 16-float vector type is passed in two registers; GCC warns about that ABI.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-Wno-psabi"]
 _DISABLE_ENV = "PDSERVE_DISABLE_KERNELS"  # "1": behave as if the build had failed (tests, comparisons)
+# Build for less than this CPU has, so one machine tests the paths of smaller ones: "avx2" leaves out every
+# AVX-512 instruction (8-float vectors, no bf16 dot products). Pair it with ONEDNN_MAX_CPU_ISA=AVX2 so oneDNN
+# packs and multiplies as it would there too.
+ISA_ENV = "PDSERVE_KERNEL_ISA"
+_ISA_FLAGS = {"native": [], "avx2": ["-mno-avx512f"]}
+
+
+def cflags() -> list[str]:
+    isa = os.environ.get(ISA_ENV, "native")
+    if isa not in _ISA_FLAGS:
+        raise ValueError(f"{ISA_ENV}={isa!r}: choose one of {', '.join(_ISA_FLAGS)}")
+    return CFLAGS + _ISA_FLAGS[isa]
 
 
 def build_tag() -> str:
@@ -39,7 +52,7 @@ def build_tag() -> str:
     for path in sorted(CSRC.iterdir()):
         h.update(path.read_bytes())
     h.update(torch.__version__.encode())
-    h.update(" ".join(CFLAGS).encode())
+    h.update(" ".join(cflags()).encode())
     h.update(platform.machine().encode())
     h.update(" ".join(sorted(cpu_flags())).encode())
     return h.hexdigest()[:16]
@@ -62,7 +75,7 @@ def build(verbose: bool = False) -> Path:
     cpp_extension.load(
         name=f"pdserve_kernels_{tag}",
         sources=[str(p) for p in SOURCES],
-        extra_cflags=CFLAGS,
+        extra_cflags=cflags(),
         extra_ldflags=["-fopenmp"],
         build_directory=str(folder),
         is_python_module=False,

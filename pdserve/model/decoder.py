@@ -6,6 +6,7 @@ matmuls. Logits are computed only for each sequence's last token of the step.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 
 import torch
@@ -15,12 +16,15 @@ from torch import nn
 from pdserve.kernels import kernels_for
 from pdserve.kv.cache import KVCache
 from pdserve.loader.errors import ModelLoadError
+from pdserve.model import few_row_linear
 from pdserve.model.config import ModelConfig
 from pdserve.model.forward_batch import ForwardBatch
-from pdserve.model.linear import DenseLinear, Linear, make_linear
+from pdserve.model.linear import DenseLinear, Linear, PackedLinear, make_linear
 from pdserve.model.paged_attention import GatherBuffers, paged_attention
 from pdserve.model.rope import RotaryEmbedding
 from pdserve.model.tensor_parallel import TensorParallel
+
+log = logging.getLogger("pdserve.model")
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -198,9 +202,16 @@ class DecoderModel(nn.Module):
             layer.build_linears(self.quantization)
         # The lm_head is usually the embedding too (tied), so its matrix stays.
         self.lm_head_proj = make_linear(self.lm_head, None, self.quantization)
+        self._log_linears()
         self.lm_head_part = None  # tensor parallel: this rank's vocabulary share, for the sampled logits
         if self.tp.size > 1 and c.vocab_size % self.tp.size == 0:
             self.lm_head_part = make_linear(self.lm_head[self.tp.part(c.vocab_size)], None, self.quantization)
+
+    def _log_linears(self) -> None:
+        packed = [lin for layer in self.layers for lin in layer.linears()] + [self.lm_head_proj]
+        packed = [lin for lin in packed if isinstance(lin, PackedLinear)]
+        if packed:
+            log.info("linears: %s", few_row_linear.describe(self.dtype, [lin.few_rows for lin in packed]))
 
     @property
     def vocab_parallel(self) -> bool:

@@ -20,6 +20,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from pdserve.model.few_row_linear import FewRowPath
 from pdserve.utils.cpu_features import has_vnni
 
 QUANTIZATION_METHODS = ("w8a8",)
@@ -39,16 +40,27 @@ class DenseLinear:
 
 
 class PackedLinear:
+    """oneDNN's packed matmul; a few rows (a decode step of few sequences) through pdserve's kernel over the
+    same packed weight where it runs here (model/few_row_linear.py)."""
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)  # 64: rows it is tuned for
         self.bias = bias
         self.nbytes = weight.numel() * weight.element_size()
+        self.few_rows = FewRowPath.for_weight(self.packed, weight.detach(), bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._few_rows(x):
+            return self.few_rows(x)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if self._few_rows(x) and residual.is_contiguous():
+            return self.few_rows(x, residual)
         return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, self.bias, "add")
+
+    def _few_rows(self, x: torch.Tensor) -> bool:
+        return self.few_rows is not None and x.dim() == 2 and x.shape[0] <= self.few_rows.max_rows and x.is_contiguous()
 
 
 def can_pack(weight: torch.Tensor) -> bool:
