@@ -52,12 +52,12 @@ def run_dtype(dtype: torch.dtype, rows_list: list[int], layers: int) -> None:
     for rows in rows_list:
         xs = [torch.randn(rows, k, generator=g).to(dtype) for _, k in SHAPES]
 
-        def onednn() -> None:
+        def onednn(xs: list[torch.Tensor] = xs) -> None:
             for layer in stack:
                 for x, lin in zip(xs, layer, strict=True):
                     torch.ops.mkldnn._linear_pointwise(x, lin.packed, None, "none", [], "")
 
-        def kernel() -> None:
+        def kernel(xs: list[torch.Tensor] = xs) -> None:
             for layer in stack:
                 for x, lin in zip(xs, layer, strict=True):
                     lin.few_rows(x)

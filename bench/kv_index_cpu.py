@@ -18,7 +18,7 @@ import time
 
 import zmq
 
-from pdserve.kv_events.config import KVEventsConfig
+from pdserve.config.kv_events import KVEventsConfig
 from pdserve.kv_events.events import BlockRemoved, BlockStored
 from pdserve.kv_events.index import KVIndex
 from pdserve.kv_events.publisher import KVEventPublisher

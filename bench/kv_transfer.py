@@ -29,7 +29,6 @@ from functools import partial
 import msgspec
 import torch
 
-from pdserve.kv import segment as kv_segment
 from pdserve.kv.cache import KVCache
 from pdserve.kv.layout import KVLayout, block_ranges, layer_ranges
 from pdserve.transport import (
@@ -44,6 +43,7 @@ from pdserve.transport import (
 )
 from pdserve.transport.ipc import buffer_address
 from pdserve.transport.tcp import TcpReceiver
+from pdserve.utils import shm_segment as kv_segment
 
 LAYOUT = KVLayout(num_blocks=160, num_layers=30, block_size=64, num_kv_heads=3, head_dim=64, dtype="float32")
 

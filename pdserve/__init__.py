@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 __all__ = ["LLM", "LoRARequest", "SamplingParams", "__version__"]
 
 if TYPE_CHECKING:
-    from pdserve.lora.modules import LoRARequest
+    from pdserve.config.lora import LoRARequest
     from pdserve.offline.llm import LLM
     from pdserve.sampling import SamplingParams
 
@@ -27,7 +27,7 @@ def __getattr__(name: str) -> Any:
 
         return SamplingParams
     if name == "LoRARequest":
-        from pdserve.lora.modules import LoRARequest
+        from pdserve.config.lora import LoRARequest
 
         return LoRARequest
     raise AttributeError(f"module 'pdserve' has no attribute {name!r}")

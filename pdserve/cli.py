@@ -7,7 +7,7 @@ import dataclasses
 import sys
 
 from pdserve.config.engine_args import add_engine_args, engine_config_from_args
-from pdserve.loader.errors import ModelLoadError
+from pdserve.config.errors import ModelLoadError
 
 
 def build_parser() -> argparse.ArgumentParser:

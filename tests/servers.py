@@ -215,7 +215,7 @@ def register(router_url: str, info: dict, secret: bytes = b"", path: str = "/reg
     """POST /register (or /unregister) as an instance does, signed with `secret`."""
     import json
 
-    from pdserve.deploy.cluster_auth import SIGNATURE_HEADER, sign_body
+    from pdserve.utils.cluster_auth import SIGNATURE_HEADER, sign_body
 
     body = json.dumps(info).encode()
     return httpx.post(f"{router_url}{path}", content=body, timeout=10,

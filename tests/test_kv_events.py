@@ -11,8 +11,8 @@ import msgspec
 import pytest
 import zmq
 
+from pdserve.config.kv_events import KVEventsConfig, kv_events_config
 from pdserve.engine.kv_cache_manager import KVCacheManager
-from pdserve.kv_events.config import KVEventsConfig, kv_events_config
 from pdserve.kv_events.events import AllBlocksCleared, BlockStored
 from pdserve.kv_events.index import DEVICE_BIT, HOST_BIT, KVIndex
 from pdserve.kv_events.publisher import KVEventPublisher

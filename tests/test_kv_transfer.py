@@ -266,7 +266,7 @@ def test_tcp_receiver_takes_no_kv_from_a_writer_without_the_cluster_secret(cache
 
 
 def test_control_messages_must_carry_the_cluster_secret() -> None:
-    from pdserve.deploy.cluster_auth import AuthError, ControlSeal
+    from pdserve.utils.cluster_auth import AuthError, ControlSeal
 
     ours, theirs = ControlSeal(b"cluster-a"), ControlSeal(b"cluster-b")
     sealed = ours.seal(b"cache info")

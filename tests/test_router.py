@@ -15,11 +15,11 @@ import pytest
 import yaml
 
 from pdserve.balancing.policies import CacheAware, LeastRequests, LeastTokens, PowerOfTwo, RoundRobin, RoutedRequest
-from pdserve.deploy.cluster_auth import SIGNATURE_HEADER, sign_body
 from pdserve.http.wire import Registration
 from pdserve.router.prefill_decider import PrefillDecider
 from pdserve.router.registry import Instance, Registry
 from pdserve.router.selector import Selector, compatible, pair_transport
+from pdserve.utils.cluster_auth import SIGNATURE_HEADER, sign_body
 from tests.servers import Router, register, wait_for
 from tests.stub_instance import StubInstance
 

@@ -189,10 +189,10 @@ def test_cache_aware_keeps_a_shared_prefix_on_one_prefill_under_concurrency(clus
 
 
 def test_forged_control_messages_are_refused(cluster: dict) -> None:
-    from pdserve.deploy.cluster_auth import ControlSeal
     from pdserve.disagg.messages import CacheInfo
     from pdserve.kv.layout import KVLayout
     from pdserve.transport import TcpEndpoint
+    from pdserve.utils.cluster_auth import ControlSeal
 
     p0 = cluster["p0"]
     (info,) = [i for i in cluster["router"].registered() if i["url"] == p0.url]

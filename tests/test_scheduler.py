@@ -9,7 +9,8 @@ import pytest
 
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pdserve.engine.scheduler import Scheduler, SchedulerConfig
+from pdserve.engine.scheduler_output import SchedulerOutput
 from pdserve.sampling import SamplingParams
 
 EOS = 2

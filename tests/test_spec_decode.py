@@ -9,12 +9,12 @@ import math
 import pytest
 import torch
 
+from pdserve.config.speculative import SpeculativeConfig, speculative_config
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 from pdserve.sampling import SamplingParams
 from pdserve.sampling.sampler import Sampler, SamplingRow, make_generator, skip_draws
-from pdserve.spec_decode.config import SpeculativeConfig, speculative_config
 from pdserve.spec_decode.ngram_proposer import NgramProposer
 from pdserve.spec_decode.verifier import accepted_tokens, position_rows, rewind
 from tests.greedy import assert_same_greedy

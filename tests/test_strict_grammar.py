@@ -11,9 +11,8 @@ import pytest
 from pdserve.api.protocol import ChatCompletionRequest
 from pdserve.structured.json_guard import START, advance
 from pdserve.structured.matcher import GrammarCompiler, SequenceGrammar, allowed_tokens
-from pdserve.structured.spec import StructuredOutput, json_schema
+from pdserve.structured.spec import StructuredOutput, json_schema, tool_call_spec
 from pdserve.structured.strict_schema import close_schema
-from pdserve.tool_calling.grammar import tool_call_spec
 
 VOCAB = 49152
 POINT = {"type": "object", "properties": {"x": {"type": "number"}, "n": {"type": "integer"}}, "required": ["x"]}

@@ -14,8 +14,7 @@ from pdserve.engine.request import Request
 from pdserve.sampling import SamplingParams
 from pdserve.sampling.sampler import Sampler, SamplingRow
 from pdserve.structured.matcher import GrammarCompiler, SequenceGrammar, allowed_tokens, unpack_on_device
-from pdserve.structured.spec import StructuredOutput, check, json_schema
-from pdserve.tool_calling.grammar import tool_call_spec
+from pdserve.structured.spec import StructuredOutput, check, json_schema, tool_call_spec
 from pdserve.tool_calling.parsers import HermesParser
 from pdserve.tool_calling.prompt import render_messages, template_supports_tools
 

@@ -55,7 +55,7 @@ def test_two_ranks_compute_transformers_logits(arch: str, tmp_path: Path) -> Non
 
 
 def test_a_model_whose_heads_do_not_divide_is_refused_naming_them() -> None:
-    from pdserve.model.config import ModelConfig, RopeConfig
+    from pdserve.config.model import ModelConfig, RopeConfig
 
     config = ModelConfig("llama", 97, 576, 1536, 2, 9, 3, 64, 1e-5, 512, RopeConfig())  # SmolLM2-135M's heads
     with pytest.raises(ValueError, match="does not divide the model's 9 attention heads"):

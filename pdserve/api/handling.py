@@ -22,9 +22,8 @@ from pdserve.api.state import APIError, ServerState
 from pdserve.engine.messages import PDParams
 from pdserve.http.disconnect import until_disconnect
 from pdserve.http.wire import SENT_HEADER, parse_sent
-from pdserve.structured.spec import StructuredOutput, check, grammar_tokenizer
+from pdserve.structured.spec import StructuredOutput, check, grammar_tokenizer, tool_call_spec
 from pdserve.tokenization.detokenizer import IncrementalDetokenizer
-from pdserve.tool_calling.grammar import tool_call_spec
 from pdserve.tool_calling.prompt import render_messages, template_supports_tools
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from pdserve.lora.modules import RUNTIME_LOADING_ENV, LoRAModule
+from pdserve.config.lora import RUNTIME_LOADING_ENV, LoRAModule
 
 
 @dataclass

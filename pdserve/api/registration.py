@@ -12,7 +12,7 @@ import logging
 
 import httpx
 
-from pdserve.deploy.cluster_auth import SIGNATURE_HEADER, cluster_secret, sign_body
+from pdserve.utils.cluster_auth import SIGNATURE_HEADER, cluster_secret, sign_body
 
 log = logging.getLogger("pdserve.registration")
 

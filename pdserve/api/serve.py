@@ -28,15 +28,15 @@ from pdserve.config.engine import EngineConfig
 from pdserve.config.engine_args import engine_config_from_args
 from pdserve.config.fastdeploy_flags import fastdeploy_refusals
 from pdserve.config.flags import from_args
+from pdserve.config.kv_events import on_free_ports
 from pdserve.config.roles import Role
-from pdserve.deploy.cluster_auth import ENV
 from pdserve.engine.engine_client import EngineClient
 from pdserve.engine.messages import EngineReady
 from pdserve.http.wire import KVEventSource, Registration
-from pdserve.kv_events.config import on_free_ports
 from pdserve.loader import model_name, resolve_model_folder, tensor_parallel_refusal
 from pdserve.tokenization.tokenizer import Tokenizer
 from pdserve.transport.base import HOST_ID_ENV, host_id
+from pdserve.utils.cluster_auth import ENV
 from pdserve.utils.cores import core_share, my_cores, visible_gpus
 from pdserve.utils.dtype_names import gpu_present
 from pdserve.utils.memory import release_freed_memory

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 from pdserve.admission.settings import RATE_LIMIT_HELP, TPOT_HELP, TTFT_HELP
 from pdserve.config.flags import option
-from pdserve.deploy.cluster_auth import ENV
 from pdserve.tool_calling.parsers import PARSERS
+from pdserve.utils.cluster_auth import ENV
 
 API_KEY_ENV = "PDSERVE_API_KEY"
 

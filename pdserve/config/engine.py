@@ -14,10 +14,10 @@ import msgspec
 
 from pdserve.config.fastdeploy_flags import first_port, per_rank_ports
 from pdserve.config.flags import option
+from pdserve.config.kv_events import KVEventsConfig, kv_events_config
+from pdserve.config.lora import LoRAModule, as_lora_module, lora_module
 from pdserve.config.roles import Role
-from pdserve.kv_events.config import KVEventsConfig, kv_events_config
-from pdserve.lora.modules import LoRAModule, as_lora_module, lora_module
-from pdserve.spec_decode.config import SpeculativeConfig, speculative_config
+from pdserve.config.speculative import SpeculativeConfig, speculative_config
 
 ENGINE, PD, LORA = "engine", "prefill/decode disaggregation", "LoRA adapters"
 

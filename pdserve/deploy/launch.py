@@ -33,7 +33,6 @@ from pdserve.admission.predictor import SLO
 from pdserve.api.serve import DEMO_REQUEST, free_port
 from pdserve.config.flags import add_flags, from_args, to_flags
 from pdserve.config.roles import Role
-from pdserve.deploy.cluster_auth import ENV
 from pdserve.deploy.settings import (
     ROUTER_DEFAULTS,
     ROUTER_FLAGS,
@@ -45,6 +44,7 @@ from pdserve.deploy.settings import (
 )
 from pdserve.deploy.supervisor import Supervisor
 from pdserve.router.settings import RouterSettings
+from pdserve.utils.cluster_auth import ENV
 from pdserve.utils.dtype_names import gpu_present
 from pdserve.utils.shm_room import free_host_memory
 from pdserve.utils.stop_flag import StopFlag

@@ -26,7 +26,6 @@ from typing import Any
 from pdserve.api.serve import DEMO_REQUEST
 from pdserve.config.flags import from_args, to_flags
 from pdserve.config.roles import Role
-from pdserve.deploy.cluster_auth import ENV
 from pdserve.deploy.launch import instance_names, stop_on_signals, stopped, wait_ready
 from pdserve.deploy.ray_member import ROUTER, MemberPlan, RayMember
 from pdserve.deploy.ray_placement import (
@@ -40,6 +39,7 @@ from pdserve.deploy.ray_placement import (
 )
 from pdserve.deploy.settings import LaunchSettings, instance_flag, tensor_parallel_sizes
 from pdserve.router.settings import RouterSettings
+from pdserve.utils.cluster_auth import ENV
 
 NO_RAY = ("pdserve launch --ray needs Ray on this machine and on every node of the cluster: "
           "pip install 'pdserve[ray]' (ray==2.58.0)")

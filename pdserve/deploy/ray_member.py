@@ -20,10 +20,10 @@ from typing import Any
 
 from pdserve.api.serve import free_port
 from pdserve.config.roles import Role
-from pdserve.deploy.cluster_auth import ENV
 from pdserve.deploy.launch import InstanceSpec, needs_memory_share
 from pdserve.deploy.ray_placement import RayNode, alive_nodes, cache_memory_share
 from pdserve.deploy.supervisor import Supervisor
+from pdserve.utils.cluster_auth import ENV
 from pdserve.utils.shm_room import free_host_memory
 
 ROUTER = "router"

@@ -45,11 +45,11 @@ from pdserve.disagg.messages import (
     SwapIn,
 )
 from pdserve.kv.layout import block_ranges
-from pdserve.kv.segment import KVSegment
 from pdserve.kv.transfer_plan import MessagerInput
 from pdserve.transport import CacheBuffer, KVReceiver, start_receiver
 from pdserve.transport.ipc import buffer_address
 from pdserve.utils.process import STOP_CHECK_MS, child_entry, raise_if_stopping, recv_until_stopped
+from pdserve.utils.shm_segment import KVSegment
 
 log = logging.getLogger("pdserve.cache_service")
 
@@ -153,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--address", required=True)
     parser.add_argument("--messager-address", required=True)
-    args, config = child_entry("cache service", parser, argv)
+    args = child_entry("cache service", parser, argv)
+    config = EngineConfig.decode(args.config)
     ctx = zmq.Context()
     engine = ctx.socket(zmq.PAIR)
     engine.setsockopt(zmq.LINGER, 1000)

@@ -15,8 +15,8 @@ import uuid
 import msgspec
 import zmq
 
-from pdserve.deploy.cluster_auth import AuthError, ControlSeal, cluster_secret
 from pdserve.disagg.messages import ControlMessage
+from pdserve.utils.cluster_auth import AuthError, ControlSeal, cluster_secret
 
 log = logging.getLogger("pdserve.pd")
 

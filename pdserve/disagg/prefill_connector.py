@@ -38,7 +38,8 @@ from pdserve.disagg.messages import (
 )
 from pdserve.engine.messages import PDParams, RequestOutput, TokenLogprobs
 from pdserve.engine.request import Request
-from pdserve.engine.scheduler import ScheduledChunk, Scheduler
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.scheduler_output import ScheduledChunk
 from pdserve.kv.layout import KVLayout
 from pdserve.kv.transfer_plan import TransferPlan
 from pdserve.transport import Endpoint, choose_endpoint

@@ -186,10 +186,10 @@ def layout_without_profile(config: EngineConfig, num_blocks: int) -> KVLayout:
     """The cache layout from the model's config.json alone (no weights): for the rows where the
     cache service creates the cache before the worker has started. On a CPU it is worked out without
     torch; the worker's own layout is checked against it once it has loaded."""
+    from pdserve.config.model import ModelConfig
     from pdserve.kv.layout import KVLayout
     from pdserve.loader import resolve_model_folder
     from pdserve.loader.hf_folder import read_config
-    from pdserve.model.config import ModelConfig
     from pdserve.utils.dtype_names import cpu_kv_cache_dtype
 
     model = ModelConfig.from_hf_dict(read_config(resolve_model_folder(config.model)))

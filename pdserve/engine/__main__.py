@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import zmq
 
+from pdserve.config.engine import EngineConfig
 from pdserve.engine.messages import EngineDead, EngineReady
 from pdserve.utils.process import child_entry, parent_gone, when_parent_gone
 
@@ -32,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sockdir", required=True,
                         help="folder for the worker's and cache service's sockets, inside the client's own: "
                              "the client removes it even when this process is killed")
-    args, config = child_entry("engine", parser, argv)
+    args = child_entry("engine", parser, argv)
+    config = EngineConfig.decode(args.config)
     ctx = zmq.Context()
     inputs = ctx.socket(zmq.PULL)
     inputs.connect(args.input)

@@ -32,7 +32,8 @@ from pdserve.engine.messages import (
 )
 from pdserve.engine.request import Request
 from pdserve.engine.request_output import error_output, final_output
-from pdserve.engine.scheduler import Scheduler, SchedulerOutput
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.scheduler_output import SchedulerOutput
 from pdserve.engine.worker_client import WorkerClient
 from pdserve.kv.layout import KVLayout
 from pdserve.kv.transfer_plan import TransferPlan

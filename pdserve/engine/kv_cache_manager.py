@@ -13,12 +13,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pdserve.config.lora import lora_hash_root
 from pdserve.engine.block_pool import Block, BlockPool, hash_block
 from pdserve.engine.host_tier import HostTier
 from pdserve.engine.request import Request
 from pdserve.kv_events.events import DEVICE, HOST, BlockStored, KVEvent
 from pdserve.kv_events.recorder import KVEventRecorder
-from pdserve.lora.modules import lora_hash_root
 
 if TYPE_CHECKING:
     from pdserve.engine.block_copies import BlockCopies

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
     from pdserve.engine.messages import PDParams, RequestOutput, TokenLogprobs
     from pdserve.engine.request import Request
-    from pdserve.engine.scheduler import ScheduledChunk
+    from pdserve.engine.scheduler_output import ScheduledChunk
     from pdserve.kv.layout import KVLayout
     from pdserve.kv.transfer_plan import TransferPlan
 

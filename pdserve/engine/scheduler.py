@@ -19,16 +19,17 @@ kv_connector.py) uses only the public methods here.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pdserve.config.engine import EngineConfig
 from pdserve.config.roles import Role
+from pdserve.config.speculative import SpeculativeConfig
 from pdserve.engine.block_pool import Block
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from pdserve.engine.waiting_queue import WaitingQueue
 from pdserve.sampling import check_stop
-from pdserve.spec_decode.config import SpeculativeConfig
 from pdserve.spec_decode.controller import SpeculationController
 from pdserve.spec_decode.ngram_proposer import NgramProposer
 from pdserve.spec_decode.stats import SpecDecodeStats
@@ -67,29 +68,6 @@ class SchedulerConfig:
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(f"without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens}) "
                              f"must be at least max_model_len ({self.max_model_len})")
-
-
-@dataclass
-class ScheduledChunk:
-    request: Request
-    num_new_tokens: int  # known tokens + proposals
-    draft_token_ids: list[int] = field(default_factory=list)  # proposals after the last known token
-
-    @property
-    def completes_known_tokens(self) -> bool:
-        """True when this chunk reaches the request's last known token, so its logits give a new token."""
-        known = self.num_new_tokens - len(self.draft_token_ids)
-        return self.request.num_computed_tokens + known == self.request.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    chunks: list[ScheduledChunk] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(c.num_new_tokens for c in self.chunks)
 
 
 class Scheduler:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from pdserve.model.config import ModelConfig
+from pdserve.config.model import ModelConfig
 from pdserve.utils.cpu_features import cpu_flags
 
 log = logging.getLogger("pdserve.kernels")

@@ -10,7 +10,7 @@ from multiprocessing import shared_memory
 import torch
 
 from pdserve.kv.layout import KVLayout
-from pdserve.kv.segment import attach_segment, create_segment, release_segment
+from pdserve.utils.shm_segment import attach_segment, create_segment, release_segment
 
 
 class KVCache:

@@ -23,7 +23,7 @@ from pdserve.transport.base import ByteRange
 if TYPE_CHECKING:  # torch stays out of the processes that only pass layouts around (API server, engine)
     import torch
 
-    from pdserve.model.config import ModelConfig
+    from pdserve.config.model import ModelConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # the cache dtypes (--kv-cache-dtype)
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import zmq
 
-from pdserve.kv_events.config import KVEventsConfig
+from pdserve.config.kv_events import KVEventsConfig
 from pdserve.kv_events.events import END_OF_REPLAY, AllBlocksCleared, KVEvent, KVEventBatch, encoder
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pdserve.config.errors import ModelLoadError
 from pdserve.loader.default_model import DEFAULT_MODEL_NAME, default_model_path
-from pdserve.loader.errors import ModelLoadError
 
 
 def resolve_model_folder(model: str | Path | None) -> Path:
@@ -27,8 +27,8 @@ def tensor_parallel_refusal(model: str | Path | None, ranks: int) -> str | None:
     Read from config.json alone, before any process loads weights."""
     if ranks == 1:
         return None
+    from pdserve.config.model import ModelConfig
     from pdserve.loader.hf_folder import read_config
-    from pdserve.model.config import ModelConfig
 
     return ModelConfig.from_hf_dict(read_config(resolve_model_folder(model))).tensor_parallel_refusal(ranks)
 

@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pdserve.loader.errors import ModelLoadError
+from pdserve.config.errors import ModelLoadError
 
 if TYPE_CHECKING:  # numpy loads only to convert: the router and API server just read the cached folder
     import numpy as np

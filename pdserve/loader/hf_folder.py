@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pdserve.loader.errors import ModelLoadError
+from pdserve.config.errors import ModelLoadError
 
 if TYPE_CHECKING:  # read_config is used where torch is not loaded (the engine)
     import torch

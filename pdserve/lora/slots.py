@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pdserve.config.model import ModelConfig
 from pdserve.lora.adapter import LoRAAdapter, module_shape
-from pdserve.model.config import ModelConfig
 
 FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
          "down": ("down_proj",)}

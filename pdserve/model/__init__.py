@@ -1,7 +1,7 @@
 """The model runtime: one Llama-family decoder (decoder.py) over a paged KV cache, its configuration
 (config.py, torch-free: the engine reads it to size the cache), RoPE, linears and attention.
 
-The names below load on first use, so that `pdserve.model.config` stays importable without torch.
+The names below load on first use, so that `pdserve.config.model` stays importable without torch.
 """
 
 from __future__ import annotations

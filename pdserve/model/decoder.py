@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.config.errors import ModelLoadError
+from pdserve.config.model import ModelConfig
 from pdserve.kernels import kernels_for
 from pdserve.kv.cache import KVCache
-from pdserve.loader.errors import ModelLoadError
 from pdserve.model import few_row_linear
-from pdserve.model.config import ModelConfig
 from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.linear import DenseLinear, Linear, PackedLinear, make_linear
 from pdserve.model.paged_attention import GatherBuffers, paged_attention

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import torch
 
-from pdserve.loader.errors import ModelLoadError
+from pdserve.config.errors import ModelLoadError
+from pdserve.config.model import ModelConfig
 from pdserve.loader.hf_folder import iter_tensors, read_config
-from pdserve.model.config import ModelConfig
 from pdserve.model.decoder import DecoderModel
 from pdserve.model.tensor_parallel import TensorParallel
 from pdserve.utils.dtype_names import cpu_has_native_bf16

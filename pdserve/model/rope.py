@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from pdserve.model.config import RopeConfig
+from pdserve.config.model import RopeConfig
 
 
 def inverse_frequencies(rope: RopeConfig, rotary_dim: int) -> torch.Tensor:

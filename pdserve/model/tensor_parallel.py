@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from pdserve.model.config import ModelConfig
+from pdserve.config.model import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -20,10 +20,10 @@ from typing import Any
 import msgspec
 
 from pdserve.config.engine import EngineConfig
+from pdserve.config.lora import LoRARequest
 from pdserve.engine.engine_client import EngineClient
 from pdserve.engine.messages import RequestOutput as EngineOutput
 from pdserve.loader import model_name, resolve_model_folder, tensor_parallel_refusal
-from pdserve.lora.modules import LoRARequest
 from pdserve.offline.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pdserve.sampling import SamplingParams
 from pdserve.tokenization.detokenizer import IncrementalDetokenizer

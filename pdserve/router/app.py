@@ -13,7 +13,6 @@ from fastapi import FastAPI
 from pdserve.admission.metrics import AdmissionMetrics
 from pdserve.admission.settings import admission_from_flags
 from pdserve.balancing.policies import Policy, make_policy
-from pdserve.deploy.cluster_auth import SignatureCheck
 from pdserve.http.auth import bearer_auth
 from pdserve.http.wire import Registration
 from pdserve.kv_events.index import KVIndex
@@ -29,6 +28,7 @@ from pdserve.router.routes import membership, openai, operations
 from pdserve.router.selector import Selector
 from pdserve.router.settings import RouterSettings
 from pdserve.router.state import RouterState
+from pdserve.utils.cluster_auth import SignatureCheck
 
 
 def build_router_app(settings: RouterSettings, reader: PromptReader,

@@ -9,8 +9,8 @@ from pathlib import Path
 from pdserve.admission.settings import RATE_LIMIT_HELP, TPOT_HELP, TTFT_HELP
 from pdserve.balancing.policies import POLICIES
 from pdserve.config.flags import option
-from pdserve.deploy.cluster_auth import ENV
 from pdserve.router.prefill_decider import PD_POLICIES
+from pdserve.utils.cluster_auth import ENV
 
 API_KEY_ENV = "PDSERVE_API_KEY"
 

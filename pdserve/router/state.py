@@ -7,7 +7,6 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from pdserve.deploy.cluster_auth import SignatureCheck
 from pdserve.kv_events.subscriber import KVEventSubscriber
 from pdserve.router.admission import RouterAdmission
 from pdserve.router.forward import Forwarder
@@ -17,6 +16,7 @@ from pdserve.router.prompt import PromptReader
 from pdserve.router.registry import Registry
 from pdserve.router.selector import Selector
 from pdserve.router.settings import RouterSettings
+from pdserve.utils.cluster_auth import SignatureCheck
 
 
 @dataclass

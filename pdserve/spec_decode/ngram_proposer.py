@@ -8,7 +8,7 @@ occurrences of its last token, so a 2,000-token context costs tens of microsecon
 
 from __future__ import annotations
 
-from pdserve.spec_decode.config import SpeculativeConfig
+from pdserve.config.speculative import SpeculativeConfig
 
 
 class NgramProposer:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pdserve.tool_calling import grammar as tool_grammar
+from pdserve.structured import tool_call_grammar as tool_grammar
 
 MAX_SIGNIFICANT_DIGITS = 17  # float64: 17 significant digits round-trip any value
 MAX_INTEGER_DIGITS = 19  # int64 holds every 18-digit integer and most 19-digit ones

@@ -22,8 +22,7 @@ import numpy as np
 import torch
 
 from pdserve.structured.json_guard import JsonGuard, TokenTexts
-from pdserve.structured.spec import StructuredOutput, grammar_of, grammar_tokenizer
-from pdserve.tool_calling.grammar import is_parallel
+from pdserve.structured.spec import StructuredOutput, grammar_of, grammar_tokenizer, is_parallel
 
 log = logging.getLogger("pdserve.structured")
 

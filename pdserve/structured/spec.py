@@ -8,7 +8,7 @@ JSON is compact by default (no free whitespace between tokens: `{"a":1,"b":[2]}`
 whitespace a small model, once it has written the last value, may write newlines until max_tokens;
 `whitespace_flexible` (vLLM's `disable_any_whitespace: false`) or a `whitespace_pattern` allows them.
 JSON schemas compile closed unless `open_objects` (strict_schema.py), and their numbers are bounded
-(json_guard.py). `tool_calls` is the Hermes tool-call grammar (tool_calling/grammar.py) over the request's
+(json_guard.py). `tool_calls` is the Hermes tool-call grammar (tool_call_grammar.py) over the request's
 functions, its value their JSON.
 """
 
@@ -17,10 +17,12 @@ from __future__ import annotations
 import json
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
 from pdserve.structured.strict_schema import close_schema
+from pdserve.structured.tool_call_grammar import tool_call_lark
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "lark", "tool_calls")
 
@@ -44,14 +46,27 @@ def json_schema(schema: dict | bool, whitespace_flexible: bool = False,
                             whitespace_pattern=whitespace_pattern, open_objects=open_objects)
 
 
+def tool_call_spec(tools: list[dict[str, Any]], only: str | None, parallel: bool,
+                   forced: bool = True) -> StructuredOutput:
+    """`only`: the one function to call (a named tool_choice); None: any of `tools`. `forced`: the answer is
+    calls only (required, named); otherwise text may come instead or before (auto)."""
+    functions = [{"name": t["function"]["name"], "parameters": t["function"].get("parameters"),
+                  "strict": t["function"].get("strict")}
+                 for t in tools if only is None or t["function"]["name"] == only]
+    value = {"functions": functions, "parallel": parallel and only is None, "forced": forced}
+    return StructuredOutput(kind="tool_calls", value=json.dumps(value))
+
+
+def is_parallel(spec: StructuredOutput) -> bool:
+    return spec.kind == "tool_calls" and bool(json.loads(spec.value)["parallel"])
+
+
 @lru_cache(maxsize=256)
 def grammar_of(spec: StructuredOutput) -> str:
     """The llguidance grammar (JSON text) for `spec`; ValueError when it cannot be built."""
     from llguidance import LLMatcher, grammar_from
 
     if spec.kind == "tool_calls":
-        from pdserve.tool_calling.grammar import tool_call_lark
-
         return grammar_from("lark", tool_call_lark(json.loads(spec.value)))
     if spec.kind in ("json", "json_object"):
         schema = spec.value if spec.kind == "json" else '{"type": "object"}'

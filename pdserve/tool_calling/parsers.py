@@ -12,6 +12,8 @@ import re
 import uuid
 from dataclasses import dataclass
 
+from pdserve.structured.tool_call_grammar import BLOCK_CLOSE, BLOCK_OPEN
+
 
 @dataclass
 class ToolCall:
@@ -28,8 +30,8 @@ class ToolCall:
 
 
 class HermesParser:
-    START, END = "<tool_call>", "</tool_call>"
-    _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+    START, END = BLOCK_OPEN, BLOCK_CLOSE
+    _BLOCK = re.compile(re.escape(BLOCK_OPEN) + r"\s*(.*?)\s*" + re.escape(BLOCK_CLOSE), re.DOTALL)
 
     def __init__(self) -> None:
         self._buffer = ""  # text not yet handed out: a possible block start, or an open block

@@ -10,7 +10,6 @@ import ctypes
 from collections.abc import Sequence
 from pathlib import Path
 
-from pdserve.kv.segment import attach_segment
 from pdserve.transport.base import (
     ByteRange,
     CacheBuffer,
@@ -20,6 +19,7 @@ from pdserve.transport.base import (
     TransferError,
     host_id,
 )
+from pdserve.utils.shm_segment import attach_segment
 
 
 def buffer_address(view: memoryview) -> int:

@@ -18,8 +18,8 @@ import threading
 from array import array
 from collections.abc import Sequence
 
-from pdserve.deploy.cluster_auth import AuthError, answer_challenge, challenge_peer, cluster_secret
 from pdserve.transport.base import ByteRange, CacheBuffer, KVReceiver, KVWriter, TcpEndpoint, TransferError
+from pdserve.utils.cluster_auth import AuthError, answer_challenge, challenge_peer, cluster_secret
 
 log = logging.getLogger("pdserve.transport.tcp")
 

@@ -18,8 +18,6 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import zmq
 
-    from pdserve.config.engine import EngineConfig
-
 _PR_SET_PDEATHSIG = 1
 _parent_pid: int | None = None  # set by die_with_parent: the process we must not outlive
 _stop_signal: int | None = None  # set by exit_on_sigterm's handler
@@ -166,13 +164,10 @@ def stop_process(proc: subprocess.Popen, ask: Callable[[], None], timeout: float
         proc.wait()
 
 
-def child_entry(name: str, parser: argparse.ArgumentParser, argv: list[str] | None
-                ) -> tuple[argparse.Namespace, EngineConfig]:
+def child_entry(name: str, parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
     """The common start of an engine-side child process: parse `--config B64` (plus the parser's own
-    flags), ignore SIGINT, die with the parent, turn SIGTERM into SystemExit, log as `name`. Returns
-    (args, EngineConfig)."""
-    from pdserve.config.engine import EngineConfig
-
+    flags), ignore SIGINT, die with the parent, turn SIGTERM into SystemExit, log as `name`. Returns the
+    arguments; `args.config` is the encoded EngineConfig."""
     parser.add_argument("--config", required=True)
     args = parser.parse_args(argv)
     # Ctrl-C reaches the whole process group; the instance's server stops its children in order
@@ -181,4 +176,4 @@ def child_entry(name: str, parser: argparse.ArgumentParser, argv: list[str] | No
     die_with_parent()
     exit_on_sigterm()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s {name}: %(message)s")
-    return args, EngineConfig.decode(args.config)
+    return args

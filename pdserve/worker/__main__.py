@@ -15,6 +15,8 @@ import sys
 import msgspec
 import zmq
 
+from pdserve.config.engine import EngineConfig
+from pdserve.config.errors import ModelLoadError
 from pdserve.engine.messages import (
     CacheCommand,
     CalibrateCommand,
@@ -24,7 +26,6 @@ from pdserve.engine.messages import (
     WorkerInput,
     WorkerShutdown,
 )
-from pdserve.loader.errors import ModelLoadError
 from pdserve.utils.memory import keep_freed_memory
 from pdserve.utils.process import child_entry, recv_until_stopped
 from pdserve.worker import core_loan
@@ -35,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--address", required=True)
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--rendezvous", help="the file the tensor-parallel ranks meet through")
-    args, config = child_entry("worker", parser, argv)
+    args = child_entry("worker", parser, argv)
+    config = EngineConfig.decode(args.config)
     keep_freed_memory()  # every step frees and allocates the same large temporaries again
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PAIR)

@@ -14,7 +14,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from pdserve.kv.segment import attach_segment, create_segment, release_segment
+from pdserve.utils.shm_segment import attach_segment, create_segment, release_segment
 
 log = logging.getLogger("pdserve.worker")
 SLOT_BYTES = 8 << 20  # per rank and parity: a 2,048-token step of a 2,048-wide bf16 model in one piece

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict
 from pdserve.api.async_engine import EngineError
 from pdserve.api.lora import LoRAServing
 from pdserve.api.state import APIError, ServerDep, ServerState
-from pdserve.lora.modules import RUNTIME_LOADING_ENV, LoRAModule
+from pdserve.config.lora import RUNTIME_LOADING_ENV, LoRAModule
 
 router = APIRouter()
 

@@ -9,10 +9,10 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from pdserve.config.roles import Role
-from pdserve.deploy.cluster_auth import SIGNATURE_HEADER, AuthError
 from pdserve.http.wire import Registration
 from pdserve.router.forward import error_response
 from pdserve.router.state import RouterDep, RouterState
+from pdserve.utils.cluster_auth import SIGNATURE_HEADER, AuthError
 
 log = logging.getLogger("pdserve.router")
 

@@ -13,25 +13,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pdserve.structured.spec import StructuredOutput
 from pdserve.structured.strict_schema import close_schema
 
 COMPACT = {"whitespace_flexible": False}
-START, END, BETWEEN = "<tool_call>\n", "\n</tool_call>", "\n"
+BLOCK_OPEN, BLOCK_CLOSE = "<tool_call>", "</tool_call>"  # Hermes blocks: the parsers read what this writes
+START, END, BETWEEN = BLOCK_OPEN + "\n", "\n" + BLOCK_CLOSE, "\n"
 # Text without a block start; text up to and including the first one
 TEXT = r"/(.|\n)+/ & ~/(.|\n)*<tool_call>(.|\n)*/"
 OPEN = r"/(.|\n)*<tool_call>\n/ & ~/(.|\n)*<tool_call>(.|\n)*<tool_call>(.|\n)*/"
-
-
-def tool_call_spec(tools: list[dict[str, Any]], only: str | None, parallel: bool,
-                   forced: bool = True) -> StructuredOutput:
-    """`only`: the one function to call (a named tool_choice); None: any of `tools`. `forced`: the answer is
-    calls only (required, named); otherwise text may come instead or before (auto)."""
-    functions = [{"name": t["function"]["name"], "parameters": t["function"].get("parameters"),
-                  "strict": t["function"].get("strict")}
-                 for t in tools if only is None or t["function"]["name"] == only]
-    value = {"functions": functions, "parallel": parallel and only is None, "forced": forced}
-    return StructuredOutput(kind="tool_calls", value=json.dumps(value))
 
 
 def tool_call_lark(value: dict[str, Any]) -> str:
@@ -51,7 +40,3 @@ def tool_call_lark(value: dict[str, Any]) -> str:
     else:
         start = f"start: TEXT?\n    | OPEN call {json.dumps(END)}{more}\nTEXT: {TEXT}\nOPEN: {OPEN}"
     return f"{start}\ncall: {calls}\n" + "\n".join(rules) + "\n"
-
-
-def is_parallel(spec: StructuredOutput) -> bool:
-    return spec.kind == "tool_calls" and bool(json.loads(spec.value)["parallel"])

@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from pdserve.config.json_flag import json_struct
+from pdserve.utils.json_flag import json_struct
 
 KNOWN_KEYS = ("enable_kv_cache_events", "publisher", "endpoint", "replay_endpoint", "buffer_steps", "hwm",
               "max_queue_size", "topic")

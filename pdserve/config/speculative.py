@@ -6,7 +6,7 @@ from typing import Any
 
 import msgspec
 
-from pdserve.config.json_flag import json_struct
+from pdserve.utils.json_flag import json_struct
 
 KNOWN_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size")
 

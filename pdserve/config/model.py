@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.loader.errors import ModelLoadError
+from pdserve.config.errors import ModelLoadError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "ernie4_5")
 
