@@ -26,7 +26,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pd_sweep import served  # noqa: E402
 
-from pdserve.disagg.startup import PRIVATE_CACHE_ENV  # noqa: E402
+from pdserve.instance.startup import PRIVATE_CACHE_ENV  # noqa: E402
 
 FLAGS = ["--kv-cache-memory", "1G", "--max-model-len", "2048", "--max-num-batched-tokens", "512"]
 WORDS = "the river runs past the old mill where the miller keeps a ledger of every sack of grain".split()

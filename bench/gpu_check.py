@@ -148,10 +148,10 @@ def check_staging_copies(device: str) -> tuple[bool, str]:
     """The worker's KVCopier on a 180 MB bf16 cache of this model's geometry, without a server."""
     import torch
 
-    from pdserve.engine.messages import DEVICE
     from pdserve.kv.cache import KVCache
     from pdserve.kv.layout import KVLayout
     from pdserve.worker.kv_copier import KVCopier
+    from pdserve.worker.protocol import DEVICE
 
     layout = KVLayout(512, 30, 16, 3, 64, "bfloat16")
     dev = KVCache.allocate(layout, device)
@@ -209,7 +209,7 @@ def check_staging_copies(device: str) -> tuple[bool, str]:
 def check_pd_on_one_device(device: str, out: Path) -> tuple[bool, str]:
     """Router + prefill + decode instance (two processes on the one GPU, KV over ipc through host staging)
     and a mixed instance; greedy token texts of PD must be the mixed instance's."""
-    from pdserve.disagg.startup import PRIVATE_CACHE_ENV
+    from pdserve.instance.startup import PRIVATE_CACHE_ENV
     from pdserve.loader import resolve_model_folder
     from pdserve.tokenization.tokenizer import Tokenizer
 

@@ -71,9 +71,14 @@ def main(argv: list[str] | None = None) -> int:
 
             return serve_router(args)
         if args.command == "launch":
-            from pdserve.deploy.launch import launch
+            from pdserve.deploy.launch import launch, launch_settings
 
-            return launch(args)
+            settings = launch_settings(args)
+            if settings.ray is not None:
+                from pdserve.deploy.ray_launch import launch_on_ray
+
+                return launch_on_ray(args, settings)
+            return launch(args, settings)
         if args.command == "bench":
             from pdserve.bench_serve.run import bench_serve
 

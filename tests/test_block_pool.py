@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.engine.block_pool import BlockPool, hash_block
+from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from pdserve.engine.request import Request
+from pdserve.kv.block_hash import hash_block
 from pdserve.sampling import SamplingParams
 
 # ---- BlockPool ---------------------------------------------------------------------------------

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.deploy.launch import InstanceSpec, lend_cores
+from pdserve.deploy.launch import lend_cores
+from pdserve.deploy.plan import InstanceSpec
 from pdserve.worker import core_loan
 
 

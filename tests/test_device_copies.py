@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine.messages import DEVICE
 from pdserve.engine.worker_copies import WorkerCopies
 from pdserve.kv.cache import KVCache
 from pdserve.kv.layout import KVLayout, block_runs
 from pdserve.worker.kv_copier import DELAY_ENV, KVCopier
+from pdserve.worker.protocol import DEVICE
 
 LAYOUT = KVLayout(num_blocks=8, num_layers=3, block_size=4, num_kv_heads=2, head_dim=8, dtype="float32")
 

@@ -16,7 +16,7 @@ import torch
 from pdserve.config.engine import EngineConfig
 from pdserve.disagg.cache_messager import CacheMessager
 from pdserve.disagg.messages import TransferDone
-from pdserve.disagg.startup import CACHE_SERVICE, TRUTH_TABLE, WORKER, Step
+from pdserve.instance.startup import CACHE_SERVICE, TRUTH_TABLE, WORKER, Step
 from pdserve.kv.cache import KVCache
 from pdserve.kv.layout import KVLayout, block_ranges, coalesce, layer_ranges
 from pdserve.kv.transfer_plan import LayerDone, StepTransfers, TransferPlan

@@ -206,7 +206,7 @@ def test_launch_on_a_gpu_machine_plans_prefill_and_decode_instances(monkeypatch:
     memory); issue 28 keeps a device cache in every role, so a GPU machine plans them like any other."""
     import argparse
 
-    from pdserve.deploy.launch import plan
+    from pdserve.deploy.plan import plan
 
     def args(*instance_args: str) -> argparse.Namespace:
         return argparse.Namespace(prefill=1, decode=1, mixed=0, host="127.0.0.1", separate_hosts=False,
@@ -220,7 +220,8 @@ def test_launch_on_a_gpu_machine_plans_prefill_and_decode_instances(monkeypatch:
 def test_launch_gives_each_role_its_tensor_parallel_size_and_cores_in_proportion() -> None:
     import argparse
 
-    from pdserve.deploy.launch import plan, split_cpus
+    from pdserve.deploy.launch import split_cpus
+    from pdserve.deploy.plan import plan
 
     settings = argparse.Namespace(prefill=1, decode=1, mixed=0, host="127.0.0.1", separate_hosts=False,
                                   prefill_tensor_parallel_size=2, decode_tensor_parallel_size=None)
@@ -239,7 +240,7 @@ def test_mixed_given_alone_starts_only_mixed_instances() -> None:
     import argparse
 
     from pdserve.config.flags import add_flags, from_args
-    from pdserve.deploy.launch import instance_names
+    from pdserve.deploy.plan import instance_names
     from pdserve.deploy.settings import LaunchSettings
 
     parser = argparse.ArgumentParser()

@@ -22,7 +22,7 @@ import openai
 import pytest
 import torch
 
-from pdserve.disagg.startup import PRIVATE_CACHE_ENV
+from pdserve.instance.startup import PRIVATE_CACHE_ENV
 from pdserve.transport import rdma_available
 from pdserve.worker.kv_copier import DELAY_ENV
 from tests.greedy import assert_same_greedy_completion

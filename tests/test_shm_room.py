@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.deploy import launch
+from pdserve.deploy import plan
 from pdserve.utils import shm_room
 from tests.servers import free_port, segments
 
@@ -45,13 +45,13 @@ def test_a_segment_larger_than_the_room_is_refused_naming_the_flags(tmp_path: Pa
 
 
 def test_launch_shares_the_free_memory_among_instances_unless_a_flag_sizes_them(monkeypatch) -> None:
-    monkeypatch.setattr(launch, "_cpu_only", lambda: True)
-    monkeypatch.setattr(launch, "free_host_memory", lambda: 12 * GiB)
-    assert launch.memory_shares([], 3) == ["--kv-cache-memory", str(4 * GiB)]
-    assert launch.memory_shares(["--kv-cache-memory", "2G"], 3) == []
-    assert launch.memory_shares(["--num-gpu-blocks-override=200"], 3) == []
-    monkeypatch.setattr(launch, "_cpu_only", lambda: False)  # a GPU's cache is sized from the GPU
-    assert launch.memory_shares([], 3) == []
+    monkeypatch.setattr(plan, "cpu_only", lambda: True)
+    monkeypatch.setattr(plan, "free_host_memory", lambda: 12 * GiB)
+    assert plan.memory_shares([], 3) == ["--kv-cache-memory", str(4 * GiB)]
+    assert plan.memory_shares(["--kv-cache-memory", "2G"], 3) == []
+    assert plan.memory_shares(["--num-gpu-blocks-override=200"], 3) == []
+    monkeypatch.setattr(plan, "cpu_only", lambda: False)  # a GPU's cache is sized from the GPU
+    assert plan.memory_shares([], 3) == []
 
 
 @pytest.mark.e2e
@@ -74,7 +74,7 @@ def test_a_cache_dev_shm_cannot_hold_exits_2_with_a_message(role, flags) -> None
 
 def _startup(monkeypatch, room_blocks: int, **config):  # noqa: ANN202
     from pdserve.config.engine import EngineConfig
-    from pdserve.disagg import startup
+    from pdserve.instance import startup
     from pdserve.kv.layout import KVLayout
 
     layout = KVLayout(num_blocks=1000, num_layers=3, block_size=4, num_kv_heads=2, head_dim=8, dtype="float32")

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pdserve.disagg.startup import CACHE_SERVICE, PRIVATE_CACHE_ENV, TRUTH_TABLE, Step, cache_owner, processes
+from pdserve.instance.startup import CACHE_SERVICE, PRIVATE_CACHE_ENV, TRUTH_TABLE, Step, cache_owner, processes
 from tests.servers import Server
 from tests.tiny_models import NEW_TOKENS
 

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from pdserve.api.protocol import IGNORED, ChatCompletionRequest, CompletionRequest
-from pdserve.engine.messages import TokenLogprobs
 from pdserve.engine.request import Request
 from pdserve.sampling import SamplingParams
 from pdserve.sampling.sampler import Sampler, SamplingRow
@@ -17,6 +16,7 @@ from pdserve.structured.matcher import GrammarCompiler, SequenceGrammar, allowed
 from pdserve.structured.spec import StructuredOutput, check, json_schema, tool_call_spec
 from pdserve.tool_calling.parsers import HermesParser
 from pdserve.tool_calling.prompt import render_messages, template_supports_tools
+from pdserve.worker.protocol import TokenLogprobs
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "array", "items": {"enum": ["x"]}}},
           "required": ["a", "b"], "additionalProperties": False}

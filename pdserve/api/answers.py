@@ -19,10 +19,10 @@ from fastapi.responses import JSONResponse
 from pdserve.api.generation import ChoiceDelta, Generation, generate_choices
 from pdserve.api.state import APIError, ServerState
 from pdserve.engine.engine_client import EngineError
-from pdserve.engine.messages import TokenLogprobs
 from pdserve.http.errors import error_body
 from pdserve.http.wire import TOKENS_COMMENT
 from pdserve.tool_calling.parsers import ToolCall
+from pdserve.worker.protocol import TokenLogprobs
 
 
 @dataclass

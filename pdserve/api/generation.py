@@ -13,10 +13,11 @@ import msgspec
 
 from pdserve.api.async_engine import AsyncEngine
 from pdserve.engine.engine_client import EngineError
-from pdserve.engine.messages import PDParams, RequestTimes, TokenLogprobs
+from pdserve.engine.messages import PDParams, RequestTimes
 from pdserve.sampling import SamplingParams
 from pdserve.tokenization.detokenizer import IncrementalDetokenizer
 from pdserve.tokenization.tokenizer import Tokenizer
+from pdserve.worker.protocol import TokenLogprobs
 
 
 @dataclass

@@ -15,7 +15,7 @@ from typing import Any, Protocol, TypeVar
 
 from pdserve.balancing.prefix_index import CacheView
 from pdserve.config.lora import lora_hash_root
-from pdserve.engine.block_pool import hash_block
+from pdserve.kv.block_hash import hash_block
 from pdserve.kv_events.index import KVIndex
 
 DEFAULT_BLOCK_SIZE = 64  # an instance that did not say its block size (a static list without it)

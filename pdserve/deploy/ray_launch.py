@@ -26,7 +26,8 @@ from typing import Any
 from pdserve.api.serve import DEMO_REQUEST
 from pdserve.config.flags import from_args, to_flags
 from pdserve.config.roles import Role
-from pdserve.deploy.launch import instance_names, stop_on_signals, stopped, wait_ready
+from pdserve.deploy.lifecycle import stop_on_signals, stopped, wait_ready
+from pdserve.deploy.plan import instance_names
 from pdserve.deploy.ray_member import ROUTER, MemberPlan, RayMember
 from pdserve.deploy.ray_placement import (
     Demand,

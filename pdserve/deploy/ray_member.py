@@ -20,7 +20,7 @@ from typing import Any
 
 from pdserve.api.serve import free_port
 from pdserve.config.roles import Role
-from pdserve.deploy.launch import InstanceSpec, needs_memory_share
+from pdserve.deploy.plan import InstanceSpec, needs_memory_share
 from pdserve.deploy.ray_placement import RayNode, alive_nodes, cache_memory_share
 from pdserve.deploy.supervisor import Supervisor
 from pdserve.utils.cluster_auth import ENV

@@ -42,7 +42,7 @@ from pdserve.disagg.messages import (
 )
 from pdserve.engine.block_copies import BlockCopies, ServiceCopies
 from pdserve.engine.block_pool import Block, BlockPool
-from pdserve.engine.messages import PDParams, RequestOutput, TokenLogprobs
+from pdserve.engine.messages import PDParams, RequestOutput
 from pdserve.engine.request import Request
 from pdserve.engine.request_output import final_output
 from pdserve.engine.scheduler import Scheduler
@@ -50,6 +50,7 @@ from pdserve.engine.scheduler_output import ScheduledChunk
 from pdserve.kv.layout import KVLayout
 from pdserve.kv.transfer_plan import TransferPlan
 from pdserve.transport import Endpoint
+from pdserve.worker.protocol import TokenLogprobs
 
 Phase = DecodePhase
 

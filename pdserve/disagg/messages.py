@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import msgspec
 
-from pdserve.engine.messages import TokenLogprobs
 from pdserve.kv.layout import KVLayout
 from pdserve.transport import Endpoint
+from pdserve.worker.protocol import TokenLogprobs
 
 # ---- cache service <-> engine ----------------------------------------------------------------
 

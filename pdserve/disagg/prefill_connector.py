@@ -36,13 +36,14 @@ from pdserve.disagg.messages import (
     PrefillDone,
     TransferDone,
 )
-from pdserve.engine.messages import PDParams, RequestOutput, TokenLogprobs
+from pdserve.engine.messages import PDParams, RequestOutput
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.scheduler_output import ScheduledChunk
 from pdserve.kv.layout import KVLayout
 from pdserve.kv.transfer_plan import TransferPlan
 from pdserve.transport import Endpoint, choose_endpoint
+from pdserve.worker.protocol import TokenLogprobs
 
 log = logging.getLogger("pdserve.pd")
 Phase = PrefillPhase

@@ -48,8 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     # its client was killed: nobody else removes the client's IPC folder
     when_parent_gone(lambda: shutil.rmtree(sockdir.parent, ignore_errors=True))
     try:
-        from pdserve.disagg.startup import start_processes
-        from pdserve.engine.build import build_engine_core
+        from pdserve.instance.build import build_engine_core
+        from pdserve.instance.startup import start_processes
 
         started = start_processes(config, ctx, str(sockdir))
         layout = started.layout

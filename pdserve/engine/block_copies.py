@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     import zmq
 
     from pdserve.engine.kv_connector import CacheService
-    from pdserve.engine.messages import BlockCopy
+    from pdserve.worker.protocol import BlockCopy
 
 
 class BlockCopies(Protocol):

@@ -11,29 +11,16 @@ far as the load needs it.
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pdserve.kv.block_hash import BlockHash
 from pdserve.kv_events.events import DEVICE
 
 if TYPE_CHECKING:
     from pdserve.kv_events.recorder import KVEventRecorder
-
-BlockHash = bytes
-
-
-def hash_block(parent: BlockHash | None, token_ids: Iterable[int]) -> BlockHash:
-    """Chained hash: a block's identity covers its tokens and every token before it.
-
-    SHA-256, not Python's hash(): a client must not be able to craft a block that collides with
-    another user's prefix and have its KV served to them (cache poisoning, as in vLLM's CVE-2025-25183).
-    """
-    return hashlib.sha256((parent or b"") + array("q", token_ids).tobytes()).digest()
-
 
 @dataclass
 class Block:

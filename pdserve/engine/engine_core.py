@@ -19,14 +19,10 @@ from pdserve.engine.kv_connector import CacheService, KVConnector, NoCacheServic
 from pdserve.engine.messages import (
     AbortRequests,
     AddRequest,
-    Chunk,
     EngineInput,
     EngineOutputs,
-    ExecuteStep,
-    NewRequest,
     RequestOutput,
     Shutdown,
-    StepResult,
     UtilityCall,
     UtilityResult,
 )
@@ -40,6 +36,7 @@ from pdserve.kv.transfer_plan import TransferPlan
 from pdserve.kv_events.publisher import KVEventPublisher
 from pdserve.utils.child_process import ChildDied
 from pdserve.utils.process import raise_if_stopping
+from pdserve.worker.protocol import Chunk, ExecuteStep, NewRequest, StepResult
 
 log = logging.getLogger("pdserve.engine")
 
@@ -56,7 +53,7 @@ class StepFailed(Exception):
 
 
 class EngineCore:
-    """Built whole by engine/build.py: the scheduler (with its KV cache manager), the worker, and what the
+    """Built whole by instance/build.py: the scheduler (with its KV cache manager), the worker, and what the
     instance's row of the startup table gave it (a connector for PD roles, the cache service, who copies
     blocks to and from host memory)."""
 

@@ -20,7 +20,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pdserve.engine.block_pool import BlockHash
+from pdserve.kv.block_hash import BlockHash
 from pdserve.kv_events.events import HOST
 
 if TYPE_CHECKING:

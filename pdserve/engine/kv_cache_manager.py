@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pdserve.config.lora import lora_hash_root
-from pdserve.engine.block_pool import Block, BlockPool, hash_block
+from pdserve.engine.block_pool import Block, BlockPool
 from pdserve.engine.host_tier import HostTier
 from pdserve.engine.request import Request
+from pdserve.kv.block_hash import hash_block
 from pdserve.kv_events.events import DEVICE, HOST, BlockStored, KVEvent
 from pdserve.kv_events.recorder import KVEventRecorder
 

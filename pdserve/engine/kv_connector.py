@@ -5,7 +5,7 @@ points of its loop and acts on nothing else of it; a connector acts on the engin
 scheduler's public methods (check_request, add_request, preallocate, mark_prefilled, abort,
 free_blocks, release_blocks, has_waiting). pdserve.disagg implements it for the prefill and decode
 roles (prefill_connector.py, decode_connector.py); a mixed instance gets NoConnector. Nothing in
-pdserve.engine imports pdserve.disagg: only the engine process's entry (engine/__main__.py) wires
+pdserve.engine imports pdserve.disagg: pdserve.instance (build.py), above both, wires
 the two together.
 """
 
@@ -16,11 +16,12 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import zmq
 
-    from pdserve.engine.messages import PDParams, RequestOutput, TokenLogprobs
+    from pdserve.engine.messages import PDParams, RequestOutput
     from pdserve.engine.request import Request
     from pdserve.engine.scheduler_output import ScheduledChunk
     from pdserve.kv.layout import KVLayout
     from pdserve.kv.transfer_plan import TransferPlan
+    from pdserve.worker.protocol import TokenLogprobs
 
 
 class KVConnector(Protocol):

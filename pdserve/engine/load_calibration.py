@@ -9,8 +9,8 @@ import time
 from pdserve.admission.calibration import CONTEXT, REPEATS, calibration_plan
 from pdserve.admission.load import LoadTracker
 from pdserve.config.engine import EngineConfig
-from pdserve.engine.messages import CalibrateCommand
 from pdserve.engine.worker_client import WorkerClient
+from pdserve.worker.protocol import CalibrateCommand
 
 log = logging.getLogger("pdserve.engine")
 

@@ -6,9 +6,11 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from pdserve.engine.block_pool import Block, BlockHash
-from pdserve.engine.messages import RequestTimes, TokenLogprobs
+from pdserve.engine.block_pool import Block
+from pdserve.engine.messages import RequestTimes
+from pdserve.kv.block_hash import BlockHash
 from pdserve.sampling import SamplingParams
+from pdserve.worker.protocol import TokenLogprobs
 
 
 class RequestStatus(enum.Enum):

@@ -15,7 +15,8 @@ import msgspec
 import zmq
 
 from pdserve.config.engine import EngineConfig
-from pdserve.engine.messages import (
+from pdserve.utils.child_process import ChildDied, ChildProcess
+from pdserve.worker.protocol import (
     CacheCommand,
     CalibrateCommand,
     Calibration,
@@ -30,7 +31,6 @@ from pdserve.engine.messages import (
     WorkerReady,
     WorkerShutdown,
 )
-from pdserve.utils.child_process import ChildDied, ChildProcess
 
 WorkerDied = ChildDied
 

@@ -18,7 +18,7 @@ import itertools
 import time
 from collections.abc import Callable
 
-from pdserve.engine.messages import DEVICE, BlockCopy
+from pdserve.worker.protocol import DEVICE, BlockCopy
 
 
 class WorkerCopies:

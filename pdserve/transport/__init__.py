@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pdserve.transport.base import (
+    RDMA_INSTALL,
     CacheBuffer,
     Endpoint,
     IpcEndpoint,
@@ -23,7 +24,6 @@ from pdserve.transport.base import (
 )
 
 PROTOCOLS = ("ipc", "tcp", "rdma")
-RDMA_INSTALL = "pip install nixl-cu12==1.5.1 (after the pinned torch: it asks for an unpinned one)"
 
 
 def rdma_available() -> bool:

@@ -15,6 +15,9 @@ import msgspec
 ByteRange = tuple[int, int, int]  # (source offset, destination offset, nbytes)
 
 
+RDMA_INSTALL = "pip install nixl-cu12==1.5.1 (after the pinned torch: it asks for an unpinned one)"
+
+
 class TransferError(RuntimeError):
     pass
 

@@ -45,7 +45,7 @@ def _nixl() -> Any:
             return __import__(name)
         except ImportError:
             continue
-    from pdserve.transport import RDMA_INSTALL
+    from pdserve.transport.base import RDMA_INSTALL
 
     raise TransferError(f"the rdma transport needs NIXL: {RDMA_INSTALL}")
 

@@ -17,7 +17,10 @@ import zmq
 
 from pdserve.config.engine import EngineConfig
 from pdserve.config.errors import ModelLoadError
-from pdserve.engine.messages import (
+from pdserve.utils.memory import keep_freed_memory
+from pdserve.utils.process import child_entry, recv_until_stopped
+from pdserve.worker import core_loan
+from pdserve.worker.protocol import (
     CacheCommand,
     CalibrateCommand,
     ExecuteStep,
@@ -26,9 +29,6 @@ from pdserve.engine.messages import (
     WorkerInput,
     WorkerShutdown,
 )
-from pdserve.utils.memory import keep_freed_memory
-from pdserve.utils.process import child_entry, recv_until_stopped
-from pdserve.worker import core_loan
 
 
 def main(argv: list[str] | None = None) -> int:

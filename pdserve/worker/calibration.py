@@ -11,9 +11,9 @@ from collections.abc import Callable
 
 import torch
 
-from pdserve.engine.messages import CalibrateCommand, Calibration
 from pdserve.model import SequenceChunk
 from pdserve.worker.model_runner import ModelRunner
+from pdserve.worker.protocol import CalibrateCommand, Calibration
 
 TOKEN = 1  # any id: a step's cost does not depend on which tokens it computes
 

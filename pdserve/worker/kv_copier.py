@@ -24,9 +24,9 @@ from typing import Protocol
 
 import torch
 
-from pdserve.engine.messages import DEVICE
 from pdserve.kv.cache import KVCache
 from pdserve.kv.layout import block_runs
+from pdserve.worker.protocol import DEVICE
 
 log = logging.getLogger("pdserve.worker")
 DELAY_ENV = "PDSERVE_TEST_KV_COPY_DELAY"

@@ -14,7 +14,19 @@ import torch
 import zmq
 
 from pdserve.config.engine import EngineConfig
-from pdserve.engine.messages import (
+from pdserve.kv.cache import KVCache
+from pdserve.kv.transfer_plan import LayerDone, StepTransfers
+from pdserve.model import SequenceChunk
+from pdserve.model.tensor_parallel import TensorParallel
+from pdserve.sampling import SamplerOutput, SamplingRow, make_generator, skip_draws
+from pdserve.spec_decode.verifier import accepted_tokens, position_rows, rewind
+from pdserve.structured.matcher import GrammarCompiler, SequenceGrammar, allowed_tokens
+from pdserve.worker.calibration import time_steps
+from pdserve.worker.kv_copier import CopyEvent, KVCopier
+from pdserve.worker.layer_announcer import LayerAnnouncer
+from pdserve.worker.model_runner import ModelRunner
+from pdserve.worker.profile_run import profile_num_blocks
+from pdserve.worker.protocol import (
     DEVICE,
     BlockCopy,
     CacheCommand,
@@ -33,18 +45,6 @@ from pdserve.engine.messages import (
     WorkerOk,
     WorkerReady,
 )
-from pdserve.kv.cache import KVCache
-from pdserve.kv.transfer_plan import LayerDone, StepTransfers
-from pdserve.model import SequenceChunk
-from pdserve.model.tensor_parallel import TensorParallel
-from pdserve.sampling import SamplerOutput, SamplingRow, make_generator, skip_draws
-from pdserve.spec_decode.verifier import accepted_tokens, position_rows, rewind
-from pdserve.structured.matcher import GrammarCompiler, SequenceGrammar, allowed_tokens
-from pdserve.worker.calibration import time_steps
-from pdserve.worker.kv_copier import CopyEvent, KVCopier
-from pdserve.worker.layer_announcer import LayerAnnouncer
-from pdserve.worker.model_runner import ModelRunner
-from pdserve.worker.profile_run import profile_num_blocks
 
 log = logging.getLogger("pdserve.worker")
 PROMPT_SLICE = 256  # prompt positions projected to logits at a time (prompt logprobs)

@@ -32,10 +32,10 @@ if TYPE_CHECKING:
 
     from pdserve.config.engine import EngineConfig
     from pdserve.disagg.cache_service_client import CacheServiceClient
-    from pdserve.engine.messages import WorkerLoaded
     from pdserve.engine.worker_client import WorkerClient
     from pdserve.kv.layout import KVLayout
     from pdserve.transport import Endpoint
+    from pdserve.worker.protocol import WorkerLoaded
 
 WORKER, CACHE_SERVICE = "worker", "cache_service"
 # "1": a CPU worker keeps its cache in private memory, as a CUDA cache is, and every role takes the
@@ -284,7 +284,7 @@ class _Startup:
         self.service = CacheServiceClient(self.config, self.ctx, f"ipc://{self.sockdir}/c", f"ipc://{self.sockdir}/m")
 
     def worker_creates_cache(self) -> None:
-        from pdserve.engine.messages import CacheCommand, HostSegment
+        from pdserve.worker.protocol import CacheCommand, HostSegment
 
         if not self.device_cache:
             self.segment = self.worker.setup_cache(CacheCommand(create=True), self.timeout).kv_cache_name
@@ -348,7 +348,7 @@ class _Startup:
         self.buffer_segment, self.host_segment = ready.buffer_segment, ready.host_segment
 
     def worker_attaches(self) -> None:
-        from pdserve.engine.messages import CacheCommand
+        from pdserve.worker.protocol import CacheCommand
 
         self.worker.setup_cache(CacheCommand(False, self.segment, self.messager_address), self.timeout)
         self.log.record("cache_attached", WORKER, segment=self.segment)

@@ -1,8 +1,7 @@
-"""The engine's composition root: an EngineCore built whole from what startup gave (disagg/startup.py).
+"""The engine's composition root: an EngineCore built whole from what startup gave (startup.py).
 
-This module and the process entry (__main__.py) are the only places of pdserve.engine that import
-pdserve.disagg: the PD connectors implement the engine's contract (kv_connector.py), and only here are
-they plugged in.
+The PD connectors (pdserve.disagg) implement the engine's contract (engine/kv_connector.py); here, above
+both, they are plugged in, so the engine never imports pdserve.disagg.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ if TYPE_CHECKING:
     import zmq
 
     from pdserve.config.engine import EngineConfig
-    from pdserve.disagg.startup import StartedProcesses
+    from pdserve.instance.startup import StartedProcesses
 
 
 def build_engine_core(config: EngineConfig, started: StartedProcesses, ctx: zmq.Context) -> EngineCore:
