@@ -156,8 +156,8 @@ def batch_sweep(args: argparse.Namespace) -> str:
                 rates[(b, name)] = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
                 if name == "forced":
                     after = llm.stats()
-                    accepted[b] = (after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"],
-                                   after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"])
+                    accepted[b] = (after.spec_decode.num_accepted_tokens - before.spec_decode.num_accepted_tokens,
+                                   after.spec_decode.num_draft_tokens - before.spec_decode.num_draft_tokens)
                 print(b, name, f"{rates[(b, name)]:.1f} tok/s", flush=True)
     for b in args.batch_sweep:
         plain, spec, auto = rates[(b, "plain")], rates[(b, "forced")], rates[(b, "adaptive")]

@@ -40,7 +40,7 @@ def llm():
 
 def test_batch_equals_each_prompt_alone(llm):
     batched = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert llm.stats()["num_steps"] < 16 * 24, "the 16 prompts ran batched, not one after another"
+    assert llm.stats().num_steps < 16 * 24, "the 16 prompts ran batched, not one after another"
     # Every other prompt alone: all 16 took 26 s on a slow box, and eight show the same.
     for prompt, out in list(zip(PROMPTS, batched, strict=True))[::2]:
         alone = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
@@ -53,7 +53,7 @@ def test_prefix_cache_computes_only_the_rest(llm):
     tok = llm.get_tokenizer()
     shared = tok.encode("Here is a long shared instruction that many requests start with. " * 6)[:48]
     first = shared + tok.encode(" Question one: what is the capital of Italy?")
-    second = shared + tok.encode(" Question two: name a large ocean.")
+    second = shared + tok.encode(" Question two: name the first month of the year.")  # no near tie in 8 tokens
     one_token = SamplingParams(temperature=0, max_tokens=1)
     llm.engine.call("reset_prefix_cache")
     llm.generate({"prompt_token_ids": first}, one_token, use_tqdm=False)
@@ -62,9 +62,9 @@ def test_prefix_cache_computes_only_the_rest(llm):
                        use_tqdm=False)[0]
     after = llm.stats()
     assert out.num_cached_tokens == 48  # three 16-token blocks
-    assert after["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"] == 48
+    assert after.prefix_cache.hit_tokens - before.prefix_cache.hit_tokens == 48
     # prompt minus the cached prefix, plus 7 decode steps
-    assert after["num_computed_tokens"] - before["num_computed_tokens"] == len(second) - 48 + 7
+    assert after.num_computed_tokens - before.num_computed_tokens == len(second) - 48 + 7
     llm.engine.call("reset_prefix_cache")
     fresh = llm.generate({"prompt_token_ids": second}, SamplingParams(temperature=0, max_tokens=8, logprobs=2),
                          use_tqdm=False)[0]
@@ -125,7 +125,7 @@ def test_preemption_under_block_pressure_keeps_outputs(llm):
     with LLM(num_gpu_blocks_override=12, block_size=16, max_model_len=192) as small:
         pressured = small.generate(PROMPTS[:8], params, use_tqdm=False)
         stats = small.check_idle()
-    assert stats["num_preemptions"] > 0
+    assert stats.num_preemptions > 0
     for ref, got in zip(reference, pressured, strict=True):
         assert_same_greedy(ref.outputs[0], got.outputs[0])
 
@@ -153,7 +153,7 @@ def test_structured_output_survives_preemption():
     with LLM(num_gpu_blocks_override=8, block_size=16, max_model_len=128, dtype="float32") as small:
         pressured = small.generate(prompts, params, use_tqdm=False)
         stats = small.check_idle()
-    assert stats["num_preemptions"] > 0
+    assert stats.num_preemptions > 0
     for ref, got in zip(reference, pressured, strict=True):
         assert got.outputs[0].finish_reason == "stop", got.outputs[0].text
         jsonschema.validate(json.loads(got.outputs[0].text), WORDS)
@@ -169,7 +169,7 @@ def test_chunked_prefill_equals_unchunked(llm):
     with LLM(num_gpu_blocks_override=128, block_size=16, max_model_len=1024, max_num_batched_tokens=128,
              enable_prefix_caching=False) as chunked_llm:
         chunked = chunked_llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
-        steps = chunked_llm.stats()["num_steps"]
+        steps = chunked_llm.stats().num_steps
     assert steps >= len(ids) // 128 + 15  # the prompt took several steps of at most 128 tokens
     assert_same_greedy(whole.outputs[0], chunked.outputs[0])
 
@@ -181,7 +181,7 @@ def test_clear_and_reload_weights_gives_the_same_output(llm):
     segments = _shm_segments()
     llm.engine.call("clear_weights")
     assert len(segments - _shm_segments()) == 1, "clearing frees the KV cache segment with the weights"
-    assert llm.stats()["weights_loaded"] is False
+    assert llm.stats().weights_loaded is False
     with pytest.raises(ValueError, match="weights are cleared"):
         llm.chat(prompt, params, use_tqdm=False)
     llm.engine.call("load_weights")

@@ -161,7 +161,7 @@ def test_a_transfer_runs_through_every_phase_and_frees_p_on_ds_ack(pd):
     assert rd in d.scheduler.running and rd.output_token_ids == [42]  # decoding from P's first token
     pump(p, d, lambda: p.conn.phase_of(tid) is None)  # D's ack
     assert p.free_blocks == p.num_blocks
-    assert p.conn.stats.transfers_ok == d.conn.stats.transfers_ok == 1
+    assert p.conn.transfer_stats.transfers_ok == d.conn.transfer_stats.transfers_ok == 1
 
 
 def test_ds_lease_ends_without_prefill_done_and_both_sides_let_go(pd):
@@ -175,7 +175,7 @@ def test_ds_lease_ends_without_prefill_done_and_both_sides_let_go(pd):
     assert p.free_blocks == p.num_blocks and rp.is_finished
     # D's blocks stay out of the pool until P can no longer be writing into them
     assert d.free_blocks == d.num_blocks - 3
-    assert d.conn.stats_dict()["pd_quarantined_blocks"] == 3
+    assert d.conn.stats().quarantined_blocks == 3
     d.clock.now += QUARANTINE_GRACE + 0.1
     d.conn.poll()
     assert d.free_blocks == d.num_blocks
@@ -203,7 +203,7 @@ def test_a_failed_write_fails_p_and_d_gives_its_blocks_up(pd):
     assert p_out == []  # P's answer (the first token) went out already; only its blocks were left
     assert p.free_blocks == p.num_blocks
     assert len(d_out) == 1 and "connection reset" in d_out[0].error and d_out[0].error_type == PD_ERROR
-    assert d.conn.stats_dict()["pd_quarantined_blocks"] == 3
+    assert d.conn.stats().quarantined_blocks == 3
 
 
 def test_d_queues_for_blocks_in_order_and_gives_up_after_its_queue_timeout(pd):
@@ -212,7 +212,7 @@ def test_d_queues_for_blocks_in_order_and_gives_up_after_its_queue_timeout(pd):
     second = submit(p, d, n_prompt=40)
     assert d.conn.phase_of(first[0]) is DecodePhase.PREALLOCATED
     assert d.conn.phase_of(second[0]) is DecodePhase.QUEUED
-    assert d.conn.stats_dict()["pd_queued_for_blocks"] == 1
+    assert d.conn.stats().queued_for_blocks == 1
     d.clock.now += QUEUE_TIMEOUT_LEASES * LEASE + 1  # the first one's lease ends too (P stays silent)
     p_out, d_out = pump(p, d, lambda: p.conn.phase_of(first[0]) is None and p.conn.phase_of(second[0]) is None)
     d_errors = {o.request_id: o.error for o in d_out}
@@ -220,7 +220,7 @@ def test_d_queues_for_blocks_in_order_and_gives_up_after_its_queue_timeout(pd):
     assert "--pd-transfer-timeout" in d_errors[first[2].request_id]
     p_errors = {o.request_id: o.error for o in p_out}  # P hears of the queued one while waiting for its info
     assert "no free KV blocks" in p_errors[second[1].request_id]
-    assert d.conn.stats_dict()["pd_queued_for_blocks"] == 0
+    assert d.conn.stats().queued_for_blocks == 0
 
 
 def test_aborting_on_p_before_cache_info_ends_it_there_and_tells_d(pd):
@@ -229,7 +229,7 @@ def test_aborting_on_p_before_cache_info_ends_it_there_and_tells_d(pd):
     assert p.conn.abort(rp.request_id) is rp and rp.finish_reason == "abort"
     assert p.conn.phase_of(tid) is None
     _, d_out = pump(p, d, lambda: d.conn.phase_of(tid) is None)
-    assert "aborted" in d_out[0].error and d.conn.stats_dict()["pd_quarantined_blocks"] == 3
+    assert "aborted" in d_out[0].error and d.conn.stats().quarantined_blocks == 3
 
 
 def test_aborting_on_d_while_queued_tells_p_nothing_and_holds_nothing(pd):
@@ -278,7 +278,7 @@ def test_aborting_on_d_while_preallocated_fails_p_and_quarantines_ds_blocks(pd):
     tid, rp, rd = submit(p, d)
     pump(p, d, lambda: p.conn.phase_of(tid) is PrefillPhase.SCHEDULED)
     assert d.conn.abort(rd.request_id) is rd and rd.finish_reason == "abort"
-    assert d.conn.stats_dict()["pd_quarantined_blocks"] == 3
+    assert d.conn.stats().quarantined_blocks == 3
     p_out, _ = pump(p, d, lambda: p.conn.phase_of(tid) is None)
     assert "aborted" in p_out[0].error and p.free_blocks == p.num_blocks
 
@@ -331,7 +331,7 @@ def test_a_forged_control_message_is_refused_and_changes_nothing(pd, forged):
     forger.setsockopt(zmq.LINGER, 0)
     forger.connect(f"tcp://127.0.0.1:{p.conn.port}")
     forger.send(msgspec.msgpack.encode(msg))  # not sealed with the cluster secret
-    pump(p, d, lambda: p.conn.stats_dict()["pd_refused_control_messages"] == 1)
+    pump(p, d, lambda: p.conn.stats().refused_control_messages == 1)
     forger.close()
     pump(p, d, lambda: p.conn.phase_of(tid) is PrefillPhase.SCHEDULED)
     assert p.conn.endpoint_of(tid) == TcpEndpoint("127.0.0.1", 1)  # D's own, never the forger's
@@ -363,7 +363,7 @@ def test_with_a_buffer_p_is_released_before_d_has_cache_blocks(pd_buffer):
     p, d = pd_buffer
     jobs = [submit(p, d) for _ in range(3)]  # 3 blocks each: all three fit the buffer, one fits D's cache
     assert d.free_blocks == d.num_blocks  # nothing taken from D's cache yet
-    assert d.conn.stats_dict()["pd_buffer_blocks_used"] == 9
+    assert d.conn.stats().buffer.blocks_used == 9
     finish_prefills(p, d, [tid for tid, _, _ in jobs])
     assert p.free_blocks == p.num_blocks  # every prefill released while D decodes none of them
     phases = [d.conn.phase_of(tid) for tid, _, _ in jobs]
@@ -376,9 +376,9 @@ def test_with_a_buffer_p_is_released_before_d_has_cache_blocks(pd_buffer):
     out = d.conn.poll()
     assert [(o.request_id, o.new_token_ids) for o in out] == [(jobs[0][2].request_id, [42])]
     assert jobs[0][2] in d.scheduler.running
-    stats = d.conn.stats_dict()
-    assert stats["pd_buffer_blocks_used"] == 6 and stats["pd_buffered_requests"] == 2
-    assert stats["kv_swap_in_bytes"] == 300 and len(stats["pd_buffer_wait_seconds"]) == 1
+    buffer = d.conn.stats().buffer
+    assert buffer.blocks_used == 6 and buffer.buffered_requests == 2
+    assert buffer.swap_in_bytes == 300 and len(buffer.wait_seconds) == 1
 
     d.scheduler.abort(jobs[0][2].request_id)  # the first finishes decoding: the next one gets the cache
     d.conn.poll()
@@ -411,13 +411,13 @@ def test_aborts_in_the_buffer_free_its_blocks_and_wait_for_a_copy_in_flight(pd_b
     (tid0, _, _), = d.service.swaps
     # BUFFERED: nothing writes into its buffer blocks any more; they are free at once
     assert d.conn.abort(jobs[1][2].request_id) is jobs[1][2]
-    assert d.conn.stats_dict()["pd_buffer_blocks_used"] == 3
+    assert d.conn.stats().buffer.blocks_used == 3
     # SWAPPING_IN: the request ends now, its cache blocks only once the copy is done
     assert d.conn.abort(jobs[0][2].request_id) is jobs[0][2] and jobs[0][2].is_finished
     assert d.free_blocks == d.num_blocks - 3
     d.service.reports.append(SwapDone(tid0, nbytes=300, seconds=0.001))
     assert d.conn.poll() == []
-    assert d.free_blocks == d.num_blocks and d.conn.stats_dict()["pd_buffer_blocks_used"] == 0
+    assert d.free_blocks == d.num_blocks and d.conn.stats().buffer.blocks_used == 0
     assert d.conn.phase_of(tid0) is None
 
 
@@ -427,7 +427,7 @@ def test_a_full_buffer_queues_and_a_dead_prefill_quarantines_buffer_blocks(pd_bu
     assert [d.conn.phase_of(t) for t, _, _ in jobs] == [DecodePhase.PREALLOCATED, DecodePhase.QUEUED]
     d.clock.now += LEASE + 0.1  # P never delivers the first
     d.conn.poll()
-    assert d.conn.stats_dict()["pd_quarantined_blocks"] == 10  # P might still be writing into them
+    assert d.conn.stats().quarantined_blocks == 10  # P might still be writing into them
     assert d.conn.phase_of(jobs[1][0]) is DecodePhase.QUEUED
     d.clock.now += QUARANTINE_GRACE + 0.1
     d.conn.poll()
@@ -459,7 +459,7 @@ def test_d_asks_p_only_for_the_blocks_its_prefix_cache_lacks(buffer_blocks):
         assert len(plan.src_blocks) == len(plan.dst_blocks) == 1  # only the partial block goes
         if not buffer_blocks:
             assert plan.dst_blocks == [rd2.blocks[2].block_id]
-        assert d.conn.stats_dict()["pd_kv_blocks_skipped"] == 2
+        assert d.conn.stats().blocks_skipped == 2
         p.scheduler.update(out, {rp2.request_id: [42]})
         p.conn.on_prefilled(rp2, 42, None)
         p.service.reports.append(TransferDone(tid2, ok=True, nbytes=10))

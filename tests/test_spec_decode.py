@@ -81,7 +81,7 @@ def test_rejected_proposals_free_their_blocks_and_never_enter_the_prefix_cache()
     assert request.token_ids[-2:] == [12, 99] and request.num_computed_tokens == 7
     assert len(request.blocks) == 2 and sched.kv.pool.num_free_blocks == free_before + 1
     assert sched.kv.pool.num_cached_blocks == 1  # only block 0 is full of computed tokens
-    assert sched.spec_stats.as_dict()["spec_decode_num_accepted_tokens"] == 0
+    assert sched.spec_stats.num_accepted_tokens == 0
 
     request.spec_token_ids = [5, 6, 7]
     out = sched.schedule()
@@ -90,9 +90,9 @@ def test_rejected_proposals_free_their_blocks_and_never_enter_the_prefix_cache()
     assert request.num_computed_tokens == request.num_tokens - 1 == 10
     hashed = request.block_hashes[:2]
     assert [sched.kv.pool.lookup(h) is not None for h in hashed] == [True, True]
-    stats = sched.spec_stats.as_dict()
-    assert stats["spec_decode_num_draft_tokens"] == 7
-    assert stats["spec_decode_num_accepted_tokens_per_pos"] == [1, 1, 0, 0]
+    stats = sched.spec_stats
+    assert stats.num_draft_tokens == 7
+    assert stats.accepted_per_pos == [1, 1, 0, 0]
 
     while sched.num_unfinished:
         out = sched.schedule()
@@ -233,7 +233,7 @@ def _chat(llm, prompts: list[str], **params) -> list:  # noqa: ANN001
 @pytest.mark.e2e
 def test_greedy_speculation_equals_plain_greedy_alone_and_batched(engines) -> None:
     plain, spec = engines
-    before = spec.stats()["spec_decode_num_accepted_tokens"]
+    before = spec.stats().spec_decode.num_accepted_tokens
     want = _chat(plain, PROMPTS, temperature=0, max_tokens=80, logprobs=2)
     for got, reference in zip(_chat(spec, PROMPTS, temperature=0, max_tokens=80, logprobs=2), want, strict=True):
         assert_same_greedy(reference, got)
@@ -242,7 +242,7 @@ def test_greedy_speculation_equals_plain_greedy_alone_and_batched(engines) -> No
         (got,) = _chat(spec, [prompt], temperature=0, max_tokens=80)
         assert_same_greedy(reference, got)
     stats = spec.stats()
-    assert stats["spec_decode_num_accepted_tokens"] - before > 40, stats  # the repeating answers speculated
+    assert stats.spec_decode.num_accepted_tokens - before > 40, stats  # the repeating answers speculated
     spec.check_idle()  # every block freed
 
 
@@ -289,7 +289,7 @@ def test_speculation_under_block_pressure_keeps_outputs(engines) -> None:
     with LLM(dtype="float32", num_gpu_blocks_override=14, block_size=16, max_model_len=224,
              speculative_config=NGRAM) as small:
         got = _chat(small, PROMPTS * 2, temperature=0, max_tokens=70)
-        assert small.stats()["num_preemptions"] > 0
+        assert small.stats().num_preemptions > 0
         small.check_idle()
     for reference, out in zip(want, got, strict=True):
         assert_same_greedy(reference, out)

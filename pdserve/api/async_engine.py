@@ -6,6 +6,7 @@ import asyncio
 import itertools
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import msgspec
 import zmq
@@ -24,6 +25,7 @@ from pdserve.engine.messages import (
     UtilityCall,
     UtilityResult,
 )
+from pdserve.engine.stats import EngineStats
 from pdserve.sampling import SamplingParams
 
 
@@ -89,7 +91,7 @@ class AsyncEngine:
         if request_ids and self.healthy:
             await self._send(AbortRequests(request_ids))
 
-    async def call(self, method: str, timeout: float = 10.0, args: dict[str, str] | None = None) -> dict:
+    async def call(self, method: str, timeout: float = 10.0, args: dict[str, str] | None = None) -> Any:
         if not self.healthy:
             raise EngineError(self.error or "the engine process is not running")
         call_id = next(self._call_ids)
@@ -101,7 +103,7 @@ class AsyncEngine:
         finally:
             self._calls.pop(call_id, None)
 
-    async def stats_by_rank(self) -> list[tuple[int, dict | None]]:
+    async def stats_by_rank(self) -> list[tuple[int, EngineStats | None]]:
         """The engine's `stats`, as the one data-parallel rank (None when it cannot answer)."""
         try:
             return [(0, await self.call("stats"))]
@@ -135,7 +137,7 @@ class AsyncEngine:
                     if msg.error is not None:
                         future.set_exception(EngineError(msg.error))
                     else:
-                        future.set_result(msg.result or {})
+                        future.set_result(msg.stats if msg.stats is not None else msg.result or {})
             elif isinstance(msg, EngineDead):
                 self._fail_all(f"the engine died: {msg.error}")
                 return

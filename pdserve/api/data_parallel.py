@@ -21,6 +21,7 @@ from pdserve.balancing.policies import CacheAware, RoutedRequest
 from pdserve.config.engine import EngineConfig
 from pdserve.engine.engine_client import EngineClient, EngineError
 from pdserve.engine.messages import PDParams, RequestOutput
+from pdserve.engine.stats import EngineStats
 from pdserve.sampling import SamplingParams
 
 log = logging.getLogger("pdserve.serve")
@@ -141,7 +142,7 @@ class DataParallelEngine:
                 merged[key] = merged.get(key, 0) + value if isinstance(value, int | float) else value
         return merged
 
-    async def stats_by_rank(self) -> list[tuple[int, dict | None]]:
+    async def stats_by_rank(self) -> list[tuple[int, EngineStats | None]]:
         out = []
         for r in self.ranks:
             try:

@@ -8,6 +8,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from pdserve.api.async_engine import AsyncEngine
 from pdserve.api.data_parallel import DataParallelEngine
 from pdserve.api.generation import Generation
+from pdserve.engine.stats import EngineStats, HostTierStats, PDStats
+from pdserve.spec_decode.stats import SpecDecodeCounts
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -132,9 +134,9 @@ class ServerMetrics:
         answer keeps its values)."""
         by_protocol: dict[str, float] = {}
         for rank, stats in await engine.stats_by_rank():
-            if stats:
+            if stats is not None:
                 self._refresh_rank(str(rank), stats)
-                for protocol, n in stats.get("kv_transfers_by_protocol", {}).items():
+                for protocol, n in (stats.pd.transfers_by_protocol if stats.pd is not None else {}).items():
                     by_protocol[protocol] = by_protocol.get(protocol, 0) + n
         for protocol, n in by_protocol.items():
             self.transfers_by_protocol.labels(protocol).set(n)
@@ -143,62 +145,63 @@ class ServerMetrics:
                 self.dp_served.labels(str(r.rank)).set(r.served)
                 self.dp_restarts.labels(str(r.rank)).set(len(r.restarts))
 
-    def _refresh_rank(self, rank: str, stats: dict) -> None:
-        self.running.labels(rank).set(stats["running"])
-        self.waiting.labels(rank).set(stats["waiting"])
-        self.kv_usage.labels(rank).set(stats["kv_usage"])
-        self.free_blocks.labels(rank).set(stats["free_blocks"])
-        self.prefix_queries.labels(rank).set(stats["prefix_cache_queried_tokens"])
-        self.prefix_hits.labels(rank).set(stats["prefix_cache_hit_tokens"])
-        q = stats["prefix_cache_queried_tokens"]
-        self.prefix_hit_rate.labels(rank).set(stats["prefix_cache_hit_tokens"] / q if q else 0.0)
-        self.preemptions.labels(rank).set(stats["num_preemptions"])
-        self.total_blocks.labels(rank).set(stats["num_blocks"])
-        self.preallocated.labels(rank).set(stats["preallocated"])
-        if "host_blocks" in stats:
-            self._refresh_host_tier(rank, stats)
-        if "kv_bytes_sent" in stats:
-            self._refresh_pd(rank, stats)
-        if "spec_decode_num_drafts" in stats:
-            self._refresh_spec_decode(rank, stats)
+    def _refresh_rank(self, rank: str, stats: EngineStats) -> None:
+        self.running.labels(rank).set(stats.running)
+        self.waiting.labels(rank).set(stats.waiting)
+        self.kv_usage.labels(rank).set(stats.kv_usage)
+        self.free_blocks.labels(rank).set(stats.free_blocks)
+        prefix = stats.prefix_cache
+        self.prefix_queries.labels(rank).set(prefix.queried_tokens)
+        self.prefix_hits.labels(rank).set(prefix.hit_tokens)
+        rate = prefix.hit_tokens / prefix.queried_tokens if prefix.queried_tokens else 0.0
+        self.prefix_hit_rate.labels(rank).set(rate)
+        self.preemptions.labels(rank).set(stats.num_preemptions)
+        self.total_blocks.labels(rank).set(stats.num_blocks)
+        self.preallocated.labels(rank).set(stats.preallocated)
+        if stats.host_tier is not None:
+            self._refresh_host_tier(rank, stats.host_tier)
+        if stats.pd is not None:
+            self._refresh_pd(rank, stats.pd)
+        if stats.spec_decode is not None:
+            self._refresh_spec_decode(rank, stats.spec_decode)
 
-    def _refresh_spec_decode(self, rank: str, stats: dict) -> None:
-        self.spec_drafts.labels(rank).set(stats["spec_decode_num_drafts"])
-        self.spec_draft_tokens.labels(rank).set(stats["spec_decode_num_draft_tokens"])
-        self.spec_accepted.labels(rank).set(stats["spec_decode_num_accepted_tokens"])
-        for pos, n in enumerate(stats["spec_decode_num_accepted_tokens_per_pos"]):
+    def _refresh_spec_decode(self, rank: str, spec: SpecDecodeCounts) -> None:
+        self.spec_drafts.labels(rank).set(spec.num_drafts)
+        self.spec_draft_tokens.labels(rank).set(spec.num_draft_tokens)
+        self.spec_accepted.labels(rank).set(spec.num_accepted_tokens)
+        for pos, n in enumerate(spec.accepted_per_pos):
             self.spec_accepted_per_pos.labels(position=str(pos)).set(n)
 
-    def _refresh_host_tier(self, rank: str, stats: dict) -> None:
-        self.host_blocks.labels(rank).set(stats["host_blocks"])
-        self.host_used.labels(rank).set(stats["host_blocks_used"])
-        self.host_hits.labels(rank).set(stats["host_hit_blocks"])
-        self.host_swap_ins.labels(rank).set(stats["host_swap_in_blocks"])
-        self.host_swap_outs.labels(rank).set(stats["host_swap_out_blocks"])
-        self.host_swap_in_seconds.labels(rank).set(stats["host_swap_in_seconds"])
+    def _refresh_host_tier(self, rank: str, host: HostTierStats) -> None:
+        self.host_blocks.labels(rank).set(host.blocks)
+        self.host_used.labels(rank).set(host.blocks_used)
+        self.host_hits.labels(rank).set(host.hit_blocks)
+        self.host_swap_ins.labels(rank).set(host.swap_in_blocks)
+        self.host_swap_outs.labels(rank).set(host.swap_out_blocks)
+        self.host_swap_in_seconds.labels(rank).set(host.swap_in_seconds)
 
-    def _refresh_pd(self, rank: str, stats: dict) -> None:
-        self.kv_sent.labels(rank).set(stats["kv_bytes_sent"])
-        self.kv_received.labels(rank).set(stats["kv_bytes_received"])
-        self.transfers_ok.labels(rank).set(stats["kv_transfers_ok"])
-        self.transfers_failed.labels(rank).set(stats["kv_transfers_failed"])
-        self.queued_for_blocks.labels(rank).set(stats.get("pd_queued_for_blocks", 0))
-        self.refused_control.labels(rank).set(stats.get("pd_refused_control_messages", 0))
-        self.refused_kv.labels(rank).set(stats.get("kv_refused_connections", 0))
-        self.blocks_skipped.labels(rank).set(stats.get("pd_kv_blocks_skipped", 0))
-        if "pd_buffer_blocks" in stats:
-            self.buffer_blocks.labels(rank).set(stats["pd_buffer_blocks"])
-            self.buffer_used.labels(rank).set(stats["pd_buffer_blocks_used"])
-            self.buffered.labels(rank).set(stats["pd_buffered_requests"])
-            self.swap_in_bytes.labels(rank).set(stats["kv_swap_in_bytes"])
-            for s in stats["kv_swap_in_seconds"]:
+    def _refresh_pd(self, rank: str, pd: PDStats) -> None:
+        self.kv_sent.labels(rank).set(pd.bytes_sent)
+        self.kv_received.labels(rank).set(pd.bytes_received)
+        self.transfers_ok.labels(rank).set(pd.transfers_ok)
+        self.transfers_failed.labels(rank).set(pd.transfers_failed)
+        self.queued_for_blocks.labels(rank).set(pd.queued_for_blocks)
+        self.refused_control.labels(rank).set(pd.refused_control_messages)
+        self.refused_kv.labels(rank).set(pd.refused_connections)
+        self.blocks_skipped.labels(rank).set(pd.blocks_skipped)
+        if (buffer := pd.buffer) is not None:
+            self.buffer_blocks.labels(rank).set(buffer.blocks)
+            self.buffer_used.labels(rank).set(buffer.blocks_used)
+            self.buffered.labels(rank).set(buffer.buffered_requests)
+            self.swap_in_bytes.labels(rank).set(buffer.swap_in_bytes)
+            for s in buffer.swap_in_seconds:
                 self.swap_in_seconds.observe(s)
-            for s in stats["pd_buffer_wait_seconds"]:
+            for s in buffer.wait_seconds:
                 self.buffer_wait_seconds.observe(s)
-        seconds = stats["kv_transfer_seconds"]
-        for s in seconds:
+        for s in pd.transfer_seconds:
             self.transfer_seconds.observe(s)
-        moved = stats["kv_bytes_sent"] + stats["kv_bytes_received"]
-        if seconds and sum(seconds) > 0:
-            self.transfer_gbps.labels(rank).set((moved - self._last_bytes.get(rank, 0)) / sum(seconds) / 1e9)
+        moved = pd.bytes_sent + pd.bytes_received
+        if pd.transfer_seconds and sum(pd.transfer_seconds) > 0:
+            seconds = sum(pd.transfer_seconds)
+            self.transfer_gbps.labels(rank).set((moved - self._last_bytes.get(rank, 0)) / seconds / 1e9)
         self._last_bytes[rank] = moved

@@ -13,6 +13,7 @@ from pdserve.engine.messages import RequestOutput
 from pdserve.engine.request import Request
 from pdserve.engine.request_output import error_output
 from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.stats import PDStats
 from pdserve.http.errors import PD_ERROR
 from pdserve.kv.layout import KVLayout
 
@@ -32,10 +33,10 @@ class TransferStats:
     by_protocol: dict[str, int] = field(default_factory=dict)  # prefill side: completed transfers per transport
     seconds: list[float] = field(default_factory=list)  # per finished transfer, drained by the stats call
 
-    def as_dict(self) -> dict:
-        out = {"kv_bytes_sent": self.bytes_sent, "kv_bytes_received": self.bytes_received,
-               "kv_transfers_ok": self.transfers_ok, "kv_transfers_failed": self.transfers_failed,
-               "kv_transfer_seconds": self.seconds, "kv_transfers_by_protocol": dict(self.by_protocol)}
+    def snapshot(self, refused_control_messages: int) -> PDStats:
+        """The counters as a message; the transfer times go with it (drained)."""
+        out = PDStats(self.bytes_sent, self.bytes_received, self.transfers_ok, self.transfers_failed, self.seconds,
+                      dict(self.by_protocol), refused_control_messages)
         self.seconds = []
         return out
 
@@ -49,12 +50,12 @@ class ConnectorBase:
         self.scheduler = scheduler
         self.layout = layout
         self.clock = clock  # time.time; tests pass a fake one
-        self.stats = TransferStats()
+        self.transfer_stats = TransferStats()
 
     def during_step(self) -> None:
         """Nothing by default; the prefill side renews D's leases (see PrefillConnector)."""
 
     def _fail_request(self, request: Request, error: str) -> RequestOutput:
-        self.stats.transfers_failed += 1
+        self.transfer_stats.transfers_failed += 1
         log.warning("request %s: %s", request.request_id, error)
         return error_output(request, f"PD error: {error}", error_type=PD_ERROR)

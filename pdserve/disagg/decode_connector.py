@@ -47,6 +47,7 @@ from pdserve.engine.request import Request
 from pdserve.engine.request_output import final_output
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.scheduler_output import ScheduledChunk
+from pdserve.engine.stats import DecodeBufferStats, PDStats
 from pdserve.kv.layout import KVLayout
 from pdserve.kv.transfer_plan import TransferPlan
 from pdserve.transport import Endpoint
@@ -182,22 +183,21 @@ class DecodeConnector(ConnectorBase):
         deadlines += [t for t, _, _ in self._quarantine] + [i.queue_deadline for i in self._queue]
         return min(deadlines, default=None)
 
-    def stats_dict(self) -> dict:
-        return {**self.stats.as_dict(), "pd_refused_control_messages": self.control.refused,
-                "pd_queued_for_blocks": len(self._queue),
-                "pd_quarantined_blocks": sum(len(b) for _, b, _ in self._quarantine),
-                "kv_refused_connections": self.service.refused_connections,
-                "pd_kv_blocks_skipped": self.skipped_blocks, **self._buffer_stats()}
+    def stats(self) -> PDStats:
+        out = self.transfer_stats.snapshot(self.control.refused)
+        out.queued_for_blocks = len(self._queue)
+        out.quarantined_blocks = sum(len(b) for _, b, _ in self._quarantine)
+        out.refused_connections = self.service.refused_connections
+        out.blocks_skipped = self.skipped_blocks
+        out.buffer = self._buffer_stats()
+        return out
 
-    def _buffer_stats(self) -> dict:
+    def _buffer_stats(self) -> DecodeBufferStats | None:
         if self.buffer is None:
-            return {}
-        out = {"pd_buffer_blocks": self.buffer.num_blocks,
-               "pd_buffer_blocks_used": self.buffer.num_blocks - self.buffer.num_free_blocks,
-               "pd_buffered_requests": sum(i.phase in (Phase.BUFFERED, Phase.SWAPPING_IN)
-                                           for i in self._by_tid.values()),
-               "kv_swap_in_bytes": self.swap_bytes, "kv_swap_in_seconds": self._swap_seconds,
-               "pd_buffer_wait_seconds": self._buffer_waits}
+            return None
+        buffered = sum(i.phase in (Phase.BUFFERED, Phase.SWAPPING_IN) for i in self._by_tid.values())
+        out = DecodeBufferStats(self.buffer.num_blocks, self.buffer.num_blocks - self.buffer.num_free_blocks,
+                                buffered, self.swap_bytes, self._swap_seconds, self._buffer_waits)
         self._swap_seconds, self._buffer_waits = [], []
         return out
 
@@ -271,10 +271,10 @@ class DecodeConnector(ConnectorBase):
         t.first_scheduled = msg.times.get("prefill_start", t.first_scheduled)
         t.first_layer_written = msg.times.get("first_layer_written")
         t.last_layer_written = msg.times.get("last_layer_written")
-        self.stats.bytes_received += msg.nbytes
-        self.stats.transfers_ok += 1
+        self.transfer_stats.bytes_received += msg.nbytes
+        self.transfer_stats.transfers_ok += 1
         if t.cache_info_sent is not None:
-            self.stats.seconds.append(t.prefill_done_received - t.cache_info_sent)
+            self.transfer_stats.seconds.append(t.prefill_done_received - t.cache_info_sent)
         if self.buffer is not None:
             inc.move(Phase.BUFFERED)
             inc.done = msg

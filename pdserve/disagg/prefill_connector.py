@@ -40,6 +40,7 @@ from pdserve.engine.messages import PDParams, RequestOutput
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.scheduler_output import ScheduledChunk
+from pdserve.engine.stats import PDStats
 from pdserve.kv.layout import KVLayout
 from pdserve.kv.transfer_plan import TransferPlan
 from pdserve.transport import Endpoint, choose_endpoint
@@ -167,8 +168,8 @@ class PrefillConnector(ConnectorBase):
         return min((min(o.wait_deadline, o.deadline, o.renewed + o.lease / 3 if o.lease else o.deadline)
                     for o in self._by_tid.values()), default=None)
 
-    def stats_dict(self) -> dict:
-        return {**self.stats.as_dict(), "pd_refused_control_messages": self.control.refused}
+    def stats(self) -> PDStats:
+        return self.transfer_stats.snapshot(self.control.refused)
 
     def close(self) -> None:
         self.control.close()
@@ -247,7 +248,7 @@ class PrefillConnector(ConnectorBase):
         if not report.ok:
             return self._drop(out, f"sending the KV cache failed: {report.error}")
         out.transfer = report
-        self.stats.bytes_sent += report.nbytes
+        self.transfer_stats.bytes_sent += report.nbytes
         out.move(Phase.KV_WRITTEN if out.phase is Phase.SCHEDULED else Phase.DONE_SENT)
         if out.phase is Phase.DONE_SENT:
             self._send_done(out)
@@ -261,11 +262,11 @@ class PrefillConnector(ConnectorBase):
                                    ("last_layer_written", t.last_write), ("first_token", r.times.first_token))
                  if v is not None}
         self._send(out, PrefillDone(out.transfer_id, token, logprobs, t.nbytes, times))
-        self.stats.transfers_ok += 1
+        self.transfer_stats.transfers_ok += 1
         protocol = out.endpoint.protocol if out.endpoint is not None else "none"
-        self.stats.by_protocol[protocol] = self.stats.by_protocol.get(protocol, 0) + 1
+        self.transfer_stats.by_protocol[protocol] = self.transfer_stats.by_protocol.get(protocol, 0) + 1
         if t.first_write is not None and r.times.first_scheduled is not None:
-            self.stats.seconds.append(t.last_write - r.times.first_scheduled)
+            self.transfer_stats.seconds.append(t.last_write - r.times.first_scheduled)
 
     def during_step(self) -> None:
         """A step (a long prefill on a slow CPU) may outlast D's lease: renew while it runs, or D gives
@@ -310,7 +311,7 @@ class PrefillConnector(ConnectorBase):
         r = out.request
         if r.is_finished:  # its answer went out already; only the blocks are left
             self.scheduler.free_blocks(r)
-            self.stats.transfers_failed += 1
+            self.transfer_stats.transfers_failed += 1
             return []
         self.scheduler.abort(r.request_id)
         return [self._fail_request(r, error)]

@@ -10,6 +10,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import zmq
@@ -114,7 +115,7 @@ class EngineClient:
             raise EngineError(f"the engine died: {msg.error}")
         return []
 
-    def call(self, method: str, timeout: float = 60.0, args: dict[str, str] | None = None) -> dict:
+    def call(self, method: str, timeout: float = 60.0, args: dict[str, str] | None = None) -> Any:
         """A utility call (stats, check_idle, reset_prefix_cache, load_lora ...); outputs that arrive meanwhile
         are kept."""
         call_id = next(self._call_ids)
@@ -125,7 +126,7 @@ class EngineClient:
             if isinstance(msg, UtilityResult) and msg.call_id == call_id:
                 if msg.error is not None:
                     raise EngineError(msg.error)
-                return msg.result or {}
+                return msg.stats if msg.stats is not None else msg.result or {}
             if isinstance(msg, EngineOutputs):
                 self._buffered.extend(msg.outputs)
             elif isinstance(msg, EngineDead):

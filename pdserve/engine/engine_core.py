@@ -30,10 +30,12 @@ from pdserve.engine.request import Request
 from pdserve.engine.request_output import error_output, final_output
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.scheduler_output import SchedulerOutput
+from pdserve.engine.stats import EngineStats, HostTierStats, PrefixCacheStats
 from pdserve.engine.worker_client import WorkerClient
 from pdserve.kv.layout import KVLayout
 from pdserve.kv.transfer_plan import TransferPlan
 from pdserve.kv_events.publisher import KVEventPublisher
+from pdserve.spec_decode.stats import SpecDecodeCounts
 from pdserve.utils.child_process import ChildDied
 from pdserve.utils.process import raise_if_stopping
 from pdserve.worker.protocol import Chunk, ExecuteStep, NewRequest, StepResult
@@ -334,37 +336,30 @@ class EngineCore:
             self._on_worker.discard(request_id)
             self._finished_on_worker.append(request_id)
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         pool, prefix = self.kv.pool, self.kv.stats
-        return {
-            "num_blocks": pool.num_blocks, "free_blocks": pool.num_free_blocks,
-            "cached_blocks": pool.num_cached_blocks, "kv_usage": pool.usage(),
-            "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
-            "preallocated": len(self.scheduler.preallocated),
-            "num_preemptions": self.scheduler.num_preemptions, "num_steps": self.num_steps,
-            "num_computed_tokens": self.num_computed_tokens,
-            "prefix_cache_requests": prefix.requests, "prefix_cache_hit_requests": prefix.hit_requests,
-            "prefix_cache_queried_tokens": prefix.queried_tokens, "prefix_cache_hit_tokens": prefix.hit_tokens,
-            **self._host_tier_stats(),
-            **self._spec_decode_stats(),
-            **self.connector.stats_dict(),
-        }
+        return EngineStats(
+            num_blocks=pool.num_blocks, free_blocks=pool.num_free_blocks, cached_blocks=pool.num_cached_blocks,
+            kv_usage=pool.usage(), running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+            preallocated=len(self.scheduler.preallocated), num_preemptions=self.scheduler.num_preemptions,
+            num_steps=self.num_steps, num_computed_tokens=self.num_computed_tokens,
+            prefix_cache=PrefixCacheStats(prefix.requests, prefix.hit_requests, prefix.queried_tokens,
+                                          prefix.hit_tokens),
+            weights_loaded=self.weights_loaded, host_tier=self._host_tier_stats(),
+            spec_decode=self._spec_decode_stats(), pd=self.connector.stats())
 
-    def _spec_decode_stats(self) -> dict:
+    def _spec_decode_stats(self) -> SpecDecodeCounts | None:
         scheduler = self.scheduler
         if scheduler.proposer is None:
-            return {}
-        rates = scheduler.controller.as_dict() if scheduler.controller is not None else {}
-        return {**scheduler.spec_stats.as_dict(), "spec_decode_rates": rates}
+            return None
+        return scheduler.spec_stats.counts(scheduler.controller.as_dict() if scheduler.controller is not None else {})
 
-    def _host_tier_stats(self) -> dict:
+    def _host_tier_stats(self) -> HostTierStats | None:
         host = self.kv.host
         if host is None:
-            return {}
-        return {"host_blocks": host.num_blocks, "host_blocks_used": host.num_used_blocks,
-                "host_hit_blocks": host.stats.hit_blocks, "host_swap_in_blocks": host.stats.swap_in_blocks,
-                "host_swap_out_blocks": host.stats.swap_out_blocks,
-                "host_swap_in_seconds": host.stats.swap_in_seconds}
+            return None
+        return HostTierStats(host.num_blocks, host.num_used_blocks, host.stats.hit_blocks, host.stats.swap_in_blocks,
+                             host.stats.swap_out_blocks, host.stats.swap_in_seconds)
 
     def _utility(self, call: UtilityCall) -> tuple[UtilityResult, list[RequestOutput]]:
         """Answer a utility call; also returns outputs of requests it ended (clear_weights aborts all)."""
@@ -407,13 +402,13 @@ class EngineCore:
     def _query(self, call: UtilityCall) -> UtilityResult:
         try:
             if call.method == "stats":
-                return UtilityResult(call.call_id, {**self.stats(), "weights_loaded": self.weights_loaded})
+                return UtilityResult(call.call_id, stats=self.stats())
             if call.method == "check_idle":
                 if self.scheduler.num_unfinished:
                     raise AssertionError(f"{self.scheduler.num_unfinished} requests are still unfinished")
                 self._wait_for_host_saves()
                 self.kv.pool.check_all_free()
-                return UtilityResult(call.call_id, self.stats())
+                return UtilityResult(call.call_id, stats=self.stats())
             if call.method == "reset_prefix_cache":
                 self.kv.reset_prefix_cache()
                 return UtilityResult(call.call_id, {})

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from pdserve.engine.messages import PDParams, RequestOutput
     from pdserve.engine.request import Request
     from pdserve.engine.scheduler_output import ScheduledChunk
+    from pdserve.engine.stats import PDStats
     from pdserve.kv.layout import KVLayout
     from pdserve.kv.transfer_plan import TransferPlan
     from pdserve.worker.protocol import TokenLogprobs
@@ -54,8 +55,8 @@ class KVConnector(Protocol):
         """Called every few ms while the worker runs a step, whose length has no bound: keep what must
         not lapse meanwhile (P's lease renewals) alive. Nothing else of the engine's state may change."""
 
-    def stats_dict(self) -> dict:
-        """Counters for /metrics."""
+    def stats(self) -> PDStats | None:
+        """Counters for /metrics (None: no PD role)."""
 
     def close(self) -> None: ...
 
@@ -87,8 +88,8 @@ class NoConnector:
     def during_step(self) -> None:
         pass
 
-    def stats_dict(self) -> dict:
-        return {}
+    def stats(self) -> PDStats | None:
+        return None
 
     def close(self) -> None:
         pass

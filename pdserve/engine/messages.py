@@ -11,6 +11,7 @@ import time
 import msgspec
 
 from pdserve.admission.load import LoadReport
+from pdserve.engine.stats import EngineStats
 from pdserve.sampling import SamplingParams
 from pdserve.worker.protocol import TokenLogprobs
 
@@ -107,6 +108,7 @@ class UtilityResult(msgspec.Struct, tag=True):
     call_id: int
     result: dict | None = None
     error: str | None = None
+    stats: EngineStats | None = None  # the answer to `stats` and `check_idle`
 
 
 class EngineReady(msgspec.Struct, tag=True):

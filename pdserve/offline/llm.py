@@ -23,6 +23,7 @@ from pdserve.config.engine import EngineConfig
 from pdserve.config.lora import LoRARequest
 from pdserve.engine.engine_client import EngineClient
 from pdserve.engine.messages import RequestOutput as EngineOutput
+from pdserve.engine.stats import EngineStats
 from pdserve.loader import model_name, resolve_model_folder, tensor_parallel_refusal
 from pdserve.offline.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pdserve.sampling import SamplingParams
@@ -81,11 +82,11 @@ class LLM:
             encoded.append((text, self.tokenizer.encode(text, add_special_tokens=False)))
         return self._run(encoded, sampling_params, use_tqdm, self._lora_names(lora_request, len(encoded)))
 
-    def stats(self) -> dict:
-        """Engine counters: blocks, prefix-cache hits, computed tokens, preemptions."""
+    def stats(self) -> EngineStats:
+        """Engine counters: blocks, prefix-cache hits, computed tokens, preemptions (engine/stats.py)."""
         return self.engine.call("stats")
 
-    def check_idle(self) -> dict:
+    def check_idle(self) -> EngineStats:
         """Debug check: with nothing in flight, every KV block is free. Raises if one leaked."""
         return self.engine.call("check_idle")
 

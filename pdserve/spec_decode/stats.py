@@ -2,6 +2,16 @@
 
 from __future__ import annotations
 
+import msgspec
+
+
+class SpecDecodeCounts(msgspec.Struct):
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_pos: list[int]
+    rates: dict[str, float]  # tokens/s per batch bucket, with and without speculation ("spec_b4": 4-7 sequences)
+
 
 class SpecDecodeStats:
     def __init__(self, num_speculative_tokens: int) -> None:
@@ -17,7 +27,6 @@ class SpecDecodeStats:
         for pos in range(num_accepted):
             self.accepted_per_pos[pos] += 1
 
-    def as_dict(self) -> dict:
-        return {"spec_decode_num_drafts": self.num_drafts, "spec_decode_num_draft_tokens": self.num_draft_tokens,
-                "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
-                "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_pos)}
+    def counts(self, rates: dict[str, float]) -> SpecDecodeCounts:
+        return SpecDecodeCounts(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                                list(self.accepted_per_pos), rates)
