@@ -27,6 +27,9 @@ pytestmark = pytest.mark.e2e  # starts pdserve processes
 
 COMMON = ["--max-model-len", "256", "--max-num-batched-tokens", "256", "--max-num-seqs", "16"]
 PROMPT_LEN, NEW_TOKENS, REQUESTS = 128, 48, 5  # 5 x 8 buffer blocks, one request at a time in D's 16
+# Answers long enough that D, decoding one request at a time, keeps the others waiting in its buffer for seconds
+# (48 tokens took D ~0.4 s a request on the AVX-512 box: the buffer then seldom held 3 at once)
+LONG_ANSWER = 256 - PROMPT_LEN
 PARAGRAPH = ("The river runs past the old mill, where the miller keeps a ledger of every sack of grain. "
              "In spring the water rises, and the wheel turns faster than in any other season of the year. ")
 
@@ -135,7 +138,7 @@ def test_decode_killed_with_requests_in_its_buffer_leaves_prefill_whole(tmp_path
         def one(prompt: list[int]) -> int:
             try:
                 return httpx.post(f"{router.url}/v1/completions", timeout=60, json={
-                    "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}).status_code
+                    "prompt": prompt, "max_tokens": LONG_ANSWER, "temperature": 0, "ignore_eos": True}).status_code
             except httpx.HTTPError:
                 return 0
 
