@@ -117,3 +117,11 @@ def test_an_avx2_build_gives_the_same_answers():
     env = {**os.environ, ISA_ENV: "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
     proc = subprocess.run([sys.executable, "-c", AVX2_SCRIPT], capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
+
+
+def test_an_input_of_another_dtype_goes_to_onednn():
+    if torch.bfloat16 not in dtypes():
+        pytest.skip("no bf16 kernel here")
+    weight = torch.randn(576, 576).to(torch.bfloat16) * 0.05
+    linear = PackedLinear(weight, None)
+    assert not linear._few_rows(torch.randn(1, 576))  # fp32 rows against a bf16 weight: not the kernel's

@@ -89,6 +89,7 @@ class FewRowPath:
 
     def __init__(self, ops: Any, packed: torch.Tensor, n: int, block: int, bias: torch.Tensor | None) -> None:
         self.ops, self.packed, self.n, self.block, self.bias = ops, packed, n, block, bias
+        self.dtype = packed.dtype  # the kernel reads the weight as x's dtype: the caller checks they agree
         self.max_rows = max_rows(packed.dtype)
         self.address = torch.ops.mkldnn.data_ptr(packed)  # `packed` is kept alive by this object
 

@@ -60,7 +60,9 @@ class PackedLinear:
         return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, self.bias, "add")
 
     def _few_rows(self, x: torch.Tensor) -> bool:
-        return self.few_rows is not None and x.dim() == 2 and x.shape[0] <= self.few_rows.max_rows and x.is_contiguous()
+        few = self.few_rows
+        return (few is not None and x.dim() == 2 and x.shape[0] <= few.max_rows and x.dtype == few.dtype
+                and x.is_contiguous())
 
 
 def can_pack(weight: torch.Tensor) -> bool:
