@@ -1,5 +1,5 @@
-"""The disk tier's storage: blocks come back byte for byte, damaged or vanished files are misses (never served),
-least recently used files go first, a store reopened on its folder has its blocks in their order, and another
+"""The disk tier's storage and index: blocks come back byte for byte, damaged or vanished files are misses (never
+served), least recently used blocks go first, a folder scanned again gives its blocks in their order, and another
 producer's fingerprint never sees them."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import logging
 import pytest
 import torch
 
-from pdserve.kv.disk_store import DiskStore, fingerprint
+from pdserve.engine.disk_tier import DiskTier
+from pdserve.kv.disk_store import DiskFiles, fingerprint
 
 BLOCK = 4096
 
@@ -23,84 +24,81 @@ def block(i: int) -> bytes:
     return bytes((i * 7 + j) % 251 for j in range(BLOCK))
 
 
-def store(tmp_path, blocks: int = 8, fp: str = "fp") -> DiskStore:
-    return DiskStore(tmp_path, fp, blocks * (BLOCK + 64), BLOCK)
+def files(tmp_path, fp: str = "fp") -> DiskFiles:
+    return DiskFiles(tmp_path / fp, BLOCK)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kv_bytes_come_back_equal(tmp_path, dtype):
     kv = torch.randn(2, 16, 3, 64).to(dtype)  # one layer of a block: K/V, tokens, KV heads, head size
     raw = kv.contiguous().view(torch.uint8).numpy().tobytes()
-    s = DiskStore(tmp_path, "fp", 10 * len(raw), len(raw))
-    s.put(key(1), raw)
+    f = DiskFiles(tmp_path, len(raw))
+    f.write(key(1), raw)
     out = bytearray(len(raw))
-    assert s.get(key(1), memoryview(out))
+    assert f.read(key(1), memoryview(out))
     assert torch.equal(torch.frombuffer(out, dtype=torch.uint8).view(dtype).view(kv.shape), kv)
 
 
 def test_a_corrupt_or_truncated_file_is_a_miss_and_is_removed(tmp_path, caplog):
-    s = store(tmp_path)
+    f = files(tmp_path)
     for i in range(3):
-        s.put(key(i), block(i))
-    path = s._path(key(0))
+        f.write(key(i), block(i))
+    path = f._path(key(0))
     data = bytearray(path.read_bytes())
     data[-100] ^= 0xFF  # one flipped byte of the payload
     path.write_bytes(bytes(data))
-    s._path(key(1)).write_bytes(s._path(key(1)).read_bytes()[:-10])  # a write cut short
+    f._path(key(1)).write_bytes(f._path(key(1)).read_bytes()[:-10])  # a write cut short
     out = memoryview(bytearray(BLOCK))
     with caplog.at_level(logging.WARNING, logger="pdserve.kv.disk"):
-        assert not s.get(key(0), out) and not s.get(key(1), out)
-    assert "damaged" in caplog.text and s.corrupt == 2
-    assert key(0) not in s and not path.exists()
-    assert s.get(key(2), out) and bytes(out) == block(2)
+        assert not f.read(key(0), out) and not f.read(key(1), out)
+    assert "damaged" in caplog.text and f.damaged == 2
+    assert not path.exists() and f.scan() == [key(2)]
+    assert f.read(key(2), out) and bytes(out) == block(2)
 
 
 def test_a_vanished_file_is_a_miss_not_a_crash(tmp_path):
-    s = store(tmp_path)
-    s.put(key(1), block(1))
-    s._path(key(1)).unlink()
-    assert not s.get(key(1), memoryview(bytearray(BLOCK)))
-    assert key(1) not in s
+    f = files(tmp_path)
+    f.write(key(1), block(1))
+    f._path(key(1)).unlink()
+    assert not f.read(key(1), memoryview(bytearray(BLOCK)))
 
 
-def test_least_recently_used_go_first(tmp_path):
-    s = store(tmp_path, blocks=3)
-    for i in range(3):
-        assert s.put(key(i), block(i)) == []
-    assert s.get(key(0), memoryview(bytearray(BLOCK)))  # 0 is now the most recent
-    assert s.put(key(3), block(3)) == [key(1)]
-    assert s.keys() == [key(2), key(0), key(3)]
-    assert len(list(s.folder.iterdir())) == 3
-
-
-def test_reopened_store_has_its_blocks_in_their_order(tmp_path):
-    s = store(tmp_path, blocks=4)
+def test_a_scan_gives_blocks_least_recently_used_first(tmp_path):
+    f = files(tmp_path)
     for i in range(4):
-        s.put(key(i), block(i))
-    s.get(key(1), memoryview(bytearray(BLOCK)))
-    (s.folder / (key(9).hex() + ".kvb.tmp")).write_bytes(b"half a write")  # an interrupted write
-    again = store(tmp_path, blocks=4)
-    assert again.keys() == [key(0), key(2), key(3), key(1)]
-    out = memoryview(bytearray(BLOCK))
-    assert again.get(key(3), out) and bytes(out) == block(3)
-    assert not any(p.name.endswith(".tmp") for p in again.folder.iterdir())
-    smaller = store(tmp_path, blocks=2)  # reopened with less room: the oldest go
-    assert smaller.keys() == [key(1), key(3)]
+        f.write(key(i), block(i))
+    f.read(key(1), memoryview(bytearray(BLOCK)))
+    (f.folder / (key(9).hex() + ".kvb.tmp")).write_bytes(b"half a write")  # an interrupted write
+    (f.folder / (key(8).hex() + ".kvb")).write_bytes(b"another layout's block")
+    assert files(tmp_path).scan() == [key(0), key(2), key(3), key(1)]
+    assert sorted(p.name for p in f.folder.iterdir()) == sorted(key(i).hex() + ".kvb" for i in range(4))
 
 
 def test_another_producer_never_reads_these_blocks(tmp_path):
-    store(tmp_path, fp=fingerprint("w1", "bfloat16", [30, 2, 3, 64], 16)).put(key(1), block(1))
+    mine = fingerprint("w1", "bfloat16", [30, 2, 3, 64], 16)
+    files(tmp_path, mine).write(key(1), block(1))
     for other in (fingerprint("w2", "bfloat16", [30, 2, 3, 64], 16), fingerprint("w1", "float32", [30, 2, 3, 64], 16),
                   fingerprint("w1", "bfloat16", [30, 2, 1, 64], 16), fingerprint("w1", "bfloat16", [30, 2, 3, 64], 32)):
-        assert key(1) not in store(tmp_path, fp=other)
-    assert key(1) in store(tmp_path, fp=fingerprint("w1", "bfloat16", [30, 2, 3, 64], 16))
+        assert files(tmp_path, other).scan() == []
+    assert files(tmp_path, mine).scan() == [key(1)]
 
 
 def test_a_block_of_the_wrong_size_is_refused(tmp_path):
     with pytest.raises(ValueError, match="a block is 4096 bytes"):
-        store(tmp_path).put(key(1), b"short")
-    with pytest.raises(ValueError, match="holds no"):
-        DiskStore(tmp_path, "fp", 100, BLOCK)
+        files(tmp_path).write(key(1), b"short")
+
+
+def test_the_index_drops_least_recently_used_blocks_first():
+    tier = DiskTier(3, [key(0), key(1)])
+    assert tier.reserve(key(2)) == [] and not tier.readable(key(2)) and key(2) in tier
+    tier.written(key(2), ok=True)
+    tier.used(key(0))
+    assert tier.reserve(key(3)) == [key(1)]  # 1 is the least recently used
+    tier.written(key(3), ok=False)  # a failed write is not listed
+    assert tier.saved_hashes() == [key(2), key(0)]
+    tier.lost(key(2))
+    assert tier.saved_hashes() == [key(0)] and tier.stats.misses == 1
+    assert tier.clear() == [key(0)] and len(tier) == 0
 
 
 def test_the_weights_digest_follows_content_not_name(tmp_path, monkeypatch):

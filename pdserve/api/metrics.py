@@ -90,6 +90,13 @@ class ServerMetrics:
         self.host_swap_outs = ranked("pdserve_host_cache_swap_out_blocks", "blocks copied cache -> host tier")
         self.host_swap_in_seconds = ranked("pdserve_host_cache_swap_in_seconds",
                                           "engine time spent waiting for host tier -> cache copies")
+        # the disk tier (--kv-disk-path)
+        self.disk_blocks = ranked("pdserve_disk_cache_blocks", "blocks of the disk tier holding KV")
+        self.disk_capacity = ranked("pdserve_disk_cache_capacity_blocks", "blocks the disk tier has room for")
+        self.disk_hits = ranked("pdserve_disk_cache_hit_blocks", "prompt blocks served from the disk tier")
+        self.disk_misses = ranked("pdserve_disk_cache_misses", "disk tier blocks found gone or damaged: computed")
+        self.disk_load_seconds = ranked("pdserve_disk_cache_load_seconds",
+                                        "engine time spent waiting for disk tier reads")
         # --speculative-config (vLLM's spec_decode names)
         self.spec_drafts = ranked("pdserve_spec_decode_num_drafts", "sequence steps that carried proposals")
         self.spec_draft_tokens = ranked("pdserve_spec_decode_num_draft_tokens", "tokens proposed")
@@ -160,6 +167,12 @@ class ServerMetrics:
         self.preallocated.labels(rank).set(stats.preallocated)
         if stats.host_tier is not None:
             self._refresh_host_tier(rank, stats.host_tier)
+        if (disk := stats.disk_tier) is not None:
+            self.disk_blocks.labels(rank).set(disk.blocks)
+            self.disk_capacity.labels(rank).set(disk.capacity_blocks)
+            self.disk_hits.labels(rank).set(disk.hit_blocks)
+            self.disk_misses.labels(rank).set(disk.misses)
+            self.disk_load_seconds.labels(rank).set(disk.load_seconds)
         if stats.pd is not None:
             self._refresh_pd(rank, stats.pd)
         if stats.spec_decode is not None:

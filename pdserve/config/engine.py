@@ -72,6 +72,13 @@ class EngineConfig:
     swap_space: float = option(  # GB of host memory for the prefix cache's evicted blocks
         0.0, "GB of host memory for KV blocks evicted from the prefix cache; a later prefix hit there is copied "
         "back instead of recomputed (0: off)", group=ENGINE)
+    kv_disk_path: str | None = option(
+        None, "a folder for a disk tier under the host tier (needs --swap-space): blocks saved to host memory are "
+        "written there too and read back on a later prefix hit; an instance restarted on the same folder with the "
+        "same weights, dtype and layout finds them again (others never read them)", group=ENGINE)
+    kv_disk_size: int = option(  # bytes
+        20 * 2**30, "the disk tier's size, e.g. 20G; least recently used blocks go first", type=parse_size,
+        group=ENGINE)
     speculative_config: SpeculativeConfig | None = option(
         None, 'speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'; each step speculates when measurement says it pays at '
@@ -160,6 +167,10 @@ class EngineConfig:
         if self.swap_space and not self.enable_prefix_caching:
             raise ValueError("--swap-space keeps blocks evicted from the prefix cache; it needs "
                              "--enable-prefix-caching")
+        if self.kv_disk_path is not None and not self.swap_space:
+            raise ValueError("--kv-disk-path writes and reads KV blocks through the host tier: it needs --swap-space")
+        if self.kv_disk_size <= 0:
+            raise ValueError("--kv-disk-size must be positive")
         if self.pd_transfer_timeout <= 0:
             raise ValueError("--pd-transfer-timeout must be positive")
         if self.tensor_parallel_size < 1:

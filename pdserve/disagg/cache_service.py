@@ -10,7 +10,9 @@ host tier) or AttachCache (mixed role: the worker owns it). Then, by role:
 - decode: receivers for the transports that need one run here (tcp), writing into this cache;
 - mixed: only the host tier's copies, if any.
 With --swap-space (any role) it also keeps the host prefix tier: a segment of the cache's block layout
-that SaveBlocks copies cache blocks into and LoadBlocks copies back (engine/host_tier.py is the index).
+that SaveBlocks copies cache blocks into and LoadBlocks copies back (engine/host_tier.py is the index); with
+--kv-disk-path too, SaveBlocks writes the blocks it is given keys for to files and LoadFromDisk reads them back
+into host blocks (engine/disk_tier.py is the index, kv/disk_store.py the files).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 
 import msgspec
 import zmq
@@ -34,9 +37,12 @@ from pdserve.disagg.messages import (
     CacheServiceReady,
     CreateCache,
     DetachCache,
+    DiskLoaded,
     ExtendDeadline,
     LoadBlocks,
+    LoadFromDisk,
     ReceiverStats,
+    RemoveFromDisk,
     SaveBlocks,
     ServiceError,
     ServiceInput,
@@ -44,6 +50,7 @@ from pdserve.disagg.messages import (
     SwapDone,
     SwapIn,
 )
+from pdserve.kv.disk_store import DiskFiles
 from pdserve.kv.layout import block_ranges
 from pdserve.kv.transfer_plan import MessagerInput
 from pdserve.transport import CacheBuffer, KVReceiver, start_receiver
@@ -77,6 +84,7 @@ class CacheService:
             self.host = KVSegment.create(command.layout.with_blocks(command.host_blocks).nbytes)
             log.info("host prefix tier (--swap-space): %d blocks (%.2f GiB)",
                      command.host_blocks, command.host_blocks * command.layout.block_bytes / 2**30)
+        self.disk = DiskFiles(Path(command.disk_folder), command.layout.block_bytes) if command.disk_folder else None
         if config.rdma_comm_port and "rdma" in config.cache_transfer_protocol:
             port = config.rdma_comm_port  # UCX reads it when the NIXL agent is made (a free port is checked then)
             os.environ["UCX_TCP_PORT_RANGE"] = f"{port}-{port}"
@@ -131,7 +139,39 @@ class CacheService:
         assert self.host is not None, "SaveBlocks needs --swap-space"
         start = time.perf_counter()
         self._copy(self.cache, self.host, msg.cache_blocks, msg.host_blocks)
-        return BlocksSaved(msg.save_id, msg.host_blocks, time.perf_counter() - start)
+        written = [key for key, host_block in zip(msg.disk_keys, msg.host_blocks, strict=False)
+                   if key and self._write_to_disk(key, host_block)]
+        return BlocksSaved(msg.save_id, msg.host_blocks, time.perf_counter() - start, written)
+
+    def _write_to_disk(self, key: bytes, host_block: int) -> bool:
+        assert self.disk is not None, "disk keys need --kv-disk-path"
+        try:
+            self.disk.write(key, self._host_block(host_block))
+            return True
+        except OSError as e:  # a full or failing disk loses the block, not the instance
+            log.warning("disk KV tier: could not write a block (%s); it stays in memory only", e)
+            return False
+
+    def load_from_disk(self, msg: LoadFromDisk) -> DiskLoaded:
+        assert self.disk is not None, "LoadFromDisk needs --kv-disk-path"
+        start = time.perf_counter()
+        ok = []
+        for key, host_block in zip(msg.keys, msg.host_blocks, strict=True):
+            try:
+                ok.append(self.disk.read(key, self._host_block(host_block)))
+            except OSError as e:
+                log.warning("disk KV tier: could not read a block (%s): a miss", e)
+                ok.append(False)
+        return DiskLoaded(ok, time.perf_counter() - start)
+
+    def remove_from_disk(self, msg: RemoveFromDisk) -> None:
+        if self.disk is not None:
+            for key in msg.keys:
+                self.disk.remove(key)
+
+    def _host_block(self, block: int) -> memoryview:
+        size = self.layout.block_bytes
+        return self.host.shm.buf[block * size:(block + 1) * size]
 
     def load(self, msg: LoadBlocks) -> BlocksLoaded:
         assert self.host is not None, "LoadBlocks needs --swap-space"
@@ -226,6 +266,10 @@ def _serve(engine: zmq.Socket, service: CacheService) -> None:
                 engine.send(msgspec.msgpack.encode(service.save(msg)))
             elif isinstance(msg, LoadBlocks):
                 engine.send(msgspec.msgpack.encode(service.load(msg)))
+            elif isinstance(msg, LoadFromDisk):
+                engine.send(msgspec.msgpack.encode(service.load_from_disk(msg)))
+            elif isinstance(msg, RemoveFromDisk):
+                service.remove_from_disk(msg)
 
 
 def _exit(code: int) -> None:

@@ -12,9 +12,12 @@ from pdserve.disagg.messages import (
     CacheServiceReady,
     CreateCache,
     DetachCache,
+    DiskLoaded,
     ExtendDeadline,
     LoadBlocks,
+    LoadFromDisk,
     ReceiverStats,
+    RemoveFromDisk,
     SaveBlocks,
     ServiceError,
     ServiceMessage,
@@ -80,8 +83,9 @@ class CacheServiceClient:
 
     # ---- the host tier (what ServiceCopies, engine/block_copies.py, orders) ----
 
-    def save_blocks(self, save_id: int, device_blocks: list[int], host_blocks: list[int]) -> None:
-        self.child.send(SaveBlocks(save_id, device_blocks, host_blocks))
+    def save_blocks(self, save_id: int, device_blocks: list[int], host_blocks: list[int],
+                    disk_keys: list[bytes] = ()) -> None:
+        self.child.send(SaveBlocks(save_id, device_blocks, host_blocks, list(disk_keys)))
 
     def load_blocks(self, host_blocks: list[int], device_blocks: list[int]) -> None:
         self.child.send(LoadBlocks(host_blocks, device_blocks))
@@ -89,11 +93,21 @@ class CacheServiceClient:
                              BlocksLoaded):
             pass
 
-    def blocks_saved(self) -> list[tuple[int, list[int]]]:
-        """(save id, host blocks) of the saves completed since the last call."""
+    def blocks_saved(self) -> list[tuple[int, list[int], list[bytes]]]:
+        """(save id, host blocks, disk keys written) of the saves completed since the last call."""
         self._drain()
         out, self._saved = self._saved, []
-        return [(m.save_id, m.host_blocks) for m in out]
+        return [(m.save_id, m.host_blocks, m.disk_written) for m in out]
+
+    def load_from_disk(self, keys: list[bytes], host_blocks: list[int]) -> list[bool]:
+        self.child.send(LoadFromDisk(keys, host_blocks))
+        while not isinstance(msg := self._route(self.child.receive(self.LOAD_TIMEOUT, "read blocks from disk")),
+                             DiskLoaded):
+            pass
+        return msg.ok
+
+    def remove_from_disk(self, keys: list[bytes]) -> None:
+        self.child.send(RemoveFromDisk(keys))
 
     def _drain(self) -> None:
         while (msg := self.child.receive_nowait()) is not None:

@@ -26,12 +26,14 @@ class CreateCache(msgspec.Struct, tag=True):
     buffer_blocks: int = 0  # decode role: a host buffer of this many blocks (same layout) receives P's KV
     host_blocks: int = 0  # --swap-space: the host prefix tier, this many blocks of the same layout
     cache_segment: bool = True  # False: a mixed instance's device cache needs only the host tier
+    disk_folder: str | None = None  # --kv-disk-path: this producer's folder of block files (kv/disk_store.py)
 
 
 class AttachCache(msgspec.Struct, tag=True):
     layout: KVLayout
     segment: str
     host_blocks: int = 0  # at startup only; an AttachCache after weights were reloaded keeps the tier
+    disk_folder: str | None = None  # at startup only, as in CreateCache
 
 
 class DetachCache(msgspec.Struct, tag=True):
@@ -55,11 +57,13 @@ class SwapIn(msgspec.Struct, tag=True):
 
 
 class SaveBlocks(msgspec.Struct, tag=True):
-    """Host tier: copy these cache blocks into these host blocks, then report BlocksSaved."""
+    """Host tier: copy these cache blocks into these host blocks, write those with a disk key to the disk tier
+    (b"": not), then report BlocksSaved."""
 
     save_id: int
     cache_blocks: list[int]
     host_blocks: list[int]
+    disk_keys: list[bytes] = []
 
 
 class LoadBlocks(msgspec.Struct, tag=True):
@@ -69,12 +73,25 @@ class LoadBlocks(msgspec.Struct, tag=True):
     cache_blocks: list[int]
 
 
+class LoadFromDisk(msgspec.Struct, tag=True):
+    """Disk tier: read these blocks' files into these host blocks, then report DiskLoaded."""
+
+    keys: list[bytes]
+    host_blocks: list[int]
+
+
+class RemoveFromDisk(msgspec.Struct, tag=True):
+    """Disk tier: these blocks' files are to go (dropped for room, or the prefix cache was reset)."""
+
+    keys: list[bytes]
+
+
 class ServiceShutdown(msgspec.Struct, tag=True):
     pass
 
 
 ServiceInput = (CreateCache | AttachCache | DetachCache | ExtendDeadline | SwapIn | SaveBlocks | LoadBlocks
-                | ServiceShutdown)
+                | LoadFromDisk | RemoveFromDisk | ServiceShutdown)
 
 
 class CacheServiceReady(msgspec.Struct, tag=True):
@@ -105,9 +122,15 @@ class BlocksSaved(msgspec.Struct, tag=True):
     save_id: int
     host_blocks: list[int]
     seconds: float
+    disk_written: list[bytes] = []  # the disk keys whose files are whole now
 
 
 class BlocksLoaded(msgspec.Struct, tag=True):
+    seconds: float
+
+
+class DiskLoaded(msgspec.Struct, tag=True):
+    ok: list[bool]  # per key: read whole and intact (False: gone or damaged, a miss)
     seconds: float
 
 
@@ -121,8 +144,8 @@ class ReceiverStats(msgspec.Struct, tag=True):
     refused_connections: int  # KV connections that failed the cluster-secret challenge, since start
 
 
-ServiceMessage = (CacheServiceReady | TransferDone | SwapDone | BlocksSaved | BlocksLoaded | ServiceError
-                  | ReceiverStats)
+ServiceMessage = (CacheServiceReady | TransferDone | SwapDone | BlocksSaved | BlocksLoaded | DiskLoaded
+                  | ServiceError | ReceiverStats)
 
 
 # ---- control plane: decode <-> prefill -------------------------------------------------------

@@ -34,14 +34,22 @@ class BlockCopies(Protocol):
     def done(self, copy_ids: list[int]) -> None:
         """The worker completed these copies."""
 
-    def save_blocks(self, save_id: int, device_blocks: list[int], host_blocks: list[int]) -> None:
-        """Start copying cache blocks to host-tier blocks; reported done later (blocks_saved)."""
+    def save_blocks(self, save_id: int, device_blocks: list[int], host_blocks: list[int],
+                    disk_keys: list[bytes] = ()) -> None:
+        """Start copying cache blocks to host-tier blocks (and those with a disk key on to the disk tier);
+        reported done later (blocks_saved)."""
 
     def load_blocks(self, host_blocks: list[int], device_blocks: list[int]) -> None:
         """Copy host-tier blocks into cache blocks, complete before any later step reads them."""
 
-    def blocks_saved(self) -> list[tuple[int, list[int]]]:
-        """(save id, host blocks) of the saves completed since the last call."""
+    def blocks_saved(self) -> list[tuple[int, list[int], list[bytes]]]:
+        """(save id, host blocks, disk keys written) of the saves completed since the last call."""
+
+    def load_from_disk(self, keys: list[bytes], host_blocks: list[int]) -> list[bool]:
+        """Read disk-tier blocks into host-tier blocks now; per key, whether it was whole and intact."""
+
+    def remove_from_disk(self, keys: list[bytes]) -> None:
+        """Delete these disk-tier blocks' files."""
 
     def swap_in(self, transfer_id: str, buffer_blocks: list[int], cache_blocks: list[int]) -> None:
         """Decode buffer -> cache; reported once copied."""
@@ -71,14 +79,21 @@ class ServiceCopies:
     def done(self, copy_ids: list[int]) -> None:
         pass
 
-    def save_blocks(self, save_id: int, device_blocks: list[int], host_blocks: list[int]) -> None:
-        self.service.save_blocks(save_id, device_blocks, host_blocks)
+    def save_blocks(self, save_id: int, device_blocks: list[int], host_blocks: list[int],
+                    disk_keys: list[bytes] = ()) -> None:
+        self.service.save_blocks(save_id, device_blocks, host_blocks, disk_keys)
 
     def load_blocks(self, host_blocks: list[int], device_blocks: list[int]) -> None:
         self.service.load_blocks(host_blocks, device_blocks)
 
-    def blocks_saved(self) -> list[tuple[int, list[int]]]:
+    def blocks_saved(self) -> list[tuple[int, list[int], list[bytes]]]:
         return self.service.blocks_saved()
+
+    def load_from_disk(self, keys: list[bytes], host_blocks: list[int]) -> list[bool]:
+        return self.service.load_from_disk(keys, host_blocks)
+
+    def remove_from_disk(self, keys: list[bytes]) -> None:
+        self.service.remove_from_disk(keys)
 
     def swap_in(self, transfer_id: str, buffer_blocks: list[int], cache_blocks: list[int]) -> None:
         self.service.swap_in(transfer_id, buffer_blocks, cache_blocks)

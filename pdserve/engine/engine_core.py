@@ -30,7 +30,7 @@ from pdserve.engine.request import Request
 from pdserve.engine.request_output import error_output, final_output
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.scheduler_output import SchedulerOutput
-from pdserve.engine.stats import EngineStats, HostTierStats, PrefixCacheStats
+from pdserve.engine.stats import DiskTierStats, EngineStats, HostTierStats, PrefixCacheStats
 from pdserve.engine.worker_client import WorkerClient
 from pdserve.kv.layout import KVLayout
 from pdserve.kv.transfer_plan import TransferPlan
@@ -161,8 +161,8 @@ class EngineCore:
     def _poll_host_tier(self) -> None:
         """Saves to the host tier that completed give their device blocks back."""
         if self.kv.host is not None:
-            for save_id, host_blocks in self.copies.blocks_saved():
-                self.kv.saved(save_id, host_blocks)
+            for save_id, host_blocks, disk_written in self.copies.blocks_saved():
+                self.kv.saved(save_id, host_blocks, disk_written)
 
     def _wait_for_host_saves(self, timeout: float = 10.0) -> None:
         """Until no device block is held for a copy to the host tier (they are seconds at most)."""
@@ -345,7 +345,7 @@ class EngineCore:
             num_steps=self.num_steps, num_computed_tokens=self.num_computed_tokens,
             prefix_cache=PrefixCacheStats(prefix.requests, prefix.hit_requests, prefix.queried_tokens,
                                           prefix.hit_tokens),
-            weights_loaded=self.weights_loaded, host_tier=self._host_tier_stats(),
+            weights_loaded=self.weights_loaded, host_tier=self._host_tier_stats(), disk_tier=self._disk_tier_stats(),
             spec_decode=self._spec_decode_stats(), pd=self.connector.stats())
 
     def _spec_decode_stats(self) -> SpecDecodeCounts | None:
@@ -353,6 +353,13 @@ class EngineCore:
         if scheduler.proposer is None:
             return None
         return scheduler.spec_stats.counts(scheduler.controller.as_dict() if scheduler.controller is not None else {})
+
+    def _disk_tier_stats(self) -> DiskTierStats | None:
+        disk = self.kv.disk
+        if disk is None:
+            return None
+        return DiskTierStats(len(disk), disk.capacity_blocks, disk.stats.hit_blocks, disk.stats.misses,
+                             disk.stats.load_seconds)
 
     def _host_tier_stats(self) -> HostTierStats | None:
         host = self.kv.host

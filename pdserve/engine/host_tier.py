@@ -74,15 +74,22 @@ class HostTier:
         self._saving[block_hash] = block
         return block
 
-    def saved(self, block_hash: BlockHash, block: int) -> None:
-        """The copy into `block` completed: the hash is readable from now on."""
+    def saved(self, block_hash: BlockHash, block: int, from_disk: bool = False) -> None:
+        """The copy into `block` completed (from the device cache, or read from the disk tier): the hash is
+        readable from now on."""
         if self._saving.get(block_hash) == block:
             del self._saving[block_hash]
             self._saved[block_hash] = block
-            self.stats.swap_out_blocks += 1
+            self.stats.swap_out_blocks += not from_disk
             if self.events is not None:
                 self.events.stored([block_hash], None, [], HOST)
         # else: clear() ran while it was in flight; the block went back to the clean list then
+
+    def abandon(self, block_hash: BlockHash, block: int) -> None:
+        """A reserved block that will not be filled (its disk read failed): back to the clean list."""
+        if self._saving.get(block_hash) == block:
+            del self._saving[block_hash]
+            self._clean.append(block)
 
     def saved_hashes(self) -> list[BlockHash]:
         return list(self._saved)

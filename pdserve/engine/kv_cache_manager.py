@@ -2,7 +2,9 @@
 
 With a host tier (host_tier.py) the prefix cache has two levels: blocks freed into the device cache
 are saved to host memory as well, and a lookup that runs past the device hits goes on in the host
-tier, copying those blocks back into device blocks it indexes as cached.
+tier, copying those blocks back into device blocks it indexes as cached. A disk tier (disk_tier.py) is a
+third: host saves are written to disk too, and a lookup past the host tier's hits reads the disk's into host
+blocks first.
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ from typing import TYPE_CHECKING
 
 from pdserve.config.lora import lora_hash_root
 from pdserve.engine.block_pool import Block, BlockPool
+from pdserve.engine.disk_tier import DiskTier
 from pdserve.engine.host_tier import HostTier
 from pdserve.engine.request import Request
 from pdserve.kv.block_hash import hash_block
-from pdserve.kv_events.events import DEVICE, HOST, BlockStored, KVEvent
+from pdserve.kv_events.events import DEVICE, DISK, HOST, BlockStored, KVEvent
 from pdserve.kv_events.recorder import KVEventRecorder
 
 if TYPE_CHECKING:
@@ -50,6 +53,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self.stats = PrefixCacheStats()
         self.host: HostTier | None = None
+        self.disk: DiskTier | None = None
         self.copier: BlockCopies | None = None
         self._saves: dict[int, list[Block]] = {}  # save id -> device blocks held until their copy is done
         self._save_ids = itertools.count()
@@ -60,17 +64,26 @@ class KVCacheManager:
         self.events = self.pool.events = KVEventRecorder(self.block_size)
         if self.host is not None:
             self.host.events = self.events
+        if self.disk is not None:
+            self.disk.events = self.events
         return self.events
 
     def snapshot(self) -> list[KVEvent]:
         """Every cached block, as BlockStored events (a KV event subscriber that missed too much)."""
         tiers = [(DEVICE, self.pool.cached_hashes())] + ([(HOST, self.host.saved_hashes())] if self.host else [])
+        tiers += [(DISK, self.disk.saved_hashes())] if self.disk else []
         return [BlockStored(hashes, None, [], self.block_size, None, medium) for medium, hashes in tiers if hashes]
 
     def add_host_tier(self, num_blocks: int, copier: BlockCopies) -> None:
         if not self.enable_prefix_caching:
             raise ValueError("the host tier keeps prefix-cache blocks; it needs prefix caching")
         self.host, self.copier = HostTier(num_blocks), copier
+
+    def add_disk_tier(self, disk: DiskTier) -> None:
+        if self.host is None:
+            raise ValueError("the disk tier writes and reads through the host tier: it needs --swap-space")
+        self.disk = disk
+        disk.events = self.events
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -91,10 +104,41 @@ class KVCacheManager:
                 break
             hits.append(block)
         if self.host is not None and len(hits) < len(hashes):
+            if self.disk is not None:
+                self._read_from_disk(hashes[len(hits):])
             loaded = self._load_from_host(hits, hashes[len(hits):])
             self._record_stored(request, len(hits), [b.block_hash for b in loaded])
             hits += loaded
         return hits
+
+    def _read_from_disk(self, hashes: list[bytes]) -> None:
+        """Past the device hits: the disk tier's blocks of the run the host tier lacks are read into host blocks
+        (now), so the host tier's lookup below finds the whole run. A file gone or damaged ends the run."""
+        keys, host_blocks = [], []
+        for block_hash in hashes:
+            if block_hash in self.host:
+                self.host.lookup(block_hash)  # most recently used: the reservations below must not evict it
+                continue
+            if not self.disk.readable(block_hash) or (host_block := self.host.reserve(block_hash)) is None:
+                break
+            keys.append(block_hash)
+            host_blocks.append(host_block)
+        if not keys:
+            return
+        start = time.perf_counter()
+        ok = self.copier.load_from_disk(keys, host_blocks)
+        self.disk.stats.load_seconds += time.perf_counter() - start
+        intact = True
+        for block_hash, host_block, read in zip(keys, host_blocks, ok, strict=True):
+            intact = intact and read
+            if intact:
+                self.host.saved(block_hash, host_block, from_disk=True)
+                self.disk.used(block_hash)
+                self.disk.stats.hit_blocks += 1
+            else:
+                self.host.abandon(block_hash, host_block)
+                if not read:
+                    self.disk.lost(block_hash)
 
     def _load_from_host(self, hits: list[Block], hashes: list[bytes]) -> list[Block]:
         """Copy the host tier's run of these hashes into free device blocks, indexed as cached (not
@@ -186,7 +230,7 @@ class KVCacheManager:
     def _save_to_host(self, blocks: list[Block]) -> None:
         """Cached blocks just became evictable: copy those the host tier lacks there, holding them
         in the device pool until the copy is done (saved())."""
-        to_save, host_blocks = [], []
+        to_save, host_blocks, disk_keys = [], [], []
         for block in blocks:
             if block.block_hash in self.host:
                 self.host.lookup(block.block_hash)  # used again: keep it longer
@@ -195,17 +239,35 @@ class KVCacheManager:
                 break  # every host block has a copy in flight
             to_save.append(block)
             host_blocks.append(host_block)
+            disk_keys.append(self._disk_key(block.block_hash))
         if to_save:
             self.pool.take(to_save)
             save_id = next(self._save_ids)
             self._saves[save_id] = to_save
-            self.copier.save_blocks(save_id, [b.block_id for b in to_save], host_blocks)
+            if self.disk is None:
+                self.copier.save_blocks(save_id, [b.block_id for b in to_save], host_blocks)
+            else:
+                self.copier.save_blocks(save_id, [b.block_id for b in to_save], host_blocks, disk_keys)
 
-    def saved(self, save_id: int, host_blocks: list[int]) -> None:
-        """The copier finished save `save_id` (into these host blocks): the device blocks go back."""
+    def _disk_key(self, block_hash: bytes) -> bytes:
+        """The key to write this block to disk under (b"": the disk has it, or there is no disk tier)."""
+        if self.disk is None or block_hash in self.disk:
+            if self.disk is not None and self.disk.readable(block_hash):
+                self.disk.used(block_hash)
+            return b""
+        if dropped := self.disk.reserve(block_hash):
+            self.copier.remove_from_disk(dropped)
+        return block_hash
+
+    def saved(self, save_id: int, host_blocks: list[int], disk_written: Iterable[bytes] = ()) -> None:
+        """The copier finished save `save_id` (into these host blocks, and these disk files): the device blocks
+        go back."""
         blocks = self._saves.pop(save_id)
+        written = set(disk_written)
         for block, host_block in zip(blocks, host_blocks, strict=True):
             self.host.saved(block.block_hash, host_block)
+            if self.disk is not None:
+                self.disk.written(block.block_hash, block.block_hash in written)
         self.pool.free(blocks)  # in the order they were freed first: the tail of a prompt is evicted first
 
     @property
@@ -218,6 +280,8 @@ class KVCacheManager:
         self.pool.reset_prefix_cache()
         if self.host is not None:
             self.host.clear()
+        if self.disk is not None and (gone := self.disk.clear()):
+            self.copier.remove_from_disk(gone)
         if self.events is not None:
             self.events.cleared()
 

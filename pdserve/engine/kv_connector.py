@@ -102,8 +102,8 @@ class CacheService(Protocol):
     def sockets(self) -> list[zmq.Socket]:
         """What the engine loop polls to hear of completed host-tier saves."""
 
-    def blocks_saved(self) -> list[tuple[int, list[int]]]:
-        """Host-tier saves completed since the last call: (save id, host blocks)."""
+    def blocks_saved(self) -> list[tuple[int, list[int], list[bytes]]]:
+        """Host-tier saves completed since the last call: (save id, host blocks, disk keys written)."""
 
     def alive(self) -> bool: ...
 
@@ -115,9 +115,14 @@ class CacheService(Protocol):
     def worker_cache_created(self, layout: KVLayout, segment: str | None) -> None:
         """The worker made a new cache (weights loaded again): attach to it if this service did before."""
 
-    def save_blocks(self, save_id: int, device_blocks: list[int], host_blocks: list[int]) -> None: ...
+    def save_blocks(self, save_id: int, device_blocks: list[int], host_blocks: list[int],
+                    disk_keys: list[bytes] = ()) -> None: ...
 
     def load_blocks(self, host_blocks: list[int], device_blocks: list[int]) -> None: ...
+
+    def load_from_disk(self, keys: list[bytes], host_blocks: list[int]) -> list[bool]: ...
+
+    def remove_from_disk(self, keys: list[bytes]) -> None: ...
 
     def swap_in(self, transfer_id: str, buffer_blocks: list[int], cache_blocks: list[int]) -> None: ...
 
@@ -127,7 +132,7 @@ class NoCacheService:
 
     sockets: list = []
 
-    def blocks_saved(self) -> list[tuple[int, list[int]]]:
+    def blocks_saved(self) -> list[tuple[int, list[int], list[bytes]]]:
         return []
 
     def alive(self) -> bool:
@@ -142,11 +147,18 @@ class NoCacheService:
     def worker_cache_created(self, layout: KVLayout, segment: str | None) -> None:
         pass
 
-    def save_blocks(self, save_id: int, device_blocks: list[int], host_blocks: list[int]) -> None:
+    def save_blocks(self, save_id: int, device_blocks: list[int], host_blocks: list[int],
+                    disk_keys: list[bytes] = ()) -> None:
         raise RuntimeError("no cache service runs: there is no host tier to save to")
 
     def load_blocks(self, host_blocks: list[int], device_blocks: list[int]) -> None:
         raise RuntimeError("no cache service runs: there is no host tier to load from")
+
+    def load_from_disk(self, keys: list[bytes], host_blocks: list[int]) -> list[bool]:
+        raise RuntimeError("no cache service runs: there is no disk tier")
+
+    def remove_from_disk(self, keys: list[bytes]) -> None:
+        raise RuntimeError("no cache service runs: there is no disk tier")
 
     def swap_in(self, transfer_id: str, buffer_blocks: list[int], cache_blocks: list[int]) -> None:
         raise RuntimeError("no cache service runs: there is no decode buffer")

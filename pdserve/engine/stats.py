@@ -24,6 +24,14 @@ class HostTierStats(msgspec.Struct):
     swap_in_seconds: float  # the engine's wall time waiting for loads
 
 
+class DiskTierStats(msgspec.Struct):
+    blocks: int  # blocks on disk (readable)
+    capacity_blocks: int
+    hit_blocks: int  # blocks a prompt found on disk (after the device cache and the host tier)
+    misses: int  # blocks listed whose file was gone or damaged when read: computed instead
+    load_seconds: float  # the engine's wall time waiting for disk reads
+
+
 class DecodeBufferStats(msgspec.Struct):
     """A decode instance's host buffer (--splitwise-cache-buffer-size); the lists are drained by each call."""
 
@@ -66,5 +74,6 @@ class EngineStats(msgspec.Struct):
     prefix_cache: PrefixCacheStats
     weights_loaded: bool = True
     host_tier: HostTierStats | None = None  # with --swap-space
+    disk_tier: DiskTierStats | None = None  # with --kv-disk-path
     spec_decode: SpecDecodeCounts | None = None  # with --speculative-config
     pd: PDStats | None = None  # prefill and decode roles

@@ -29,7 +29,7 @@ class WorkerCopies:
         self._ids = itertools.count()
         self._queue: list[BlockCopy] = []
         self._on_done: dict[int, Callable[[], None]] = {}
-        self._saved: list[tuple[int, list[int]]] = []
+        self._saved: list[tuple[int, list[int], list[bytes]]] = []
         self._swapped: list[tuple[str, int, float]] = []
 
     @property
@@ -50,15 +50,25 @@ class WorkerCopies:
 
     # ---- the host tier ----
 
-    def save_blocks(self, save_id: int, device_blocks: list[int], host_blocks: list[int]) -> None:
-        self._add(DEVICE, "host", device_blocks, host_blocks, lambda: self._saved.append((save_id, host_blocks)))
+    def save_blocks(self, save_id: int, device_blocks: list[int], host_blocks: list[int],
+                    disk_keys: list[bytes] = ()) -> None:
+        if any(disk_keys):
+            raise RuntimeError("the disk tier runs with the cache in shared memory only (EngineConfig refuses it)")
+        self._add(DEVICE, "host", device_blocks, host_blocks,
+                  lambda: self._saved.append((save_id, host_blocks, [])))
 
     def load_blocks(self, host_blocks: list[int], device_blocks: list[int]) -> None:
         self._add("host", DEVICE, host_blocks, device_blocks)  # read first by the step that carries it
 
-    def blocks_saved(self) -> list[tuple[int, list[int]]]:
+    def blocks_saved(self) -> list[tuple[int, list[int], list[bytes]]]:
         out, self._saved = self._saved, []
         return out
+
+    def load_from_disk(self, keys: list[bytes], host_blocks: list[int]) -> list[bool]:
+        raise RuntimeError("the disk tier runs with the cache in shared memory only (EngineConfig refuses it)")
+
+    def remove_from_disk(self, keys: list[bytes]) -> None:
+        raise RuntimeError("the disk tier runs with the cache in shared memory only (EngineConfig refuses it)")
 
     # ---- the decode side ----
 

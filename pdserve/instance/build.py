@@ -6,18 +6,22 @@ both, they are plugged in, so the engine never imports pdserve.disagg.
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pdserve.config.roles import Role
 from pdserve.disagg.decode_connector import DecodeConnector
 from pdserve.disagg.prefill_connector import PrefillConnector
 from pdserve.engine.block_copies import BlockCopies, ServiceCopies
+from pdserve.engine.disk_tier import DiskTier
 from pdserve.engine.engine_core import EngineCore
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.kv_connector import KVConnector, NoCacheService
 from pdserve.engine.load_calibration import calibrate_load
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 from pdserve.engine.worker_copies import WorkerCopies
+from pdserve.kv.disk_store import DiskFiles
 from pdserve.kv_events.publisher import KVEventPublisher
 
 if TYPE_CHECKING:
@@ -25,6 +29,21 @@ if TYPE_CHECKING:
 
     from pdserve.config.engine import EngineConfig
     from pdserve.instance.startup import StartedProcesses
+
+log = logging.getLogger("pdserve.engine")
+
+
+def open_disk_tier(folder: str, block_bytes: int, size: int) -> DiskTier:
+    """The disk tier's index from its folder (a warm restart finds its blocks); files past the size go now."""
+    files = DiskFiles(Path(folder), block_bytes)
+    found = files.scan()
+    capacity = size // files.file_bytes
+    if capacity < 1:
+        raise ValueError(f"--kv-disk-size {size} bytes holds no {files.file_bytes}-byte block of this model's KV")
+    for key in found[:max(0, len(found) - capacity)]:
+        files.remove(key)
+    log.info("disk KV tier %s: %d blocks found, room for %d", folder, min(len(found), capacity), capacity)
+    return DiskTier(capacity, found[-capacity:])
 
 
 def build_engine_core(config: EngineConfig, started: StartedProcesses, ctx: zmq.Context) -> EngineCore:
@@ -36,6 +55,8 @@ def build_engine_core(config: EngineConfig, started: StartedProcesses, ctx: zmq.
     copies: BlockCopies = WorkerCopies(layout.block_bytes) if started.device_cache else ServiceCopies(service)
     if started.host_blocks:
         kv.add_host_tier(started.host_blocks, copies)
+    if started.disk_folder is not None:
+        kv.add_disk_tier(open_disk_tier(started.disk_folder, layout.block_bytes, config.kv_disk_size))
     connector: KVConnector | None = None
     if config.splitwise_role == Role.PREFILL:
         connector = PrefillConnector(config, scheduler, layout, ctx, started.cache_service)

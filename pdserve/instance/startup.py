@@ -155,6 +155,7 @@ class StartedProcesses:
     host_blocks: int = 0  # --swap-space: blocks of the host prefix tier
     host_segment: str | None = None
     device_cache: bool = False  # the worker's cache is private (CUDA, or the CPU test mode)
+    disk_folder: str | None = None  # --kv-disk-path: this producer's folder (kv/disk_store.py)
 
     def shutdown(self) -> None:
         for proc in (self.worker, self.cache_service):
@@ -205,6 +206,18 @@ def layout_without_profile(config: EngineConfig, num_blocks: int) -> KVLayout:
     return KVLayout(num_blocks, model.num_layers, config.block_size, model.num_kv_heads, model.head_dim, dtype)
 
 
+def disk_folder(config: EngineConfig, layout: KVLayout) -> Path:
+    """Where this instance's disk tier keeps its blocks: under --kv-disk-path, a folder named by the weights'
+    digest, the KV dtype, the layout and the block size, so no other producer reads them."""
+    from pdserve.kv.disk_store import fingerprint
+    from pdserve.loader import resolve_model_folder
+    from pdserve.loader.weights_digest import weights_digest
+
+    digest = weights_digest(resolve_model_folder(config.model))
+    shape = (layout.num_layers, layout.num_kv_heads, layout.head_dim)
+    return Path(config.kv_disk_path) / fingerprint(digest, layout.dtype, shape, layout.block_size)
+
+
 def start_processes(config: EngineConfig, ctx: zmq.Context, sockdir: str) -> StartedProcesses:
     """Run the table's row for this config, step by step; every wait has config.startup_timeout and
     names the process. On failure, what was started is stopped and the segment removed."""
@@ -214,6 +227,9 @@ def start_processes(config: EngineConfig, ctx: zmq.Context, sockdir: str) -> Sta
         raise ValueError(refusal)
     key = (config.num_gpu_blocks_override is None, config.splitwise_role == Role.MIXED, config.enable_prefix_caching,
            cache_in_device_memory(config))
+    if key[3] and config.kv_disk_path is not None:
+        raise ValueError("--kv-disk-path needs the KV cache in shared memory (a CPU instance): with the cache in "
+                         "device memory the worker makes the host tier's copies, and it has no disk I/O yet")
     steps = TRUTH_TABLE[key]
     start = _Startup(config, ctx, sockdir, StartupLog(config.startup_log, steps, key), key[3])
     try:
@@ -260,6 +276,7 @@ class _Startup:
         self.layout: KVLayout | None = None
         self.segment: str | None = None
         self.messager_address: str | None = None
+        self.disk_folder: str | None = None
         self.endpoints: list[Endpoint] = []
         self.buffer_blocks = 0
         self.buffer_segment: str | None = None
@@ -342,7 +359,8 @@ class _Startup:
     def _create_in_service(self, staging: bool) -> None:
         from pdserve.disagg.messages import CreateCache
 
-        command = CreateCache(self.layout, self.buffer_blocks, self.host_blocks, cache_segment=staging)
+        command = CreateCache(self.layout, self.buffer_blocks, self.host_blocks, cache_segment=staging,
+                              disk_folder=self._disk_folder())
         ready = self.service.setup(command, self.timeout)
         self.segment, self.messager_address, self.endpoints = ready.segment, ready.messager_address, ready.endpoints
         self.buffer_segment, self.host_segment = ready.buffer_segment, ready.host_segment
@@ -357,13 +375,23 @@ class _Startup:
         from pdserve.disagg.messages import AttachCache
 
         self.host_blocks = gigabytes_in_blocks("--swap-space", self.config.swap_space, self.layout)
-        ready = self.service.setup(AttachCache(self.layout, self.segment, self.host_blocks), self.timeout)
+        ready = self.service.setup(AttachCache(self.layout, self.segment, self.host_blocks, self._disk_folder()),
+                                   self.timeout)
         self.host_segment = ready.host_segment
         self.log.record("cache_attached", CACHE_SERVICE, segment=self.segment,
                         **({"host_blocks": self.host_blocks} if self.host_blocks else {}))
+
+    def _disk_folder(self) -> str | None:
+        """--kv-disk-path's folder for these weights, this KV dtype and layout (their fingerprint)."""
+        if self.config.kv_disk_path is None:
+            return None
+        if self.disk_folder is None:
+            self.disk_folder = str(disk_folder(self.config, self.layout))
+            self.log.record("disk_tier", folder=self.disk_folder)
+        return self.disk_folder
 
     def result(self) -> StartedProcesses:
         return StartedProcesses(self.worker, self.service, self.layout, self.loaded.max_model_len,
                                 self.loaded.vocab_size, self.loaded.profile, self.endpoints, self.log, self.segment,
                                 self.buffer_blocks, self.buffer_segment, self.host_blocks, self.host_segment,
-                                self.device_cache)
+                                self.device_cache, self.disk_folder)

@@ -15,6 +15,7 @@ import msgspec
 
 DEVICE = "GPU"  # the engine's KV cache (vLLM's medium name, also for a CPU engine's cache in RAM)
 HOST = "CPU"  # the host tier (--swap-space): blocks evicted from the device cache, copied back on a hit
+DISK = "DISK"  # the disk tier (--kv-disk-path): what the host tier saved, kept across restarts
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 
 BlockHash = bytes | int  # vLLM sends bytes (SHA-256) or, from older versions, int

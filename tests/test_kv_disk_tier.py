@@ -1,0 +1,85 @@
+"""The disk tier end to end (`--kv-disk-path`, issue 55): a server restarted on the same folder serves a prompt's
+prefix from disk (counted as cached, the answer equal to the cold run's); a damaged file is a miss, never served
+(the answer still equal, the block computed); a server with another KV dtype on the same folder never reads them.
+The flag without --swap-space exits 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.greedy import assert_same_greedy_completion
+from tests.servers import Server, metrics, segments, stop_all, wait_for
+from tests.test_swap_space import COMMON, _complete, _prompts
+
+pytestmark = pytest.mark.e2e  # starts pdserve processes
+
+
+def _server(tmp_path: Path, name: str, disk: Path, *extra: str) -> Server:
+    s = Server(tmp_path / name, *COMMON, "--swap-space", "0.05", "--kv-disk-path", str(disk), *extra, wait=False)
+    s.wait_ready(240)
+    return s
+
+
+def _block_files(disk: Path) -> list[Path]:
+    return sorted(disk.glob("*/*.kvb"))
+
+
+def test_a_restarted_server_serves_prefixes_from_disk_and_never_a_damaged_block(tmp_path: Path) -> None:
+    before = segments()
+    disk = tmp_path / "kv"
+    a = _prompts()[0]
+    first = _server(tmp_path, "first", disk, "--dtype", "float32")
+    try:
+        cold = _complete(first.url, a)
+        assert cold.usage.prompt_tokens_details.cached_tokens == 0
+        wait_for(lambda: len(_block_files(disk)) >= 5, 10, "the prompt's blocks were not written to disk")
+    finally:
+        stop_all([first])
+    files = _block_files(disk)
+    assert len({f.parent for f in files}) == 1  # one producer's folder
+
+    again = _server(tmp_path, "again", disk, "--dtype", "float32")
+    try:
+        warm = _complete(again.url, a)
+        assert warm.usage.prompt_tokens_details.cached_tokens == 80  # 5 full blocks from disk; the 6th computed
+        assert_same_greedy_completion(warm, cold, "the prompt served from disk after a restart")
+        wait_for(lambda: metrics(again.metrics_port).get("pdserve_disk_cache_hit_blocks") == 5, 10,
+                 "the disk tier's hits were not counted")
+    finally:
+        stop_all([again])
+
+    for f in _block_files(disk):  # every block damaged: one flipped byte each
+        data = bytearray(f.read_bytes())
+        data[-1] ^= 0xFF
+        f.write_bytes(bytes(data))
+    damaged = _server(tmp_path, "damaged", disk, "--dtype", "float32")
+    try:
+        answer = _complete(damaged.url, a)
+        assert answer.usage.prompt_tokens_details.cached_tokens == 0  # nothing served from a damaged file
+        assert_same_greedy_completion(answer, cold, "the prompt after its disk blocks were damaged")
+        wait_for(lambda: metrics(damaged.metrics_port).get("pdserve_disk_cache_misses") == 5, 10,
+                 "the damaged blocks were not counted")  # the prompt's 5 full blocks, each read and refused
+        assert "is damaged (truncated or corrupt)" in damaged.log()
+    finally:
+        stop_all([damaged])
+
+    other = _server(tmp_path, "other", disk, "--dtype", "bfloat16")  # another KV dtype: another folder
+    try:
+        _complete(other.url, a)
+        _complete(other.url, a)  # the second finds the first in the device cache, never on disk
+        assert metrics(other.metrics_port)["pdserve_disk_cache_hit_blocks"] == 0
+    finally:
+        stop_all([other])
+    assert len({f.parent for f in _block_files(disk)}) == 2
+    assert segments() <= before, f"left behind: {segments() - before}"
+
+
+def test_kv_disk_path_without_swap_space_exits_2(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "pdserve.cli", "serve", "--kv-disk-path", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert "--kv-disk-path" in out.stderr and "--swap-space" in out.stderr
