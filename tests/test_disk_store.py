@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 
 import pytest
 import torch
@@ -68,10 +69,14 @@ def test_a_scan_gives_blocks_least_recently_used_first(tmp_path):
     for i in range(4):
         f.write(key(i), block(i))
     f.read(key(1), memoryview(bytearray(BLOCK)))
-    (f.folder / (key(9).hex() + ".kvb.tmp")).write_bytes(b"half a write")  # an interrupted write
+    stale = f.folder / (key(9).hex() + ".kvb.123.tmp")
+    stale.write_bytes(b"half a write")  # a write cut off a while ago
+    os.utime(stale, (1, 1))
+    live = f.folder / (key(7).hex() + ".kvb.456.tmp")
+    live.write_bytes(b"another process is writing this")
     (f.folder / (key(8).hex() + ".kvb")).write_bytes(b"another layout's block")
     assert files(tmp_path).scan() == [key(0), key(2), key(3), key(1)]
-    assert sorted(p.name for p in f.folder.iterdir()) == sorted(key(i).hex() + ".kvb" for i in range(4))
+    assert sorted(p.name for p in f.folder.iterdir()) == sorted([key(i).hex() + ".kvb" for i in range(4)] + [live.name])
 
 
 def test_another_producer_never_reads_these_blocks(tmp_path):

@@ -27,6 +27,7 @@ _HEADER = struct.Struct("<8s32sQ")  # magic, blake2b-256 of the payload, payload
 HEADER_BYTES = _HEADER.size
 SUFFIX = ".kvb"
 _TMP = ".tmp"
+STALE_TMP_S = 60.0  # a temporary file this old is a write that was cut off (another live writer's is younger)
 
 
 def fingerprint(weights_digest: str, kv_dtype: str, layout: tuple[int, ...] | list[int], block_size: int) -> str:
@@ -53,7 +54,7 @@ class DiskFiles:
         if len(data) != self.block_bytes:
             raise ValueError(f"a block is {self.block_bytes} bytes, got {len(data)}")
         path = self._path(key)
-        tmp = path.with_name(path.name + _TMP)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}{_TMP}")  # instances sharing a folder write their own
         with open(tmp, "wb") as f:
             f.write(_HEADER.pack(MAGIC, hashlib.blake2b(data, digest_size=32).digest(), len(data)))
             f.write(data)
@@ -82,12 +83,14 @@ class DiskFiles:
         self._path(key).unlink(missing_ok=True)
 
     def scan(self) -> list[bytes]:
-        """The folder's whole-sized block files, least recently used first; leftovers of interrupted writes and
-        files of another size are removed."""
+        """The folder's whole-sized block files, least recently used first; files of another size and leftovers
+        of writes cut off over a minute ago are removed (instances sharing the folder write their own
+        temporaries)."""
         found = []
         for entry in os.scandir(self.folder):
             if entry.name.endswith(_TMP):
-                Path(entry.path).unlink(missing_ok=True)
+                if time.time() - entry.stat().st_mtime > STALE_TMP_S:
+                    Path(entry.path).unlink(missing_ok=True)
                 continue
             if not entry.name.endswith(SUFFIX):
                 continue
