@@ -12,12 +12,16 @@ import pytest
 import zmq
 
 from pdserve.config.kv_events import KVEventsConfig, kv_events_config
+from pdserve.config.lora import lora_hash_root
 from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.kv.block_hash import hash_block
 from pdserve.kv_events.events import AllBlocksCleared, BlockStored
-from pdserve.kv_events.index import DEVICE_BIT, HOST_BIT, KVIndex
+from pdserve.kv_events.index import DEVICE_BIT, DISK_BIT, HOST_BIT, KVIndex
 from pdserve.kv_events.publisher import KVEventPublisher
 from pdserve.kv_events.subscriber import KVEventSubscriber
 from tests.servers import wait_for
+from tests.test_disk_tier import manager as disk_manager
+from tests.test_disk_tier import run as disk_run
 from tests.test_host_tier import BS, manager, run
 
 
@@ -215,3 +219,26 @@ def test_kv_events_config_takes_vllm_json_and_names_what_it_refuses() -> None:
         kv_events_config('{"enable_kv_cache_events": true, "unknown_key": 1}')
     with pytest.raises(ValueError, match="publisher 'nats'"):
         kv_events_config('{"publisher": "nats"}')
+
+
+def test_disk_tier_blocks_are_their_own_tier_in_the_index() -> None:
+    kv, copier = disk_manager(device_blocks=6, host_blocks=4, disk_blocks=32)
+    recorder = kv.record_events()
+    index = KVIndex()
+    index.set_sources("http://e", ["e#0"])  # not contacted
+    first = list(range(1, 18))
+    disk_run(kv, copier, first)
+    for seed in range(3):  # push the first prompt out of the device cache and the host tier
+        disk_run(kv, copier, [100 * (seed + 1) + t for t in range(17)])
+    index.apply("e#0", recorder.take())
+    view = cache_view(kv)
+    for h in kv.disk.saved_hashes():
+        view[h] = view.get(h, 0) | DISK_BIT
+    assert index.blocks("e#0") == view
+    hashes = [hash_block(lora_hash_root(None), first[:BS])]  # the first prompt's blocks, in order
+    for i in range(1, 4):
+        hashes.append(hash_block(hashes[-1], first[i * BS:(i + 1) * BS]))
+    assert all(index.blocks("e#0")[h] == DISK_BIT for h in hashes)  # on disk only
+    predicted = index.cached_blocks("http://e", hashes)
+    cached, _ = disk_run(kv, copier, first)
+    assert predicted == cached == 4  # the router foresees the disk hits the engine then takes

@@ -11,10 +11,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable
 
-from pdserve.kv_events.events import DEVICE, HOST, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from pdserve.kv_events.events import DEVICE, DISK, HOST, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
-DEVICE_BIT, HOST_BIT = 1, 2
-_BITS = {DEVICE: DEVICE_BIT, HOST: HOST_BIT, None: DEVICE_BIT}
+DEVICE_BIT, HOST_BIT, DISK_BIT = 1, 2, 4
+_BITS = {DEVICE: DEVICE_BIT, HOST: HOST_BIT, DISK: DISK_BIT, None: DEVICE_BIT}
+_BELOW_DEVICE = HOST_BIT | DISK_BIT  # after its device hits, the engine's lookup takes blocks from either
 
 
 class KVIndex:
@@ -91,7 +92,7 @@ class KVIndex:
 
     def cached_blocks(self, url: str, hashes: list[bytes]) -> int:
         """How many of the prompt's leading blocks `url` would take from its cache (its best source): a run
-        in the device cache, continued in the host tier, as the engine's lookup goes."""
+        in the device cache, continued in the host and disk tiers, as the engine's lookup goes."""
         with self._lock:
             return max((self._run(source, hashes) for source in self._sources.get(url, ())), default=0)
 
@@ -100,9 +101,9 @@ class KVIndex:
         for n, h in enumerate(hashes):
             bits = self._holders.get(h, {}).get(source, 0)
             if not bits & tier:
-                if tier == HOST_BIT or not bits & HOST_BIT:
+                if tier == _BELOW_DEVICE or not bits & _BELOW_DEVICE:
                     return n
-                tier = HOST_BIT  # the device run ended; the host tier goes on from here
+                tier = _BELOW_DEVICE  # the device run ended; the host and disk tiers go on from here
         return len(hashes)
 
     def blocks(self, source: str) -> dict[bytes, int]:
