@@ -32,7 +32,8 @@ constexpr int64_t kMaxRows = 64;
 // for blocks of 64 bf16 pairs. Without it the 2-core AVX-512 box read at ~40 GB/s, with it ~58 (its read
 // bandwidth).
 constexpr int64_t kPrefetchGroups = 16;
-constexpr int64_t kSlice = 64;  // outputs a task computes; slices of half a block made the two threads each fetch every cache line
+// Outputs a task computes: a whole block (with slices of half a block each thread fetched every line twice).
+constexpr int64_t kSlice = 64;
 
 struct Job {
   int64_t rows, n, k, block, item;  // x's rows, outputs, inputs, NB, bytes an element
