@@ -239,6 +239,6 @@ def test_disk_tier_blocks_are_their_own_tier_in_the_index() -> None:
     for i in range(1, 4):
         hashes.append(hash_block(hashes[-1], first[i * BS:(i + 1) * BS]))
     assert all(index.blocks("e#0")[h] == DISK_BIT for h in hashes)  # on disk only
-    predicted = index.cached_blocks("http://e", hashes)
+    predicted = index.cached_blocks("http://e", hashes)  # not contacted
     cached, _ = disk_run(kv, copier, first)
     assert predicted == cached == 4  # the router foresees the disk hits the engine then takes
