@@ -25,7 +25,9 @@ class ArrayCopier:
         self.pending: list[tuple[int, list[int], list[int]]] = []
         self.loads = 0
 
-    def save_blocks(self, save_id: int, device_blocks: list[int], host_blocks: list[int]) -> None:
+    def save_blocks(self, save_id: int, device_blocks: list[int], host_blocks: list[int],
+                    disk_keys: list[bytes] = ()) -> None:
+        assert not any(disk_keys), "no disk tier here"
         self.pending.append((save_id, device_blocks, host_blocks))
 
     def load_blocks(self, host_blocks: list[int], device_blocks: list[int]) -> None:

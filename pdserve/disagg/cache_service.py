@@ -170,8 +170,8 @@ class CacheService:
                 self.disk.remove(key)
 
     def _host_block(self, block: int) -> memoryview:
-        size = self.layout.block_bytes
-        return self.host.shm.buf[block * size:(block + 1) * size]
+        ((start, _, size),) = block_ranges(self.layout, [block], [block])
+        return self.host.shm.buf[start:start + size]
 
     def load(self, msg: LoadBlocks) -> BlocksLoaded:
         assert self.host is not None, "LoadBlocks needs --swap-space"

@@ -244,15 +244,14 @@ class KVCacheManager:
             self.pool.take(to_save)
             save_id = next(self._save_ids)
             self._saves[save_id] = to_save
-            if self.disk is None:
-                self.copier.save_blocks(save_id, [b.block_id for b in to_save], host_blocks)
-            else:
-                self.copier.save_blocks(save_id, [b.block_id for b in to_save], host_blocks, disk_keys)
+            self.copier.save_blocks(save_id, [b.block_id for b in to_save], host_blocks, disk_keys)
 
     def _disk_key(self, block_hash: bytes) -> bytes:
         """The key to write this block to disk under (b"": the disk has it, or there is no disk tier)."""
-        if self.disk is None or block_hash in self.disk:
-            if self.disk is not None and self.disk.readable(block_hash):
+        if self.disk is None:
+            return b""
+        if block_hash in self.disk:  # written, or being written
+            if self.disk.readable(block_hash):
                 self.disk.used(block_hash)
             return b""
         if dropped := self.disk.reserve(block_hash):

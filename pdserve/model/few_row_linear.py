@@ -10,6 +10,7 @@ once in the log.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import os
@@ -38,8 +39,6 @@ def _raw_packed(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A copy of the packed tensor's bytes, as `dtype` values in storage order."""
     nbytes = torch.ops.mkldnn._nbytes(packed)
     address = torch.ops.mkldnn.data_ptr(packed)
-    import ctypes
-
     buffer = (ctypes.c_char * nbytes).from_address(address)
     return torch.frombuffer(bytearray(buffer), dtype=dtype)
 
