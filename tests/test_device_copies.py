@@ -29,7 +29,7 @@ def test_queued_copies_are_reported_only_after_the_worker_ran_them() -> None:
     copies.load_blocks([3], [5])
     copies.stage_in([6, 7])
     copies.save_blocks(8, [], [])  # nothing to copy: done at once
-    assert copies.blocks_saved() == [(8, [], [])]
+    assert copies.blocks_saved() == [(8, [])]
     assert copies.pending
     step = copies.take()
     assert [(c.src, c.dst, c.src_blocks, c.dst_blocks) for c in step] == [
@@ -42,7 +42,7 @@ def test_queued_copies_are_reported_only_after_the_worker_ran_them() -> None:
     (swap,) = copies.swaps_done()
     assert swap[:2] == ("t1", 300)
     copies.done([c.copy_id for c in step])  # ids reported twice are ignored
-    assert copies.blocks_saved() == [(7, [0, 1], [])]
+    assert copies.blocks_saved() == [(7, [0, 1])]
     assert copies.swaps_done() == []
 
 

@@ -126,3 +126,40 @@ def test_the_weights_digest_follows_content_not_name(tmp_path, monkeypatch):
     reads = []
     monkeypatch.setattr(wd, "file_digest", lambda path: reads.append(path) or "x")
     assert wd.weights_digest(a) == before and reads == []  # known files are not read again
+
+
+def test_the_writer_writes_private_copies_off_the_caller_and_reports_each(tmp_path):
+    from pdserve.kv.disk_writer import DiskWriter
+
+    f = files(tmp_path)
+    writer = DiskWriter(f, max_queued_bytes=2 * BLOCK)
+    source = bytearray(block(1))
+    writer.put(key(1), memoryview(source))
+    source[:] = block(9)  # the host block is reused at once: the queued copy is what gets written
+    writer.put(key(2), memoryview(bytearray(block(2))))
+    assert writer.wait_idle(10)
+    assert sorted(writer.results()) == sorted([(key(1), True), (key(2), True)])
+    out = bytearray(BLOCK)
+    assert f.read(key(1), memoryview(out)) and bytes(out) == block(1)
+    assert writer.close(5) == 0
+
+
+def test_a_full_queue_drops_the_write_and_says_so(tmp_path, caplog):
+    import threading
+
+    from pdserve.kv.disk_writer import DiskWriter
+
+    f = files(tmp_path)
+    gate = threading.Event()
+    real_write = f.write
+    f.write = lambda k, d: (gate.wait(10), real_write(k, d))  # a slow disk
+    writer = DiskWriter(f, max_queued_bytes=BLOCK)  # one block queued at most
+    with caplog.at_level(logging.WARNING, logger="pdserve.kv.disk"):
+        writer.put(key(1), memoryview(block(1)))
+        writer.put(key(2), memoryview(block(2)))
+    assert writer.results() == [(key(2), False)] and writer.dropped == 1
+    assert "stays in memory only" in caplog.text
+    gate.set()
+    assert writer.close(10) == 0  # a stop finishes what was queued
+    assert writer.results() == [(key(1), True)]
+    assert not f.read(key(2), memoryview(bytearray(BLOCK)))

@@ -1,6 +1,8 @@
 """The disk tier under the host tier, as the engine's KV cache manager runs it (copies simulated with arrays):
 blocks gone from the device cache and the host tier are read back from disk instead of recomputed, a file lost
-on disk ends the run there (the rest is computed), and a reset forgets the disk's blocks and deletes their files."""
+on disk ends the run there (the rest is computed), a block is read only once its write finished, a reset forgets
+the disk's blocks and deletes their files (those written meanwhile too), and a clean stop writes what the disk
+lacks: the host tier's blocks whose write failed and the device cache's blocks still held by requests."""
 
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ class ArrayCopier:
         self.host = np.full(host_blocks, -1.0)
         self.disk: dict[bytes, float] = {}
         self.pending: list[tuple[int, list[int], list[int], list[bytes]]] = []
+        self.writes: list[tuple[bytes, float]] = []  # queued disk writes: (key, the block's content then)
+        self.fail_writes = False  # a full disk
         self.disk_reads = 0
 
     def save_blocks(self, save_id: int, device_blocks: list[int], host_blocks: list[int],
@@ -45,15 +49,25 @@ class ArrayCopier:
         for key in keys:
             self.disk.pop(key, None)
 
-    def complete_saves(self, kv: KVCacheManager) -> None:
+    def write_to_disk(self, keys: list[bytes], host_blocks: list[int]) -> None:
+        self.writes += [(k, float(self.host[b])) for k, b in zip(keys, host_blocks, strict=False) if k]
+
+    def complete_saves(self, kv: KVCacheManager, writes: bool = True) -> None:
+        """The host copies finish, then (with `writes`) the disk writes they queued."""
         for save_id, device_blocks, host_blocks, disk_keys in self.pending:
             self.host[host_blocks] = self.device[device_blocks]
-            written = [k for k, b in zip(disk_keys, host_blocks, strict=False) if k]
-            for key, block in zip(disk_keys, host_blocks, strict=False):
-                if key:
-                    self.disk[key] = self.host[block]
-            kv.saved(save_id, host_blocks, written)
+            kv.saved(save_id, host_blocks)
+            self.write_to_disk(disk_keys, host_blocks)
         self.pending = []
+        if writes:
+            self.complete_writes(kv)
+
+    def complete_writes(self, kv: KVCacheManager) -> None:
+        if not self.fail_writes:
+            self.disk.update(self.writes)
+        keys = [k for k, _ in self.writes]
+        kv.disk_written([] if self.fail_writes else keys, keys if self.fail_writes else [])
+        self.writes = []
 
 
 def manager(device_blocks: int, host_blocks: int, disk_blocks: int) -> tuple[KVCacheManager, ArrayCopier]:
@@ -64,9 +78,9 @@ def manager(device_blocks: int, host_blocks: int, disk_blocks: int) -> tuple[KVC
     return kv, copier
 
 
-def run(kv: KVCacheManager, copier: ArrayCopier, tokens: list[int]) -> tuple[int, list[float]]:
-    """Admit a request, 'compute' its uncached blocks (content: the token sum), free it; returns (cached blocks,
-    the device contents of its full blocks)."""
+def admit(kv: KVCacheManager, copier: ArrayCopier, tokens: list[int]) -> tuple[Request, int, list[float]]:
+    """Admit a request and 'compute' its uncached blocks (content: the token sum); returns it, its cached blocks
+    and the device contents of its full blocks."""
     req = Request("r", tokens, SamplingParams(max_tokens=1))
     prefix = kv.find_cached_prefix(req)
     assert kv.allocate(req, len(tokens) - len(prefix) * BS, prefix)
@@ -75,9 +89,21 @@ def run(kv: KVCacheManager, copier: ArrayCopier, tokens: list[int]) -> tuple[int
     req.num_computed_tokens = len(tokens)
     kv.commit_computed(req)
     contents = [float(copier.device[b.block_id]) for b in req.blocks[:len(tokens) // BS]]
+    return req, len(prefix), contents
+
+
+def run(kv: KVCacheManager, copier: ArrayCopier, tokens: list[int], writes: bool = True) -> tuple[int, list[float]]:
+    """admit(), then free the request and complete its saves; returns (cached blocks, contents)."""
+    req, cached, contents = admit(kv, copier, tokens)
     kv.free(req)
-    copier.complete_saves(kv)
-    return len(prefix), contents
+    copier.complete_saves(kv, writes)
+    return cached, contents
+
+
+def others(kv: KVCacheManager, copier: ArrayCopier, n: int = 3) -> None:
+    """Other prompts push the earlier ones out of the device cache and the host tier."""
+    for seed in range(n):
+        run(kv, copier, [100 * (seed + 1) + t for t in range(17)])
 
 
 def test_a_prefix_gone_from_device_and_host_comes_back_from_disk():
@@ -121,3 +147,43 @@ def test_the_disk_drops_least_recently_used_blocks_and_their_files():
     for seed in range(3):
         run(kv, copier, [100 * (seed + 1) + t for t in range(17)])
     assert len(kv.disk) == 5 and len(copier.disk) == 5
+
+
+def test_a_block_is_read_from_disk_only_once_its_write_finished():
+    kv, copier = manager(device_blocks=6, host_blocks=4, disk_blocks=32)
+    first = list(range(1, 18))
+    _, want = run(kv, copier, first, writes=False)
+    assert len(copier.writes) == 4 and copier.disk == {}  # queued, not written
+    for seed in range(3):
+        run(kv, copier, [100 * (seed + 1) + t for t in range(17)], writes=False)
+    cached, _ = run(kv, copier, first, writes=False)
+    assert cached == 0 and kv.disk.stats.hit_blocks == 0  # not yet whole on disk: computed
+    copier.complete_writes(kv)
+    others(kv, copier)
+    cached, got = run(kv, copier, first)
+    assert cached == 4 and got == want
+
+
+def test_writes_that_finish_after_a_reset_are_deleted():
+    kv, copier = manager(device_blocks=6, host_blocks=4, disk_blocks=32)
+    run(kv, copier, list(range(1, 18)), writes=False)
+    kv.reset_prefix_cache()
+    copier.complete_writes(kv)
+    assert copier.disk == {} and len(kv.disk) == 0
+
+
+def test_a_clean_stop_writes_what_the_disk_lacks_from_both_tiers():
+    kv, copier = manager(device_blocks=12, host_blocks=4, disk_blocks=32)
+    copier.fail_writes = True
+    _, want_saved = run(kv, copier, list(range(1, 18)))  # in the host tier; its disk writes failed
+    copier.fail_writes = False
+    held, _, want_held = admit(kv, copier, list(range(50, 67)))  # computed, still held by its request
+    assert len(kv.disk) == 0
+    ordered: set[bytes] = set()
+    while kv.write_tiers_to_disk(ordered) or kv.saves_in_flight or kv.disk_writes_in_flight:
+        copier.complete_saves(kv)
+        copier.complete_writes(kv)
+    assert len(kv.disk) == 8 and sorted(copier.disk.values()) == sorted(want_saved + want_held)
+    assert not kv.write_tiers_to_disk(ordered)  # nothing is ordered twice
+    kv.free(held)
+    copier.complete_saves(kv)

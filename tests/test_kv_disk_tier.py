@@ -1,7 +1,8 @@
-"""The disk tier end to end (`--kv-disk-path`, issue 55): a server restarted on the same folder serves a prompt's
-prefix from disk (counted as cached, the answer equal to the cold run's); a damaged file is a miss, never served
-(the answer still equal, the block computed); a server with another KV dtype on the same folder never reads them.
-The flag without --swap-space exits 2."""
+"""The disk tier end to end (`--kv-disk-path`, issue 55): a server stopped right after an answer and restarted on
+the same folder serves the prompt's prefix from disk (counted as cached, the answer equal to the cold run's), with
+the cache in shared memory or in the worker's own memory (the CUDA path, run on CPU); a damaged file is a miss,
+never served (the answer still equal, the block computed); a server with another KV dtype on the same folder never
+reads them. The flag without --swap-space exits 2."""
 
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ from tests.test_swap_space import COMMON, _complete, _prompts
 pytestmark = pytest.mark.e2e  # starts pdserve processes
 
 
-def _server(tmp_path: Path, name: str, disk: Path, *extra: str) -> Server:
-    s = Server(tmp_path / name, *COMMON, "--swap-space", "0.05", "--kv-disk-path", str(disk), *extra, wait=False)
+def _server(tmp_path: Path, name: str, disk: Path, *extra: str, env: dict[str, str] | None = None) -> Server:
+    s = Server(tmp_path / name, *COMMON, "--swap-space", "0.05", "--kv-disk-path", str(disk), *extra, wait=False,
+               env=env)
     s.wait_ready(240)
     return s
 
@@ -36,11 +38,11 @@ def test_a_restarted_server_serves_prefixes_from_disk_and_never_a_damaged_block(
     try:
         cold = _complete(first.url, a)
         assert cold.usage.prompt_tokens_details.cached_tokens == 0
-        wait_for(lambda: len(_block_files(disk)) >= 5, 10, "the prompt's blocks were not written to disk")
     finally:
-        stop_all([first])
+        stop_all([first])  # at once: a clean stop finishes the writes (and makes those not yet made)
     files = _block_files(disk)
-    assert len({f.parent for f in files}) == 1  # one producer's folder
+    assert len(files) == 6 and len({f.parent for f in files}) == 1  # the 96-token prompt: 6 blocks, one folder
+    assert "ordered written at stop" in first.log()
 
     again = _server(tmp_path, "again", disk, "--dtype", "float32")
     try:
@@ -75,6 +77,28 @@ def test_a_restarted_server_serves_prefixes_from_disk_and_never_a_damaged_block(
     finally:
         stop_all([other])
     assert len({f.parent for f in _block_files(disk)}) == 2
+    assert segments() <= before, f"left behind: {segments() - before}"
+
+
+def test_the_disk_tier_with_the_cache_in_the_workers_own_memory(tmp_path: Path) -> None:
+    from pdserve.instance.startup import PRIVATE_CACHE_ENV
+
+    before = segments()
+    disk, private = tmp_path / "kv", {PRIVATE_CACHE_ENV: "1"}
+    a = _prompts()[1]
+    first = _server(tmp_path, "first", disk, "--dtype", "float32", env=private)
+    try:
+        cold = _complete(first.url, a)
+    finally:
+        stop_all([first])
+    assert len(_block_files(disk)) == 6
+    again = _server(tmp_path, "again", disk, "--dtype", "float32", env=private)
+    try:
+        warm = _complete(again.url, a)
+        assert warm.usage.prompt_tokens_details.cached_tokens == 80
+        assert_same_greedy_completion(warm, cold, "the prompt served from disk through the worker's copies")
+    finally:
+        stop_all([again])
     assert segments() <= before, f"left behind: {segments() - before}"
 
 

@@ -11,8 +11,9 @@ host tier) or AttachCache (mixed role: the worker owns it). Then, by role:
 - mixed: only the host tier's copies, if any.
 With --swap-space (any role) it also keeps the host prefix tier: a segment of the cache's block layout
 that SaveBlocks copies cache blocks into and LoadBlocks copies back (engine/host_tier.py is the index); with
---kv-disk-path too, SaveBlocks writes the blocks it is given keys for to files and LoadFromDisk reads them back
-into host blocks (engine/disk_tier.py is the index, kv/disk_store.py the files).
+--kv-disk-path too, SaveBlocks (and WriteToDisk) queue the blocks they are given keys for to a writer thread
+(kv/disk_writer.py; DiskWritten reports them) and LoadFromDisk reads files back into host blocks
+(engine/disk_tier.py is the index, kv/disk_store.py the files). A stop finishes the queued writes first.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from pdserve.disagg.messages import (
     CreateCache,
     DetachCache,
     DiskLoaded,
+    DiskWritten,
     ExtendDeadline,
     LoadBlocks,
     LoadFromDisk,
@@ -49,8 +51,10 @@ from pdserve.disagg.messages import (
     ServiceShutdown,
     SwapDone,
     SwapIn,
+    WriteToDisk,
 )
 from pdserve.kv.disk_store import DiskFiles
+from pdserve.kv.disk_writer import DiskWriter
 from pdserve.kv.layout import block_ranges
 from pdserve.kv.transfer_plan import MessagerInput
 from pdserve.transport import CacheBuffer, KVReceiver, start_receiver
@@ -85,6 +89,7 @@ class CacheService:
             log.info("host prefix tier (--swap-space): %d blocks (%.2f GiB)",
                      command.host_blocks, command.host_blocks * command.layout.block_bytes / 2**30)
         self.disk = DiskFiles(Path(command.disk_folder), command.layout.block_bytes) if command.disk_folder else None
+        self.disk_writer = DiskWriter(self.disk) if self.disk is not None else None
         if config.rdma_comm_port and "rdma" in config.cache_transfer_protocol:
             port = config.rdma_comm_port  # UCX reads it when the NIXL agent is made (a free port is checked then)
             os.environ["UCX_TCP_PORT_RANGE"] = f"{port}-{port}"
@@ -113,6 +118,8 @@ class CacheService:
                                  self.host.name if self.host is not None else None)
 
     def close(self) -> None:
+        if self.disk_writer is not None and (left := self.disk_writer.close(DISK_FLUSH_S)):
+            log.warning("disk KV tier: stopped with %d block writes unfinished after %.0f s", left, DISK_FLUSH_S)
         for receiver in self.receivers:
             receiver.close()
         if self.messager is not None:
@@ -139,18 +146,21 @@ class CacheService:
         assert self.host is not None, "SaveBlocks needs --swap-space"
         start = time.perf_counter()
         self._copy(self.cache, self.host, msg.cache_blocks, msg.host_blocks)
-        written = [key for key, host_block in zip(msg.disk_keys, msg.host_blocks, strict=False)
-                   if key and self._write_to_disk(key, host_block)]
-        return BlocksSaved(msg.save_id, msg.host_blocks, time.perf_counter() - start, written)
+        self.write_to_disk(WriteToDisk(msg.disk_keys, msg.host_blocks))
+        return BlocksSaved(msg.save_id, msg.host_blocks, time.perf_counter() - start)
 
-    def _write_to_disk(self, key: bytes, host_block: int) -> bool:
-        assert self.disk is not None, "disk keys need --kv-disk-path"
-        try:
-            self.disk.write(key, self._host_block(host_block))
-            return True
-        except OSError as e:  # a full or failing disk loses the block, not the instance
-            log.warning("disk KV tier: could not write a block (%s); it stays in memory only", e)
-            return False
+    def write_to_disk(self, msg: WriteToDisk) -> None:
+        """Queue the host blocks with a key (b"": none) to the writer thread."""
+        for key, host_block in zip(msg.keys, msg.host_blocks, strict=False):
+            if key:
+                assert self.disk_writer is not None, "disk keys need --kv-disk-path"
+                self.disk_writer.put(key, self._host_block(host_block))
+
+    def disk_written(self) -> DiskWritten | None:
+        """The writes finished since the last call, if any."""
+        if self.disk_writer is None or not (results := self.disk_writer.results()):
+            return None
+        return DiskWritten([k for k, ok in results if ok], [k for k, ok in results if not ok])
 
     def load_from_disk(self, msg: LoadFromDisk) -> DiskLoaded:
         assert self.disk is not None, "LoadFromDisk needs --kv-disk-path"
@@ -222,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 GONE_WRITER_CHECK_S = 1.0  # a restarted decode instance sweeps its old segment seconds before it needs the room
+DISK_WRITES_POLL_MS = 20  # how soon finished disk writes are reported while some are queued
+DISK_FLUSH_S = 10.0  # a stopping service finishes its queued disk writes for this long at most
 
 
 def _serve(engine: zmq.Socket, service: CacheService) -> None:
@@ -234,7 +246,10 @@ def _serve(engine: zmq.Socket, service: CacheService) -> None:
     next_check = 0.0
     while True:
         raise_if_stopping()
-        events = dict(poller.poll(STOP_CHECK_MS))
+        writing = service.disk_writer is not None and service.disk_writer.busy
+        events = dict(poller.poll(DISK_WRITES_POLL_MS if writing else STOP_CHECK_MS))
+        if (written := service.disk_written()) is not None:
+            engine.send(msgspec.msgpack.encode(written))
         if service.messager is not None and time.monotonic() >= next_check:
             service.messager.drop_gone_writers()
             next_check = time.monotonic() + GONE_WRITER_CHECK_S
@@ -268,6 +283,8 @@ def _serve(engine: zmq.Socket, service: CacheService) -> None:
                 engine.send(msgspec.msgpack.encode(service.load(msg)))
             elif isinstance(msg, LoadFromDisk):
                 engine.send(msgspec.msgpack.encode(service.load_from_disk(msg)))
+            elif isinstance(msg, WriteToDisk):
+                service.write_to_disk(msg)
             elif isinstance(msg, RemoveFromDisk):
                 service.remove_from_disk(msg)
 

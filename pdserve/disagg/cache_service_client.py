@@ -13,6 +13,7 @@ from pdserve.disagg.messages import (
     CreateCache,
     DetachCache,
     DiskLoaded,
+    DiskWritten,
     ExtendDeadline,
     LoadBlocks,
     LoadFromDisk,
@@ -25,6 +26,7 @@ from pdserve.disagg.messages import (
     SwapDone,
     SwapIn,
     TransferDone,
+    WriteToDisk,
 )
 from pdserve.kv.layout import KVLayout
 from pdserve.utils.child_process import ChildDied, ChildProcess
@@ -42,6 +44,7 @@ class CacheServiceClient:
         self._attached_to_worker = False  # mixed role: the worker owns the cache, the service attached to it
         self._transfer_reports: list[TransferDone | SwapDone] = []  # arrived while a load was awaited
         self._saved: list[BlocksSaved] = []
+        self._disk_written: list[DiskWritten] = []
 
     @property
     def sockets(self) -> list[zmq.Socket]:
@@ -93,11 +96,20 @@ class CacheServiceClient:
                              BlocksLoaded):
             pass
 
-    def blocks_saved(self) -> list[tuple[int, list[int], list[bytes]]]:
-        """(save id, host blocks, disk keys written) of the saves completed since the last call."""
+    def blocks_saved(self) -> list[tuple[int, list[int]]]:
+        """(save id, host blocks) of the saves completed since the last call."""
         self._drain()
         out, self._saved = self._saved, []
-        return [(m.save_id, m.host_blocks, m.disk_written) for m in out]
+        return [(m.save_id, m.host_blocks) for m in out]
+
+    def write_to_disk(self, keys: list[bytes], host_blocks: list[int]) -> None:
+        self.child.send(WriteToDisk(list(keys), list(host_blocks)))
+
+    def disk_written(self) -> tuple[list[bytes], list[bytes]]:
+        """(keys written whole, keys not written) since the last call."""
+        self._drain()
+        out, self._disk_written = self._disk_written, []
+        return [k for m in out for k in m.written], [k for m in out for k in m.failed]
 
     def load_from_disk(self, keys: list[bytes], host_blocks: list[int]) -> list[bool]:
         self.child.send(LoadFromDisk(keys, host_blocks))
@@ -118,6 +130,8 @@ class CacheServiceClient:
             self._transfer_reports.append(msg)
         elif isinstance(msg, BlocksSaved):
             self._saved.append(msg)
+        elif isinstance(msg, DiskWritten):
+            self._disk_written.append(msg)
         elif isinstance(msg, ReceiverStats):
             self.refused_connections = msg.refused_connections
         return msg

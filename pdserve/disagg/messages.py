@@ -57,8 +57,8 @@ class SwapIn(msgspec.Struct, tag=True):
 
 
 class SaveBlocks(msgspec.Struct, tag=True):
-    """Host tier: copy these cache blocks into these host blocks, write those with a disk key to the disk tier
-    (b"": not), then report BlocksSaved."""
+    """Host tier: copy these cache blocks into these host blocks and report BlocksSaved; then write those with a
+    disk key to the disk tier (b"": not), reported by DiskWritten."""
 
     save_id: int
     cache_blocks: list[int]
@@ -80,6 +80,14 @@ class LoadFromDisk(msgspec.Struct, tag=True):
     host_blocks: list[int]
 
 
+class WriteToDisk(msgspec.Struct, tag=True):
+    """Disk tier: write these host blocks' bytes under these keys (a cache with the worker's copies, or the clean
+    stop's dump of blocks the disk lacks); reported by DiskWritten."""
+
+    keys: list[bytes]
+    host_blocks: list[int]
+
+
 class RemoveFromDisk(msgspec.Struct, tag=True):
     """Disk tier: these blocks' files are to go (dropped for room, or the prefix cache was reset)."""
 
@@ -91,7 +99,7 @@ class ServiceShutdown(msgspec.Struct, tag=True):
 
 
 ServiceInput = (CreateCache | AttachCache | DetachCache | ExtendDeadline | SwapIn | SaveBlocks | LoadBlocks
-                | LoadFromDisk | RemoveFromDisk | ServiceShutdown)
+                | LoadFromDisk | WriteToDisk | RemoveFromDisk | ServiceShutdown)
 
 
 class CacheServiceReady(msgspec.Struct, tag=True):
@@ -122,7 +130,13 @@ class BlocksSaved(msgspec.Struct, tag=True):
     save_id: int
     host_blocks: list[int]
     seconds: float
-    disk_written: list[bytes] = []  # the disk keys whose files are whole now
+
+
+class DiskWritten(msgspec.Struct, tag=True):
+    """Disk writes that finished since the last report (off the service's loop)."""
+
+    written: list[bytes]  # keys whose files are whole now
+    failed: list[bytes] = []  # keys not written (a full disk, or too many writes queued): memory only
 
 
 class BlocksLoaded(msgspec.Struct, tag=True):
@@ -145,7 +159,7 @@ class ReceiverStats(msgspec.Struct, tag=True):
 
 
 ServiceMessage = (CacheServiceReady | TransferDone | SwapDone | BlocksSaved | BlocksLoaded | DiskLoaded
-                  | ServiceError | ReceiverStats)
+                  | DiskWritten | ServiceError | ReceiverStats)
 
 
 # ---- control plane: decode <-> prefill -------------------------------------------------------

@@ -36,14 +36,20 @@ class BlockCopies(Protocol):
 
     def save_blocks(self, save_id: int, device_blocks: list[int], host_blocks: list[int],
                     disk_keys: list[bytes] = ()) -> None:
-        """Start copying cache blocks to host-tier blocks (and those with a disk key on to the disk tier);
-        reported done later (blocks_saved)."""
+        """Start copying cache blocks to host-tier blocks, reported done later (blocks_saved); those with a disk
+        key (b"": none) then go on to the disk tier (disk_written)."""
 
     def load_blocks(self, host_blocks: list[int], device_blocks: list[int]) -> None:
         """Copy host-tier blocks into cache blocks, complete before any later step reads them."""
 
-    def blocks_saved(self) -> list[tuple[int, list[int], list[bytes]]]:
-        """(save id, host blocks, disk keys written) of the saves completed since the last call."""
+    def blocks_saved(self) -> list[tuple[int, list[int]]]:
+        """(save id, host blocks) of the saves completed since the last call."""
+
+    def write_to_disk(self, keys: list[bytes], host_blocks: list[int]) -> None:
+        """Write host-tier blocks to the disk tier under these keys (disk_written)."""
+
+    def disk_written(self) -> tuple[list[bytes], list[bytes]]:
+        """(keys written whole, keys not written) since the last call."""
 
     def load_from_disk(self, keys: list[bytes], host_blocks: list[int]) -> list[bool]:
         """Read disk-tier blocks into host-tier blocks now; per key, whether it was whole and intact."""
@@ -86,8 +92,14 @@ class ServiceCopies:
     def load_blocks(self, host_blocks: list[int], device_blocks: list[int]) -> None:
         self.service.load_blocks(host_blocks, device_blocks)
 
-    def blocks_saved(self) -> list[tuple[int, list[int], list[bytes]]]:
+    def blocks_saved(self) -> list[tuple[int, list[int]]]:
         return self.service.blocks_saved()
+
+    def write_to_disk(self, keys: list[bytes], host_blocks: list[int]) -> None:
+        self.service.write_to_disk(keys, host_blocks)
+
+    def disk_written(self) -> tuple[list[bytes], list[bytes]]:
+        return self.service.disk_written()
 
     def load_from_disk(self, keys: list[bytes], host_blocks: list[int]) -> list[bool]:
         return self.service.load_from_disk(keys, host_blocks)

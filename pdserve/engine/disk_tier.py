@@ -62,14 +62,21 @@ class DiskTier:
                 self.events.removed(old, DISK)
         return dropped
 
-    def written(self, block_hash: BlockHash, ok: bool) -> None:
+    def written(self, block_hash: BlockHash, ok: bool) -> bool:
+        """Its write finished (whole, or not at all); False when the index no longer wants it (clear() ran
+        meanwhile: a whole file is then to go)."""
         if block_hash not in self._writing:
-            return  # clear() ran meanwhile
+            return False
         self._writing.discard(block_hash)
         if ok:
             self._blocks[block_hash] = None
             if self.events is not None:
                 self.events.stored([block_hash], None, [], DISK)
+        return True
+
+    @property
+    def num_writing(self) -> int:
+        return len(self._writing)
 
     def used(self, block_hash: BlockHash) -> None:
         self._blocks.move_to_end(block_hash)

@@ -42,6 +42,8 @@ from pdserve.worker.protocol import Chunk, ExecuteStep, NewRequest, StepResult
 
 log = logging.getLogger("pdserve.engine")
 
+DISK_DUMP_S = 8.0  # a clean stop's writes to the disk tier, at most (the API server waits 15 s for the engine)
+
 
 def _prompt_and_decode_work(out: SchedulerOutput) -> tuple[int, int]:
     """(prompt tokens computed, streams decoded) in a step; a decode's proposals count as neither."""
@@ -105,6 +107,7 @@ class EngineCore:
                 msg = decoder.decode(inputs.recv())
                 timeout = 0
                 if isinstance(msg, Shutdown):
+                    self._write_tiers_to_disk()
                     return
                 if isinstance(msg, UtilityCall):
                     result, aborted = self._utility(msg)
@@ -159,10 +162,33 @@ class EngineCore:
             self.kv_events.serve_replays()
 
     def _poll_host_tier(self) -> None:
-        """Saves to the host tier that completed give their device blocks back."""
+        """Saves to the host tier that completed give their device blocks back; disk writes that finished
+        make their blocks readable from the disk tier."""
         if self.kv.host is not None:
-            for save_id, host_blocks, disk_written in self.copies.blocks_saved():
-                self.kv.saved(save_id, host_blocks, disk_written)
+            for save_id, host_blocks in self.copies.blocks_saved():
+                self.kv.saved(save_id, host_blocks)
+        if self.kv.disk is not None and (done := self.copies.disk_written()) != ([], []):
+            self.kv.disk_written(*done)
+
+    def _write_tiers_to_disk(self, timeout: float = DISK_DUMP_S) -> None:
+        """A clean stop with a disk tier: the prefix blocks of the device cache and the host tier that the disk
+        lacks are written, for `timeout` seconds at most, so that a restart comes back with all it had."""
+        if self.kv.disk is None:
+            return
+        start = time.monotonic()
+        ordered: set[bytes] = set()
+        while time.monotonic() - start < timeout:
+            more = self.kv.write_tiers_to_disk(ordered)
+            if not more and not self.kv.saves_in_flight and not self.kv.disk_writes_in_flight:
+                break
+            if self.copies.pending:
+                self._run_copies_only()
+            else:
+                zmq.select(self.cache_service.sockets, [], [], 0.05)
+            self._poll_host_tier()
+        left = self.kv.saves_in_flight + self.kv.disk_writes_in_flight
+        log.info("disk KV tier: %d blocks the disk lacked ordered written at stop, in %.1f s%s", len(ordered),
+                 time.monotonic() - start, f"; {left} unfinished when the time ran out" if left else "")
 
     def _wait_for_host_saves(self, timeout: float = 10.0) -> None:
         """Until no device block is held for a copy to the host tier (they are seconds at most)."""

@@ -258,16 +258,45 @@ class KVCacheManager:
             self.copier.remove_from_disk(dropped)
         return block_hash
 
-    def saved(self, save_id: int, host_blocks: list[int], disk_written: Iterable[bytes] = ()) -> None:
-        """The copier finished save `save_id` (into these host blocks, and these disk files): the device blocks
-        go back."""
+    def saved(self, save_id: int, host_blocks: list[int]) -> None:
+        """The copier finished save `save_id` (into these host blocks): the device blocks go back."""
         blocks = self._saves.pop(save_id)
-        written = set(disk_written)
         for block, host_block in zip(blocks, host_blocks, strict=True):
             self.host.saved(block.block_hash, host_block)
-            if self.disk is not None:
-                self.disk.written(block.block_hash, block.block_hash in written)
         self.pool.free(blocks)  # in the order they were freed first: the tail of a prompt is evicted first
+
+    def disk_written(self, written: list[bytes], failed: list[bytes]) -> None:
+        """The cache service finished these disk writes: readable from the disk tier now (or not written)."""
+        orphans = [key for key in written if not self.disk.written(key, True)]
+        for key in failed:
+            self.disk.written(key, False)
+        if orphans:  # the index forgot them while they were written (a reset): their files go too
+            self.copier.remove_from_disk(orphans)
+
+    def write_tiers_to_disk(self, ordered: set[bytes]) -> bool:
+        """A clean stop: order the writes of the prefix blocks the disk lacks (not in `ordered`, which gains
+        them): the host tier's at once, the device cache's through the host tier, as many as it has room for
+        now (call again once saves complete). False when there was nothing left to order."""
+        if self.disk is None:
+            return False
+        keys, host_blocks = [], []
+        for block_hash in self.host.saved_hashes():
+            if block_hash not in self.disk and block_hash not in ordered:
+                keys.append(self._disk_key(block_hash))
+                host_blocks.append(self.host.lookup(block_hash))
+        if keys:
+            self.copier.write_to_disk(keys, host_blocks)
+        device = [b for h in self.pool.cached_hashes()
+                  if h not in self.host and h not in ordered and (b := self.pool.lookup(h)) is not None]
+        saves = set(self._saves)
+        self._save_to_host(device)
+        new = [b.block_hash for i in set(self._saves) - saves for b in self._saves[i]]
+        ordered.update(keys, new)
+        return bool(keys or new)
+
+    @property
+    def disk_writes_in_flight(self) -> int:
+        return self.disk.num_writing if self.disk is not None else 0
 
     @property
     def saves_in_flight(self) -> int:

@@ -102,8 +102,8 @@ class CacheService(Protocol):
     def sockets(self) -> list[zmq.Socket]:
         """What the engine loop polls to hear of completed host-tier saves."""
 
-    def blocks_saved(self) -> list[tuple[int, list[int], list[bytes]]]:
-        """Host-tier saves completed since the last call: (save id, host blocks, disk keys written)."""
+    def blocks_saved(self) -> list[tuple[int, list[int]]]:
+        """Host-tier saves completed since the last call: (save id, host blocks)."""
 
     def alive(self) -> bool: ...
 
@@ -122,6 +122,11 @@ class CacheService(Protocol):
 
     def load_from_disk(self, keys: list[bytes], host_blocks: list[int]) -> list[bool]: ...
 
+    def write_to_disk(self, keys: list[bytes], host_blocks: list[int]) -> None: ...
+
+    def disk_written(self) -> tuple[list[bytes], list[bytes]]:
+        """Disk writes finished since the last call: (keys written whole, keys not written)."""
+
     def remove_from_disk(self, keys: list[bytes]) -> None: ...
 
     def swap_in(self, transfer_id: str, buffer_blocks: list[int], cache_blocks: list[int]) -> None: ...
@@ -132,8 +137,11 @@ class NoCacheService:
 
     sockets: list = []
 
-    def blocks_saved(self) -> list[tuple[int, list[int], list[bytes]]]:
+    def blocks_saved(self) -> list[tuple[int, list[int]]]:
         return []
+
+    def disk_written(self) -> tuple[list[bytes], list[bytes]]:
+        return [], []
 
     def alive(self) -> bool:
         return True
@@ -155,6 +163,9 @@ class NoCacheService:
         raise RuntimeError("no cache service runs: there is no host tier to load from")
 
     def load_from_disk(self, keys: list[bytes], host_blocks: list[int]) -> list[bool]:
+        raise RuntimeError("no cache service runs: there is no disk tier")
+
+    def write_to_disk(self, keys: list[bytes], host_blocks: list[int]) -> None:
         raise RuntimeError("no cache service runs: there is no disk tier")
 
     def remove_from_disk(self, keys: list[bytes]) -> None:

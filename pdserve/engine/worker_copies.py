@@ -10,6 +10,9 @@ Ordering is what makes it correct: the next step that can read a block is the on
 and the worker runs copies first, in queue order. A copy the engine must see completed before it frees
 memory (a host-tier save releases its device blocks, a swap-in frees its buffer blocks) is reported in
 that step's result.
+
+The disk tier's files are the cache service's: a save with disk keys goes on to it once the worker has copied
+the blocks into the host segment the service maps, and disk reads land there too.
 """
 
 from __future__ import annotations
@@ -17,19 +20,24 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from pdserve.worker.protocol import DEVICE, BlockCopy
+
+if TYPE_CHECKING:
+    from pdserve.engine.kv_connector import CacheService
 
 
 class WorkerCopies:
     sockets: list = []  # nothing to poll: completed copies are reported with the step that ran them
 
-    def __init__(self, block_bytes: int) -> None:
+    def __init__(self, block_bytes: int, service: CacheService | None = None) -> None:
         self.block_bytes = block_bytes
+        self.service = service  # the disk tier's files
         self._ids = itertools.count()
         self._queue: list[BlockCopy] = []
         self._on_done: dict[int, Callable[[], None]] = {}
-        self._saved: list[tuple[int, list[int], list[bytes]]] = []
+        self._saved: list[tuple[int, list[int]]] = []
         self._swapped: list[tuple[str, int, float]] = []
 
     @property
@@ -52,23 +60,38 @@ class WorkerCopies:
 
     def save_blocks(self, save_id: int, device_blocks: list[int], host_blocks: list[int],
                     disk_keys: list[bytes] = ()) -> None:
-        if any(disk_keys):
-            raise RuntimeError("the disk tier runs with the cache in shared memory only (EngineConfig refuses it)")
-        self._add(DEVICE, "host", device_blocks, host_blocks,
-                  lambda: self._saved.append((save_id, host_blocks, [])))
+        def saved() -> None:
+            self._saved.append((save_id, host_blocks))
+            if any(disk_keys):
+                self.write_to_disk(list(disk_keys), host_blocks)
+
+        self._add(DEVICE, "host", device_blocks, host_blocks, saved)
 
     def load_blocks(self, host_blocks: list[int], device_blocks: list[int]) -> None:
         self._add("host", DEVICE, host_blocks, device_blocks)  # read first by the step that carries it
 
-    def blocks_saved(self) -> list[tuple[int, list[int], list[bytes]]]:
+    def blocks_saved(self) -> list[tuple[int, list[int]]]:
         out, self._saved = self._saved, []
         return out
 
+    # ---- the disk tier (the cache service's files, through the host segment) ----
+
+    def write_to_disk(self, keys: list[bytes], host_blocks: list[int]) -> None:
+        self._disk().write_to_disk(keys, host_blocks)
+
+    def disk_written(self) -> tuple[list[bytes], list[bytes]]:
+        return self.service.disk_written() if self.service is not None else ([], [])
+
     def load_from_disk(self, keys: list[bytes], host_blocks: list[int]) -> list[bool]:
-        raise RuntimeError("the disk tier runs with the cache in shared memory only (EngineConfig refuses it)")
+        return self._disk().load_from_disk(keys, host_blocks)
 
     def remove_from_disk(self, keys: list[bytes]) -> None:
-        raise RuntimeError("the disk tier runs with the cache in shared memory only (EngineConfig refuses it)")
+        self._disk().remove_from_disk(keys)
+
+    def _disk(self) -> CacheService:
+        if self.service is None:
+            raise RuntimeError("the disk tier needs the cache service (--kv-disk-path starts it)")
+        return self.service
 
     # ---- the decode side ----
 

@@ -52,7 +52,8 @@ def build_engine_core(config: EngineConfig, started: StartedProcesses, ctx: zmq.
     scheduler = Scheduler(SchedulerConfig.of(config, started.max_model_len, started.vocab_size), kv)
     service = started.cache_service or NoCacheService()
     # Only the worker reaches a cache in device memory: it runs the copies; else the cache service does.
-    copies: BlockCopies = WorkerCopies(layout.block_bytes) if started.device_cache else ServiceCopies(service)
+    copies: BlockCopies = (WorkerCopies(layout.block_bytes, started.cache_service) if started.device_cache
+                           else ServiceCopies(service))
     if started.host_blocks:
         kv.add_host_tier(started.host_blocks, copies)
     if started.disk_folder is not None:

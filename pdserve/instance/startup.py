@@ -227,9 +227,6 @@ def start_processes(config: EngineConfig, ctx: zmq.Context, sockdir: str) -> Sta
         raise ValueError(refusal)
     key = (config.num_gpu_blocks_override is None, config.splitwise_role == Role.MIXED, config.enable_prefix_caching,
            cache_in_device_memory(config))
-    if key[3] and config.kv_disk_path is not None:
-        raise ValueError("--kv-disk-path needs the KV cache in shared memory (a CPU instance): with the cache in "
-                         "device memory the worker makes the host tier's copies, and it has no disk I/O yet")
     steps = TRUTH_TABLE[key]
     start = _Startup(config, ctx, sockdir, StartupLog(config.startup_log, steps, key), key[3])
     try:
