@@ -31,7 +31,7 @@ class ArrayCopier:
         self.disk_reads = 0
 
     def save_blocks(self, save_id: int, device_blocks: list[int], host_blocks: list[int],
-                    disk_keys: list[bytes] = ()) -> None:
+                    disk_keys: list[bytes] = (), hashes: list[bytes] = ()) -> None:
         self.pending.append((save_id, device_blocks, host_blocks, list(disk_keys)))
 
     def load_blocks(self, host_blocks: list[int], device_blocks: list[int]) -> None:

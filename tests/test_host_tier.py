@@ -26,7 +26,7 @@ class ArrayCopier:
         self.loads = 0
 
     def save_blocks(self, save_id: int, device_blocks: list[int], host_blocks: list[int],
-                    disk_keys: list[bytes] = ()) -> None:
+                    disk_keys: list[bytes] = (), hashes: list[bytes] = ()) -> None:
         assert not any(disk_keys), "no disk tier here"
         self.pending.append((save_id, device_blocks, host_blocks))
 

@@ -21,6 +21,7 @@ from pdserve.balancing.policies import CacheAware, RoutedRequest
 from pdserve.config.engine import EngineConfig
 from pdserve.engine.engine_client import EngineClient, EngineError
 from pdserve.engine.messages import PDParams, RequestOutput
+from pdserve.engine.prefix_pull import PullHint
 from pdserve.engine.stats import EngineStats
 from pdserve.sampling import SamplingParams
 
@@ -109,7 +110,8 @@ class DataParallelEngine:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        eos_token_ids: list[int], pd: PDParams | None = None, num_resumed: int = 0,
-                       priority: int = 0, lora_name: str | None = None) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, lora_name: str | None = None,
+                       kv_pull: PullHint | None = None) -> AsyncIterator[RequestOutput]:
         rank = self._pick(prompt_token_ids)
         rank.in_flight_requests += 1
         rank.in_flight_tokens += len(prompt_token_ids)
@@ -117,7 +119,7 @@ class DataParallelEngine:
         self._where[request_id] = rank
         try:
             async for out in rank.engine.generate(request_id, prompt_token_ids, params, eos_token_ids, pd,
-                                                  num_resumed, priority, lora_name):
+                                                  num_resumed, priority, lora_name, kv_pull):
                 yield out
         finally:
             rank.in_flight_requests -= 1

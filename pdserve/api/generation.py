@@ -14,6 +14,7 @@ import msgspec
 from pdserve.api.async_engine import AsyncEngine
 from pdserve.engine.engine_client import EngineError
 from pdserve.engine.messages import PDParams, RequestTimes
+from pdserve.engine.prefix_pull import PullHint
 from pdserve.sampling import SamplingParams
 from pdserve.tokenization.detokenizer import IncrementalDetokenizer
 from pdserve.tokenization.tokenizer import Tokenizer
@@ -64,6 +65,7 @@ class Generation:
     priority: int = 0  # the request's `priority` (--scheduling-policy priority)
     admitted: Any = None  # api/admission.Admitted when --ttft-slo-ms / --rate-limit let it in
     lora_name: str | None = None  # the LoRA adapter its `model` named
+    kv_pull: PullHint | None = None  # the router's `kv_pull`: a peer to pull the prompt's prefix from
 
     def resume_after(self, token_ids: list[int], text: str) -> None:
         self.resumed, self.resumed_text = list(token_ids), text
@@ -107,7 +109,7 @@ async def generate_choices(engine: AsyncEngine, tokenizer: Tokenizer, gen: Gener
         engine_id = f"{gen.request_id}-{index}" + (f"-{uuid.uuid4().hex[:8]}" if gen.resumed else "")
         try:
             async for out in engine.generate(engine_id, prompt, sub, eos, pd, len(gen.resumed), gen.priority,
-                                             gen.lora_name):
+                                             gen.lora_name, gen.kv_pull):
                 if out.error is not None:  # 400s are the request's fault; the rest the engine's
                     raise (ValueError(out.error) if out.error_status == 400
                            else EngineError(out.error, out.error_type or "internal_server_error"))

@@ -20,6 +20,7 @@ from pdserve.api.protocol import ChatCompletionRequest, ChatMessage, CompletionR
 from pdserve.api.responses_api import respond_stream, respond_whole
 from pdserve.api.state import APIError, ServerState
 from pdserve.engine.messages import PDParams
+from pdserve.engine.prefix_pull import PullHint
 from pdserve.http.disconnect import until_disconnect
 from pdserve.http.wire import SENT_HEADER, parse_sent
 from pdserve.structured.spec import StructuredOutput, check, grammar_tokenizer, tool_call_spec
@@ -221,6 +222,17 @@ def migrate(state: ServerState, body: Any, gen: Generation, params: Any) -> Any:
     gen.created = migration.created if migration.created is not None else gen.created
     gen.resume_after(done, IncrementalDetokenizer(state.tokenizer, params).add(done))
     return msgspec.structs.replace(params, prompt_logprobs=None)  # they went out with the first chunk
+
+
+def pull_hint(state: ServerState, body: Any) -> PullHint | None:
+    """The router's `kv_pull`, for an instance that pulls (--enable-kv-pull); any other refuses it."""
+    hint = getattr(body, "kv_pull", None)
+    if hint is None:
+        return None
+    if not state.kv_pull:
+        raise APIError("kv_pull names a peer to pull the prompt's prefix from; this instance was started without "
+                       "--enable-kv-pull", param="kv_pull")
+    return PullHint(hint.addr, hint.num_blocks)
 
 
 def pd_params(body: Any) -> PDParams | None:

@@ -97,6 +97,21 @@ class ServerMetrics:
         self.disk_misses = ranked("pdserve_disk_cache_misses", "disk tier blocks found gone or damaged: computed")
         self.disk_load_seconds = ranked("pdserve_disk_cache_load_seconds",
                                         "engine time spent waiting for disk tier reads")
+        self.prefix_hits_by_tier = Gauge("pdserve_prefix_cache_hit_tokens_by_tier",
+                                         "prompt tokens served from cache, by where each block was: device, host, "
+                                         "disk, pulled (from a peer)", ["dp_rank", "tier"], registry=r)
+        # prefix pulls between instances (--enable-kv-pull)
+        self.pulls = ranked("pdserve_kv_pulls", "prefix pulls asked of peers")
+        self.pulled_blocks = ranked("pdserve_kv_pulled_blocks", "blocks prefix pulls brought")
+        self.pulls_failed = ranked("pdserve_kv_pulls_failed",
+                                   "prefix pulls that brought nothing (holder gone or evicted, timed out): computed")
+        self.pulls_skipped = ranked("pdserve_kv_pulls_skipped",
+                                    "routers' pull hints not followed: computing was cheaper")
+        self.pull_seconds = ranked("pdserve_kv_pull_seconds", "engine time spent waiting for prefix pulls")
+        self.pull_bandwidth = ranked("pdserve_kv_pull_bandwidth_bytes_per_second",
+                                     "the pull bandwidth the cost rule assumes (measured by pulls)")
+        self.prefill_rate = ranked("pdserve_prefill_tokens_per_second",
+                                   "the prefill rate the pull cost rule assumes (measured by prompt steps)")
         # --speculative-config (vLLM's spec_decode names)
         self.spec_drafts = ranked("pdserve_spec_decode_num_drafts", "sequence steps that carried proposals")
         self.spec_draft_tokens = ranked("pdserve_spec_decode_num_draft_tokens", "tokens proposed")
@@ -173,6 +188,16 @@ class ServerMetrics:
             self.disk_hits.labels(rank).set(disk.hit_blocks)
             self.disk_misses.labels(rank).set(disk.misses)
             self.disk_load_seconds.labels(rank).set(disk.load_seconds)
+        for tier, n in prefix.hit_tokens_by_tier.items():
+            self.prefix_hits_by_tier.labels(rank, tier).set(n)
+        if (pulls := stats.prefix_pulls) is not None:
+            self.pulls.labels(rank).set(pulls.pulls)
+            self.pulled_blocks.labels(rank).set(pulls.pulled_blocks)
+            self.pulls_failed.labels(rank).set(pulls.failed)
+            self.pulls_skipped.labels(rank).set(pulls.skipped)
+            self.pull_seconds.labels(rank).set(pulls.seconds)
+            self.pull_bandwidth.labels(rank).set(pulls.bandwidth)
+            self.prefill_rate.labels(rank).set(pulls.prefill_rate)
         if stats.pd is not None:
             self._refresh_pd(rank, stats.pd)
         if stats.spec_decode is not None:

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from pydantic_core import PydanticCustomError
 
 from pdserve.http.chat_content import text_content
-from pdserve.http.wire import Migration, PDRequest
+from pdserve.http.wire import KVPull, Migration, PDRequest
 from pdserve.sampling import SamplingParams
 from pdserve.structured.spec import StructuredOutput
 
@@ -143,6 +143,7 @@ class _SamplingFields(BaseModel):
     priority: int = 0  # vLLM's: with --scheduling-policy priority, lower is served first
     pd: PDRequest | None = None  # pdserve: set by the router on requests to prefill/decode instances
     migration: Migration | None = None  # pdserve: set by the router on streams it can resume elsewhere
+    kv_pull: KVPull | None = None  # pdserve: set by the router when a peer holds a longer prefix
 
     @model_validator(mode="before")
     @classmethod

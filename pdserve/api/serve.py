@@ -116,6 +116,7 @@ def serve(args: argparse.Namespace) -> int:
                             api_key=settings.api_key, sampling_defaults=sampling_defaults,
                             tool_call_parser=settings.tool_call_parser, data_parallel_size=settings.data_parallel_size,
                             scheduling_policy=config.scheduling_policy)
+        state.kv_pull = config.enable_kv_pull
         if config.enable_lora:
             state.lora = LoRAServing.of(config.lora_modules, config.enable_lora_runtime_loading)
         if slo.enabled or rate_limits is not None:
@@ -199,7 +200,8 @@ def registrations(engine: AsyncEngine | DataParallelEngine, url: str, advertise:
 def _registration(url: str, ready: EngineReady, engines: list[EngineReady], advertise: str, metrics_port: int,
                   name: str, tp_size: int) -> dict:
     sources = [KVEventSource(endpoint=advertised_endpoint(e.kv_events, advertise),
-                             replay=e.kv_events_replay and advertised_endpoint(e.kv_events_replay, advertise))
+                             replay=e.kv_events_replay and advertised_endpoint(e.kv_events_replay, advertise),
+                             pull=f"{advertise}:{e.kv_pull_port}" if e.kv_pull_port else None)
                for e in engines if e.kv_events]
     return Registration(role=ready.role, url=url, host=advertise, host_id=host_id(), pid=os.getpid(),
                         metrics_port=metrics_port, model=name,

@@ -51,6 +51,7 @@ class ServerState:
     taken: SentSince = field(default_factory=SentSince)
     acked: dict[str, int] = field(default_factory=dict)
     lora: LoRAServing | None = None  # --enable-lora: the adapters a request may name in `model`
+    kv_pull: bool = False  # --enable-kv-pull: a request's `kv_pull` is followed
 
     def announce_loras(self) -> None:
         """The adapters it serves go into its registrations (the next heartbeat tells the routers)."""

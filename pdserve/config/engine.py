@@ -79,6 +79,10 @@ class EngineConfig:
     kv_disk_size: int = option(  # bytes
         20 * 2**30, "the disk tier's size, e.g. 20G; least recently used blocks go first", type=parse_size,
         group=ENGINE)
+    enable_kv_pull: bool = option(
+        False, "prefix pulls between instances (needs --swap-space): serve this instance's host-tier blocks to "
+        "peers, and pull a prompt's prefix from the peer a router names (the one whose KV events show a longer "
+        "prefix) when the pull is cheaper than computing it", switch=True, group=ENGINE)
     speculative_config: SpeculativeConfig | None = option(
         None, 'speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'; each step speculates when measurement says it pays at '
@@ -169,6 +173,12 @@ class EngineConfig:
                              "--enable-prefix-caching")
         if self.kv_disk_path is not None and not self.swap_space:
             raise ValueError("--kv-disk-path writes and reads KV blocks through the host tier: it needs --swap-space")
+        if self.enable_kv_pull and not self.swap_space:
+            raise ValueError("--enable-kv-pull serves and receives KV blocks through the host tier: it needs "
+                             "--swap-space")
+        if self.enable_kv_pull and self.tensor_parallel_size > 1:
+            raise ValueError("--enable-kv-pull with --tensor-parallel-size above 1 is not served yet (each rank "
+                             "holds its share of a block)")
         if self.kv_disk_size <= 0:
             raise ValueError("--kv-disk-size must be positive")
         if self.pd_transfer_timeout <= 0:

@@ -30,6 +30,7 @@ import zmq
 
 from pdserve.config.engine import EngineConfig
 from pdserve.config.roles import Role
+from pdserve.disagg.block_server import BlockServer, HostBlockIndex
 from pdserve.disagg.cache_messager import CacheMessager
 from pdserve.disagg.messages import (
     AttachCache,
@@ -41,8 +42,12 @@ from pdserve.disagg.messages import (
     DiskLoaded,
     DiskWritten,
     ExtendDeadline,
+    ForgetHostBlocks,
+    HostBlocksFilled,
     LoadBlocks,
     LoadFromDisk,
+    PullDone,
+    PullFrom,
     ReceiverStats,
     RemoveFromDisk,
     SaveBlocks,
@@ -53,6 +58,7 @@ from pdserve.disagg.messages import (
     SwapIn,
     WriteToDisk,
 )
+from pdserve.disagg.prefix_pulls import PrefixPulls
 from pdserve.kv.disk_store import DiskFiles
 from pdserve.kv.disk_writer import DiskWriter
 from pdserve.kv.layout import block_ranges
@@ -110,18 +116,42 @@ class CacheService:
             self.inbox.setsockopt(zmq.LINGER, 0)
             self.inbox.bind(messager_address)
         self.messager_address = messager_address if self.messager is not None else None
+        self.host_index: HostBlockIndex | None = None
+        self.block_server: BlockServer | None = None
+        self.pulls: PrefixPulls | None = None
+        self.host_receivers: list[KVReceiver] = []
+        if config.enable_kv_pull and self.host is not None and command.fingerprint:
+            self._serve_pulls(config, ctx, command.fingerprint)
+
+    def _serve_pulls(self, config: EngineConfig, ctx: zmq.Context, fingerprint: str) -> None:
+        """Peers pull from this host tier (the block server) and write what this instance pulls into it."""
+        host = CacheBuffer(self.host.shm.buf, buffer_address(self.host.shm.buf))
+        self.host_index = HostBlockIndex()
+        self.block_server = BlockServer(ctx, config.pd_host, host, self.layout, fingerprint,
+                                        list(config.cache_transfer_protocol), self.host_index)
+        self.host_receivers = [start_receiver(p, host, self.host.name, config.pd_host,
+                                              config.advertise_host or config.pd_host)
+                               for p in config.cache_transfer_protocol]
+        self.pulls = PrefixPulls(ctx, self.host_index, fingerprint, [r.endpoint for r in self.host_receivers])
+        log.info("prefix pulls: serving host-tier blocks on port %d; receiving over %s", self.block_server.port,
+                 ", ".join(config.cache_transfer_protocol))
 
     def ready_message(self) -> CacheServiceReady:
         name = self.cache.name if self.cache is not None else None
         return CacheServiceReady(name, self.created, [r.endpoint for r in self.receivers],
                                  self.messager_address, self.buffer.name if self.buffer is not None else None,
-                                 self.host.name if self.host is not None else None)
+                                 self.host.name if self.host is not None else None,
+                                 self.block_server.port if self.block_server is not None else None,
+                                 [r.endpoint for r in self.host_receivers])
 
     def close(self) -> None:
         if self.disk_writer is not None and (left := self.disk_writer.close(DISK_FLUSH_S)):
             log.warning("disk KV tier: stopped with %d block writes unfinished after %.0f s", left, DISK_FLUSH_S)
-        for receiver in self.receivers:
+        for receiver in self.receivers + self.host_receivers:
             receiver.close()
+        for part in (self.block_server, self.pulls):
+            if part is not None:
+                part.close()
         if self.messager is not None:
             self.messager.close()
             self.messager.source = None  # type: ignore[assignment]
@@ -146,8 +176,15 @@ class CacheService:
         assert self.host is not None, "SaveBlocks needs --swap-space"
         start = time.perf_counter()
         self._copy(self.cache, self.host, msg.cache_blocks, msg.host_blocks)
-        self.write_to_disk(WriteToDisk(msg.disk_keys, msg.host_blocks))
+        self.host_filled(HostBlocksFilled(msg.host_blocks, msg.disk_keys, msg.hashes))
         return BlocksSaved(msg.save_id, msg.host_blocks, time.perf_counter() - start)
+
+    def host_filled(self, msg: HostBlocksFilled) -> None:
+        """Blocks just copied into the host tier: served to peers from now on, and written to disk if keyed."""
+        if self.host_index is not None:
+            for host_block, block_hash in zip(msg.host_blocks, msg.hashes, strict=False):
+                self.host_index.put(host_block, block_hash)
+        self.write_to_disk(WriteToDisk(msg.disk_keys, msg.host_blocks))
 
     def write_to_disk(self, msg: WriteToDisk) -> None:
         """Queue the host blocks with a key (b"": none) to the writer thread."""
@@ -172,12 +209,23 @@ class CacheService:
             except OSError as e:
                 log.warning("disk KV tier: could not read a block (%s): a miss", e)
                 ok.append(False)
+            if self.host_index is not None:
+                self.host_index.put(host_block, key) if ok[-1] else self.host_index.drop(host_block)
         return DiskLoaded(ok, time.perf_counter() - start)
 
     def remove_from_disk(self, msg: RemoveFromDisk) -> None:
         if self.disk is not None:
             for key in msg.keys:
                 self.disk.remove(key)
+
+    def pull(self, msg: PullFrom) -> PullDone | None:
+        if self.pulls is None:
+            return PullDone(msg.pull_id, 0, error="this instance was started without --enable-kv-pull")
+        return self.pulls.start(msg)
+
+    def forget_host_blocks(self) -> None:
+        if self.host_index is not None:
+            self.host_index.clear()
 
     def _host_block(self, block: int) -> memoryview:
         ((start, _, size),) = block_ranges(self.layout, [block], [block])
@@ -241,6 +289,9 @@ def _serve(engine: zmq.Socket, service: CacheService) -> None:
     poller.register(engine, zmq.POLLIN)
     if service.inbox is not None:
         poller.register(service.inbox, zmq.POLLIN)
+    if service.block_server is not None:
+        poller.register(service.block_server.socket, zmq.POLLIN)
+    polled_peers: set[zmq.Socket] = set()
     inbox_decoder = msgspec.msgpack.Decoder(MessagerInput)
     reported_refusals = 0
     next_check = 0.0
@@ -250,10 +301,20 @@ def _serve(engine: zmq.Socket, service: CacheService) -> None:
         events = dict(poller.poll(DISK_WRITES_POLL_MS if writing else STOP_CHECK_MS))
         if (written := service.disk_written()) is not None:
             engine.send(msgspec.msgpack.encode(written))
+        if service.pulls is not None:
+            for dealer in set(service.pulls.sockets) - polled_peers:
+                poller.register(dealer, zmq.POLLIN)
+            for dealer in polled_peers - set(service.pulls.sockets):
+                poller.unregister(dealer)
+            polled_peers = set(service.pulls.sockets)
+            for done in service.pulls.answers():
+                engine.send(msgspec.msgpack.encode(done))
+        if service.block_server is not None and service.block_server.socket in events:
+            service.block_server.handle_waiting()
         if service.messager is not None and time.monotonic() >= next_check:
             service.messager.drop_gone_writers()
             next_check = time.monotonic() + GONE_WRITER_CHECK_S
-        if (refused := sum(r.refused for r in service.receivers)) != reported_refusals:
+        if (refused := sum(r.refused for r in service.receivers + service.host_receivers)) != reported_refusals:
             engine.send(msgspec.msgpack.encode(ReceiverStats(refused)))
             reported_refusals = refused
         if service.inbox in events:
@@ -283,8 +344,15 @@ def _serve(engine: zmq.Socket, service: CacheService) -> None:
                 engine.send(msgspec.msgpack.encode(service.load(msg)))
             elif isinstance(msg, LoadFromDisk):
                 engine.send(msgspec.msgpack.encode(service.load_from_disk(msg)))
+            elif isinstance(msg, PullFrom):
+                if (done := service.pull(msg)) is not None:
+                    engine.send(msgspec.msgpack.encode(done))
+            elif isinstance(msg, ForgetHostBlocks):
+                service.forget_host_blocks()
             elif isinstance(msg, WriteToDisk):
                 service.write_to_disk(msg)
+            elif isinstance(msg, HostBlocksFilled):
+                service.host_filled(msg)
             elif isinstance(msg, RemoveFromDisk):
                 service.remove_from_disk(msg)
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+import uuid
+
 import zmq
 
 from pdserve.config.engine import EngineConfig
@@ -15,8 +18,12 @@ from pdserve.disagg.messages import (
     DiskLoaded,
     DiskWritten,
     ExtendDeadline,
+    ForgetHostBlocks,
+    HostBlocksFilled,
     LoadBlocks,
     LoadFromDisk,
+    PullDone,
+    PullFrom,
     ReceiverStats,
     RemoveFromDisk,
     SaveBlocks,
@@ -87,8 +94,11 @@ class CacheServiceClient:
     # ---- the host tier (what ServiceCopies, engine/block_copies.py, orders) ----
 
     def save_blocks(self, save_id: int, device_blocks: list[int], host_blocks: list[int],
-                    disk_keys: list[bytes] = ()) -> None:
-        self.child.send(SaveBlocks(save_id, device_blocks, host_blocks, list(disk_keys)))
+                    disk_keys: list[bytes] = (), hashes: list[bytes] = ()) -> None:
+        self.child.send(SaveBlocks(save_id, device_blocks, host_blocks, list(disk_keys), list(hashes)))
+
+    def host_blocks_filled(self, host_blocks: list[int], disk_keys: list[bytes], hashes: list[bytes]) -> None:
+        self.child.send(HostBlocksFilled(host_blocks, list(disk_keys), list(hashes)))
 
     def load_blocks(self, host_blocks: list[int], device_blocks: list[int]) -> None:
         self.child.send(LoadBlocks(host_blocks, device_blocks))
@@ -120,6 +130,25 @@ class CacheServiceClient:
 
     def remove_from_disk(self, keys: list[bytes]) -> None:
         self.child.send(RemoveFromDisk(keys))
+
+    def pull_blocks(self, addr: str, hashes: list[bytes], host_blocks: list[int], deadline: float,
+                    wait_until: float) -> tuple[int, int] | None:
+        """Pull a run of blocks from the peer's block server at `addr` into these host blocks; (blocks, bytes)
+        written, or None when no answer came by `wait_until` (unix time)."""
+        pull_id = uuid.uuid4().hex
+        self.child.send(PullFrom(pull_id, addr, hashes, host_blocks, deadline))
+        while (left := wait_until - time.time()) > 0:
+            if not self.child.sock.poll(min(left, 0.5) * 1000):
+                if not self.alive():
+                    raise ChildDied(f"the cache service process exited (code {self.proc.returncode}) during a pull")
+                continue
+            msg = self._route(self.child.receive_nowait())
+            if isinstance(msg, PullDone) and msg.pull_id == pull_id:
+                return msg.num_blocks, msg.nbytes
+        return None
+
+    def forget_host_blocks(self) -> None:
+        self.child.send(ForgetHostBlocks())
 
     def _drain(self) -> None:
         while (msg := self.child.receive_nowait()) is not None:

@@ -27,6 +27,7 @@ class CreateCache(msgspec.Struct, tag=True):
     host_blocks: int = 0  # --swap-space: the host prefix tier, this many blocks of the same layout
     cache_segment: bool = True  # False: a mixed instance's device cache needs only the host tier
     disk_folder: str | None = None  # --kv-disk-path: this producer's folder of block files (kv/disk_store.py)
+    fingerprint: str | None = None  # what produced the KV bytes (kv/disk_store.fingerprint): pulls match it
 
 
 class AttachCache(msgspec.Struct, tag=True):
@@ -34,6 +35,7 @@ class AttachCache(msgspec.Struct, tag=True):
     segment: str
     host_blocks: int = 0  # at startup only; an AttachCache after weights were reloaded keeps the tier
     disk_folder: str | None = None  # at startup only, as in CreateCache
+    fingerprint: str | None = None  # at startup only, as in CreateCache
 
 
 class DetachCache(msgspec.Struct, tag=True):
@@ -64,6 +66,7 @@ class SaveBlocks(msgspec.Struct, tag=True):
     cache_blocks: list[int]
     host_blocks: list[int]
     disk_keys: list[bytes] = []
+    hashes: list[bytes] = []  # --enable-kv-pull: each block's hash, so that the service can serve it to peers
 
 
 class LoadBlocks(msgspec.Struct, tag=True):
@@ -88,10 +91,34 @@ class WriteToDisk(msgspec.Struct, tag=True):
     host_blocks: list[int]
 
 
+class HostBlocksFilled(msgspec.Struct, tag=True):
+    """The worker copied device-cache blocks into these host blocks (a cache in device memory): what SaveBlocks
+    does after its own copy, for them (index their hashes for pulls, write those with a disk key)."""
+
+    host_blocks: list[int]
+    disk_keys: list[bytes] = []
+    hashes: list[bytes] = []
+
+
 class RemoveFromDisk(msgspec.Struct, tag=True):
     """Disk tier: these blocks' files are to go (dropped for room, or the prefix cache was reset)."""
 
     keys: list[bytes]
+
+
+class ForgetHostBlocks(msgspec.Struct, tag=True):
+    """The host tier was cleared (a reset): serve none of its blocks to peers any more."""
+
+
+class PullFrom(msgspec.Struct, tag=True):
+    """--enable-kv-pull: ask the peer's cache service at `addr` (host:port) for this run of blocks, to be written
+    into these host blocks (which stop being served meanwhile) by `deadline` (unix time); then report PullDone."""
+
+    pull_id: str
+    addr: str
+    hashes: list[bytes]
+    host_blocks: list[int]
+    deadline: float
 
 
 class ServiceShutdown(msgspec.Struct, tag=True):
@@ -99,7 +126,8 @@ class ServiceShutdown(msgspec.Struct, tag=True):
 
 
 ServiceInput = (CreateCache | AttachCache | DetachCache | ExtendDeadline | SwapIn | SaveBlocks | LoadBlocks
-                | LoadFromDisk | WriteToDisk | RemoveFromDisk | ServiceShutdown)
+                | LoadFromDisk | WriteToDisk | HostBlocksFilled | RemoveFromDisk | ForgetHostBlocks | PullFrom
+                | ServiceShutdown)
 
 
 class CacheServiceReady(msgspec.Struct, tag=True):
@@ -109,6 +137,8 @@ class CacheServiceReady(msgspec.Struct, tag=True):
     messager_address: str | None  # where the worker sends StepTransfers / LayerDone (prefill side)
     buffer_segment: str | None = None  # decode role with a splitwise cache buffer
     host_segment: str | None = None  # with --swap-space
+    pull_port: int | None = None  # --enable-kv-pull: where peers ask for this instance's host-tier blocks
+    host_endpoints: list[Endpoint] = []  # --enable-kv-pull: where peers write blocks pulled into the host tier
 
 
 class TransferDone(msgspec.Struct, tag=True):
@@ -139,6 +169,13 @@ class DiskWritten(msgspec.Struct, tag=True):
     failed: list[bytes] = []  # keys not written (a full disk, or too many writes queued): memory only
 
 
+class PullDone(msgspec.Struct, tag=True):
+    pull_id: str
+    num_blocks: int  # the leading blocks of the run now in the host blocks asked for
+    nbytes: int = 0
+    error: str | None = None
+
+
 class BlocksLoaded(msgspec.Struct, tag=True):
     seconds: float
 
@@ -159,7 +196,7 @@ class ReceiverStats(msgspec.Struct, tag=True):
 
 
 ServiceMessage = (CacheServiceReady | TransferDone | SwapDone | BlocksSaved | BlocksLoaded | DiskLoaded
-                  | DiskWritten | ServiceError | ReceiverStats)
+                  | DiskWritten | PullDone | ServiceError | ReceiverStats)
 
 
 # ---- control plane: decode <-> prefill -------------------------------------------------------
@@ -209,3 +246,29 @@ class PDError(msgspec.Struct, tag=True):
 
 
 ControlMessage = CacheInfo | PrefillDone | LeaseRenew | PrefillAck | PDError
+
+
+# ---- prefix pulls: an engine <-> a peer's cache service (--enable-kv-pull) ------------------------
+
+
+class PullBlocks(msgspec.Struct, tag=True):
+    """Write the host-tier blocks of this run of hashes, in order and as far as the run goes, into the asker's
+    host blocks (one per hash) through one of its endpoints; then answer PullReply."""
+
+    pull_id: str
+    fingerprint: str  # the asker's producer (kv/disk_store.fingerprint): blocks of another are never sent
+    hashes: list[bytes]
+    host_blocks: list[int]
+    endpoints: list[Endpoint]
+    deadline: float  # unix time: a pull that reaches the holder later writes nothing (the asker gave up)
+
+
+class PullReply(msgspec.Struct, tag=True):
+    pull_id: str
+    num_blocks: int  # the leading blocks written (0: none; the asker computes the rest)
+    nbytes: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+
+
+PullMessage = PullBlocks | PullReply

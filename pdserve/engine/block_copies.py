@@ -35,9 +35,10 @@ class BlockCopies(Protocol):
         """The worker completed these copies."""
 
     def save_blocks(self, save_id: int, device_blocks: list[int], host_blocks: list[int],
-                    disk_keys: list[bytes] = ()) -> None:
+                    disk_keys: list[bytes] = (), hashes: list[bytes] = ()) -> None:
         """Start copying cache blocks to host-tier blocks, reported done later (blocks_saved); those with a disk
-        key (b"": none) then go on to the disk tier (disk_written)."""
+        key (b"": none) then go on to the disk tier (disk_written). `hashes` (--enable-kv-pull): each block's
+        hash, so that the cache service serves it to peers."""
 
     def load_blocks(self, host_blocks: list[int], device_blocks: list[int]) -> None:
         """Copy host-tier blocks into cache blocks, complete before any later step reads them."""
@@ -56,6 +57,14 @@ class BlockCopies(Protocol):
 
     def remove_from_disk(self, keys: list[bytes]) -> None:
         """Delete these disk-tier blocks' files."""
+
+    def pull_blocks(self, addr: str, hashes: list[bytes], host_blocks: list[int], deadline: float,
+                    wait_until: float) -> tuple[int, int] | None:
+        """Pull a run of blocks from a peer (--enable-kv-pull) into these host blocks now: (blocks, bytes)
+        written, or None if no answer came by `wait_until` (unix time)."""
+
+    def forget_host_blocks(self) -> None:
+        """The host tier was cleared: serve none of its blocks to peers."""
 
     def swap_in(self, transfer_id: str, buffer_blocks: list[int], cache_blocks: list[int]) -> None:
         """Decode buffer -> cache; reported once copied."""
@@ -86,8 +95,8 @@ class ServiceCopies:
         pass
 
     def save_blocks(self, save_id: int, device_blocks: list[int], host_blocks: list[int],
-                    disk_keys: list[bytes] = ()) -> None:
-        self.service.save_blocks(save_id, device_blocks, host_blocks, disk_keys)
+                    disk_keys: list[bytes] = (), hashes: list[bytes] = ()) -> None:
+        self.service.save_blocks(save_id, device_blocks, host_blocks, disk_keys, hashes)
 
     def load_blocks(self, host_blocks: list[int], device_blocks: list[int]) -> None:
         self.service.load_blocks(host_blocks, device_blocks)
@@ -106,6 +115,13 @@ class ServiceCopies:
 
     def remove_from_disk(self, keys: list[bytes]) -> None:
         self.service.remove_from_disk(keys)
+
+    def pull_blocks(self, addr: str, hashes: list[bytes], host_blocks: list[int], deadline: float,
+                    wait_until: float) -> tuple[int, int] | None:
+        return self.service.pull_blocks(addr, hashes, host_blocks, deadline, wait_until)
+
+    def forget_host_blocks(self) -> None:
+        self.service.forget_host_blocks()
 
     def swap_in(self, transfer_id: str, buffer_blocks: list[int], cache_blocks: list[int]) -> None:
         self.service.swap_in(transfer_id, buffer_blocks, cache_blocks)

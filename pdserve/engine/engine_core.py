@@ -30,7 +30,7 @@ from pdserve.engine.request import Request
 from pdserve.engine.request_output import error_output, final_output
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.scheduler_output import SchedulerOutput
-from pdserve.engine.stats import DiskTierStats, EngineStats, HostTierStats, PrefixCacheStats
+from pdserve.engine.stats import DiskTierStats, EngineStats, HostTierStats, PrefixCacheStats, PrefixPullStats
 from pdserve.engine.worker_client import WorkerClient
 from pdserve.kv.layout import KVLayout
 from pdserve.kv.transfer_plan import TransferPlan
@@ -234,7 +234,8 @@ class EngineCore:
                                   error=f"the LoRA adapter '{msg.lora_name}' is not loaded",
                                   num_prompt_tokens=len(msg.prompt_token_ids))]
         request = Request(msg.request_id, msg.prompt_token_ids, msg.params, tuple(msg.eos_token_ids),
-                          num_resumed=msg.num_resumed, priority=msg.priority, lora_name=msg.lora_name)
+                          num_resumed=msg.num_resumed, priority=msg.priority, lora_name=msg.lora_name,
+                          kv_pull=msg.kv_pull if self.kv.pulls is not None else None)
         request.times.arrival = msg.arrival_time
         try:
             if msg.pd is None:
@@ -370,9 +371,17 @@ class EngineCore:
             preallocated=len(self.scheduler.preallocated), num_preemptions=self.scheduler.num_preemptions,
             num_steps=self.num_steps, num_computed_tokens=self.num_computed_tokens,
             prefix_cache=PrefixCacheStats(prefix.requests, prefix.hit_requests, prefix.queried_tokens,
-                                          prefix.hit_tokens),
+                                          prefix.hit_tokens, dict(prefix.hit_tokens_by_tier)),
             weights_loaded=self.weights_loaded, host_tier=self._host_tier_stats(), disk_tier=self._disk_tier_stats(),
-            spec_decode=self._spec_decode_stats(), pd=self.connector.stats())
+            prefix_pulls=self._prefix_pull_stats(), spec_decode=self._spec_decode_stats(), pd=self.connector.stats())
+
+    def _prefix_pull_stats(self) -> PrefixPullStats | None:
+        cost = self.kv.pulls
+        if cost is None:
+            return None
+        s = cost.stats
+        return PrefixPullStats(s.pulls, s.pulled_blocks, s.failed, s.skipped, s.seconds, s.nbytes, cost.bandwidth,
+                               cost.prefill_rate)
 
     def _spec_decode_stats(self) -> SpecDecodeCounts | None:
         scheduler = self.scheduler

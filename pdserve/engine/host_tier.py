@@ -16,6 +16,7 @@ Host blocks are reused least recently used first.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -43,6 +44,7 @@ class HostTier:
         self._saved: OrderedDict[BlockHash, int] = OrderedDict()  # least recently used first
         self._saving: dict[BlockHash, int] = {}  # copies in flight: not readable, not reusable
         self._clean: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._quarantined: list[tuple[float, int]] = []  # (usable again at, block): failed pulls' blocks
         self.stats = HostTierStats()
         self.events: KVEventRecorder | None = None  # told of each block saved and each one reused
 
@@ -63,6 +65,7 @@ class HostTier:
     def reserve(self, block_hash: BlockHash) -> int | None:
         """A host block to save this hash into: a clean one, else the least recently used saved one.
         None when every block has a copy in flight."""
+        self._release_quarantined()
         if self._clean:
             block = self._clean.pop()
         elif self._saved:
@@ -74,22 +77,32 @@ class HostTier:
         self._saving[block_hash] = block
         return block
 
-    def saved(self, block_hash: BlockHash, block: int, from_disk: bool = False) -> None:
-        """The copy into `block` completed (from the device cache, or read from the disk tier): the hash is
-        readable from now on."""
+    def saved(self, block_hash: BlockHash, block: int, from_device: bool = True) -> None:
+        """The copy into `block` completed (from the device cache, or read from the disk tier or a peer): the
+        hash is readable from now on."""
         if self._saving.get(block_hash) == block:
             del self._saving[block_hash]
             self._saved[block_hash] = block
-            self.stats.swap_out_blocks += not from_disk
+            self.stats.swap_out_blocks += from_device
             if self.events is not None:
                 self.events.stored([block_hash], None, [], HOST)
         # else: clear() ran while it was in flight; the block went back to the clean list then
 
-    def abandon(self, block_hash: BlockHash, block: int) -> None:
-        """A reserved block that will not be filled (its disk read failed): back to the clean list."""
+    def abandon(self, block_hash: BlockHash, block: int, unused_until: float | None = None) -> None:
+        """A reserved block that will not be filled (its disk read or pull failed): back to the clean list, or
+        (`unused_until`, monotonic time) kept out of use until then: a late write may still land in it."""
         if self._saving.get(block_hash) == block:
             del self._saving[block_hash]
-            self._clean.append(block)
+            if unused_until is None:
+                self._clean.append(block)
+            else:
+                self._quarantined.append((unused_until, block))
+
+    def _release_quarantined(self) -> None:
+        now = time.monotonic()
+        if self._quarantined and self._quarantined[0][0] <= now:
+            self._clean += [b for t, b in self._quarantined if t <= now]
+            self._quarantined = [(t, b) for t, b in self._quarantined if t > now]
 
     def saved_hashes(self) -> list[BlockHash]:
         return list(self._saved)
@@ -98,4 +111,5 @@ class HostTier:
         """Forget every saved block (the weights changed, so the KV is stale)."""
         self._saved.clear()
         self._saving.clear()
-        self._clean = list(range(self.num_blocks - 1, -1, -1))
+        quarantined = {b for _, b in self._quarantined}
+        self._clean = [b for b in range(self.num_blocks - 1, -1, -1) if b not in quarantined]

@@ -12,13 +12,14 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pdserve.config.lora import lora_hash_root
 from pdserve.engine.block_pool import Block, BlockPool
 from pdserve.engine.disk_tier import DiskTier
 from pdserve.engine.host_tier import HostTier
+from pdserve.engine.prefix_pull import QUARANTINE_S, PullCost, PullHint
 from pdserve.engine.request import Request
 from pdserve.kv.block_hash import hash_block
 from pdserve.kv_events.events import DEVICE, DISK, HOST, BlockStored, KVEvent
@@ -28,18 +29,24 @@ if TYPE_CHECKING:
     from pdserve.engine.block_copies import BlockCopies
 
 
+TIERS = (DEVICE_TIER, HOST_TIER, DISK_TIER, PULLED) = ("device", "host", "disk", "pulled")
+
+
 @dataclass
 class PrefixCacheStats:
     requests: int = 0  # requests looked up
     hit_requests: int = 0  # requests with at least one block served from the cache
     queried_tokens: int = 0
     hit_tokens: int = 0
+    hit_tokens_by_tier: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
 
-    def record(self, num_tokens: int, num_hit_tokens: int) -> None:
+    def record(self, num_tokens: int, num_hit_tokens: int, by_tier: dict[str, int] | None = None) -> None:
         self.requests += 1
         self.hit_requests += num_hit_tokens > 0
         self.queried_tokens += num_tokens
         self.hit_tokens += num_hit_tokens
+        for tier, n in (by_tier or {DEVICE_TIER: num_hit_tokens}).items():
+            self.hit_tokens_by_tier[tier] += n
 
     @property
     def hit_rate(self) -> float:
@@ -55,6 +62,7 @@ class KVCacheManager:
         self.host: HostTier | None = None
         self.disk: DiskTier | None = None
         self.copier: BlockCopies | None = None
+        self.pulls: PullCost | None = None  # --enable-kv-pull
         self._saves: dict[int, list[Block]] = {}  # save id -> device blocks held until their copy is done
         self._save_ids = itertools.count()
         self.events: KVEventRecorder | None = None
@@ -85,6 +93,20 @@ class KVCacheManager:
         self.disk = disk
         disk.events = self.events
 
+    def add_prefix_pulls(self, cost: PullCost) -> None:
+        if self.host is None:
+            raise ValueError("prefix pulls land in the host tier: they need --swap-space")
+        self.pulls = cost
+
+    def record_hits(self, request: Request, num_tokens: int) -> None:
+        """The request was admitted with its cached prefix (num_cached_tokens): count it, by the tier each block
+        came from."""
+        bs = self.block_size
+        by_tier = dict.fromkeys(TIERS, 0)
+        for block_hash in request.block_hashes[:request.num_cached_tokens // bs]:
+            by_tier[request.prefix_tiers.get(block_hash, DEVICE_TIER)] += bs
+        self.stats.record(num_tokens, request.num_cached_tokens, by_tier)
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
@@ -104,16 +126,62 @@ class KVCacheManager:
                 break
             hits.append(block)
         if self.host is not None and len(hits) < len(hashes):
-            if self.disk is not None:
-                self._read_from_disk(hashes[len(hits):])
-            loaded = self._load_from_host(hits, hashes[len(hits):])
+            rest = hashes[len(hits):]
+            from_disk = self._read_from_disk(rest) if self.disk is not None else set()
+            pulled = set()
+            if self.pulls is not None and request.kv_pull is not None:
+                pulled = self._pull(request.kv_pull, rest, request.kv_pull.num_blocks - len(hits))
+                request.kv_pull = None  # one pull per request: a retry finds what it brought in the device cache
+            loaded = self._load_from_host(hits, rest)
+            for block in loaded:
+                h = block.block_hash
+                request.prefix_tiers[h] = DISK_TIER if h in from_disk else PULLED if h in pulled else HOST_TIER
             self._record_stored(request, len(hits), [b.block_hash for b in loaded])
             hits += loaded
         return hits
 
-    def _read_from_disk(self, hashes: list[bytes]) -> None:
+    def _pull(self, hint: PullHint, hashes: list[bytes], peer_blocks: int) -> set[bytes]:
+        """Past the local hits: the rest of the run the peer holds is pulled into host blocks (now), when that
+        is cheaper than computing it. Returns the hashes it brought."""
+        local = 0
+        for block_hash in hashes:
+            if self.host.lookup(block_hash) is None:  # (most recently used: the reservations below keep it)
+                break
+            local += 1
+        wanted = hashes[local:max(local, min(len(hashes), peer_blocks))]
+        if not wanted:
+            return set()
+        if not self.pulls.pays(len(wanted)):
+            self.pulls.stats.skipped += 1
+            return set()
+        keys, host_blocks = [], []
+        for block_hash in wanted:
+            if (host_block := self.host.reserve(block_hash)) is None:
+                break
+            keys.append(block_hash)
+            host_blocks.append(host_block)
+        if not keys:
+            return set()
+        start, deadline = time.perf_counter(), self.pulls.deadline(len(keys))
+        answer = self.copier.pull_blocks(hint.addr, keys, host_blocks, deadline, deadline + 1.0)
+        n, nbytes = answer or (0, 0)
+        self.pulls.measured(nbytes, time.perf_counter() - start)
+        stats = self.pulls.stats
+        stats.pulls += 1
+        stats.pulled_blocks += n
+        stats.failed += n == 0
+        for i, (block_hash, host_block) in enumerate(zip(keys, host_blocks, strict=True)):
+            if i < n:
+                self.host.saved(block_hash, host_block, from_device=False)
+            else:  # not written; with no answer, a late write may still land: the block waits
+                until = None if answer else time.monotonic() + (deadline - time.time()) + QUARANTINE_S
+                self.host.abandon(block_hash, host_block, until)
+        return set(keys[:n])
+
+    def _read_from_disk(self, hashes: list[bytes]) -> set[bytes]:
         """Past the device hits: the disk tier's blocks of the run the host tier lacks are read into host blocks
-        (now), so the host tier's lookup below finds the whole run. A file gone or damaged ends the run."""
+        (now), so the host tier's lookup below finds the whole run. A file gone or damaged ends the run. Returns
+        the hashes read."""
         keys, host_blocks = [], []
         for block_hash in hashes:
             if block_hash in self.host:
@@ -124,21 +192,23 @@ class KVCacheManager:
             keys.append(block_hash)
             host_blocks.append(host_block)
         if not keys:
-            return
+            return set()
         start = time.perf_counter()
         ok = self.copier.load_from_disk(keys, host_blocks)
         self.disk.stats.load_seconds += time.perf_counter() - start
-        intact = True
+        intact, loaded = True, set()
         for block_hash, host_block, read in zip(keys, host_blocks, ok, strict=True):
             intact = intact and read
             if intact:
-                self.host.saved(block_hash, host_block, from_disk=True)
+                loaded.add(block_hash)
+                self.host.saved(block_hash, host_block, from_device=False)
                 self.disk.used(block_hash)
                 self.disk.stats.hit_blocks += 1
             else:
                 self.host.abandon(block_hash, host_block)
                 if not read:
                     self.disk.lost(block_hash)
+        return loaded
 
     def _load_from_host(self, hits: list[Block], hashes: list[bytes]) -> list[Block]:
         """Copy the host tier's run of these hashes into free device blocks, indexed as cached (not
@@ -244,7 +314,8 @@ class KVCacheManager:
             self.pool.take(to_save)
             save_id = next(self._save_ids)
             self._saves[save_id] = to_save
-            self.copier.save_blocks(save_id, [b.block_id for b in to_save], host_blocks, disk_keys)
+            self.copier.save_blocks(save_id, [b.block_id for b in to_save], host_blocks, disk_keys,
+                                    [b.block_hash for b in to_save] if self.pulls is not None else [])
 
     def _disk_key(self, block_hash: bytes) -> bytes:
         """The key to write this block to disk under (b"": the disk has it, or there is no disk tier)."""
@@ -308,6 +379,8 @@ class KVCacheManager:
         self.pool.reset_prefix_cache()
         if self.host is not None:
             self.host.clear()
+            if self.pulls is not None:
+                self.copier.forget_host_blocks()
         if self.disk is not None and (gone := self.disk.clear()):
             self.copier.remove_from_disk(gone)
         if self.events is not None:

@@ -116,7 +116,10 @@ class CacheService(Protocol):
         """The worker made a new cache (weights loaded again): attach to it if this service did before."""
 
     def save_blocks(self, save_id: int, device_blocks: list[int], host_blocks: list[int],
-                    disk_keys: list[bytes] = ()) -> None: ...
+                    disk_keys: list[bytes] = (), hashes: list[bytes] = ()) -> None: ...
+
+    def host_blocks_filled(self, host_blocks: list[int], disk_keys: list[bytes], hashes: list[bytes]) -> None:
+        """The worker filled these host blocks (a device cache): index them for pulls, write the keyed ones."""
 
     def load_blocks(self, host_blocks: list[int], device_blocks: list[int]) -> None: ...
 
@@ -128,6 +131,11 @@ class CacheService(Protocol):
         """Disk writes finished since the last call: (keys written whole, keys not written)."""
 
     def remove_from_disk(self, keys: list[bytes]) -> None: ...
+
+    def pull_blocks(self, addr: str, hashes: list[bytes], host_blocks: list[int], deadline: float,
+                    wait_until: float) -> tuple[int, int] | None: ...
+
+    def forget_host_blocks(self) -> None: ...
 
     def swap_in(self, transfer_id: str, buffer_blocks: list[int], cache_blocks: list[int]) -> None: ...
 
@@ -156,8 +164,11 @@ class NoCacheService:
         pass
 
     def save_blocks(self, save_id: int, device_blocks: list[int], host_blocks: list[int],
-                    disk_keys: list[bytes] = ()) -> None:
+                    disk_keys: list[bytes] = (), hashes: list[bytes] = ()) -> None:
         raise RuntimeError("no cache service runs: there is no host tier to save to")
+
+    def host_blocks_filled(self, host_blocks: list[int], disk_keys: list[bytes], hashes: list[bytes]) -> None:
+        raise RuntimeError("no cache service runs: there is no host tier")
 
     def load_blocks(self, host_blocks: list[int], device_blocks: list[int]) -> None:
         raise RuntimeError("no cache service runs: there is no host tier to load from")
@@ -170,6 +181,13 @@ class NoCacheService:
 
     def remove_from_disk(self, keys: list[bytes]) -> None:
         raise RuntimeError("no cache service runs: there is no disk tier")
+
+    def pull_blocks(self, addr: str, hashes: list[bytes], host_blocks: list[int], deadline: float,
+                    wait_until: float) -> tuple[int, int] | None:
+        raise RuntimeError("no cache service runs: there is no host tier to pull into")
+
+    def forget_host_blocks(self) -> None:
+        pass
 
     def swap_in(self, transfer_id: str, buffer_blocks: list[int], cache_blocks: list[int]) -> None:
         raise RuntimeError("no cache service runs: there is no decode buffer")

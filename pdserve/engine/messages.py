@@ -11,6 +11,7 @@ import time
 import msgspec
 
 from pdserve.admission.load import LoadReport
+from pdserve.engine.prefix_pull import PullHint
 from pdserve.engine.stats import EngineStats
 from pdserve.sampling import SamplingParams
 from pdserve.worker.protocol import TokenLogprobs
@@ -38,6 +39,7 @@ class AddRequest(msgspec.Struct, tag=True):
     num_resumed: int = 0
     priority: int = 0  # --scheduling-policy priority: lower is served first
     lora_name: str | None = None  # the LoRA adapter it computes with (None: the base model)
+    kv_pull: PullHint | None = None  # a peer holding a longer prefix, to pull it from (--enable-kv-pull)
 
 
 class AbortRequests(msgspec.Struct, tag=True):
@@ -124,6 +126,7 @@ class EngineReady(msgspec.Struct, tag=True):
     compatibility_key: str = ""  # model + KV layout: a router pairs P and D only if theirs are equal
     kv_events: str | None = None  # where its KV events are published (the bound ZMQ address)
     kv_events_replay: str | None = None  # ... and replayed
+    kv_pull_port: int | None = None  # --enable-kv-pull: the cache service's block server (peers pull from it)
 
 
 class EngineDead(msgspec.Struct, tag=True):

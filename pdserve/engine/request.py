@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.block_pool import Block
 from pdserve.engine.messages import RequestTimes
+from pdserve.engine.prefix_pull import PullHint
 from pdserve.kv.block_hash import BlockHash
 from pdserve.sampling import SamplingParams
 from pdserve.worker.protocol import TokenLogprobs
@@ -46,6 +47,8 @@ class Request:
     priority: int = 0  # --scheduling-policy priority: lower is served first
     spec_token_ids: list[int] = field(default_factory=list)  # proposals to verify in the next step
     lora_name: str | None = None  # the LoRA adapter it computes with; its KV blocks hash apart (lora_hash_root)
+    kv_pull: PullHint | None = None  # a router's word: a peer holds a longer prefix (--enable-kv-pull)
+    prefix_tiers: dict[BlockHash, str] = field(default_factory=dict)  # prefix blocks copied in from below the device
 
     def add_prompt_logprobs(self, first_position: int, entries: list[TokenLogprobs]) -> None:
         """Entries for prompt tokens first_position ..; a recompute after preemption repeats known ones."""

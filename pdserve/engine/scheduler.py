@@ -159,7 +159,7 @@ class Scheduler:
         if not self.kv.allocate(request, request.num_prompt_tokens + 1 - len(cached) * self.kv.block_size, cached):
             return False
         request.num_cached_tokens = len(cached) * self.kv.block_size
-        self.kv.stats.record(request.num_prompt_tokens, request.num_cached_tokens)
+        self.kv.record_hits(request, request.num_prompt_tokens)
         request.status = RequestStatus.PREALLOCATED
         self.requests[request.request_id] = request
         self.preallocated[request.request_id] = request
@@ -248,7 +248,7 @@ class Scheduler:
             self.waiting.popleft()
             if request.status is RequestStatus.WAITING:  # first admission, not a resume after preemption
                 request.num_cached_tokens = len(cached) * self.kv.block_size
-                self.kv.stats.record(request.num_tokens, request.num_cached_tokens)
+                self.kv.record_hits(request, request.num_tokens)
             request.num_computed_tokens = len(cached) * self.kv.block_size
             request.status = RequestStatus.RUNNING
             if request.times.first_scheduled is None:

@@ -13,6 +13,7 @@ class PrefixCacheStats(msgspec.Struct):
     hit_requests: int  # ... and found at least one block
     queried_tokens: int
     hit_tokens: int
+    hit_tokens_by_tier: dict[str, int] = {}  # device, host, disk, pulled: where each hit block came from
 
 
 class HostTierStats(msgspec.Struct):
@@ -30,6 +31,19 @@ class DiskTierStats(msgspec.Struct):
     hit_blocks: int  # blocks a prompt found on disk (after the device cache and the host tier)
     misses: int  # blocks listed whose file was gone or damaged when read: computed instead
     load_seconds: float  # the engine's wall time waiting for disk reads
+
+
+class PrefixPullStats(msgspec.Struct):
+    """--enable-kv-pull: pulls this instance made, and the cost rule's two rates."""
+
+    pulls: int
+    pulled_blocks: int
+    failed: int  # pulls that brought nothing (holder gone or evicted, timed out, refused): computed instead
+    skipped: int  # router hints not followed: computing was cheaper
+    seconds: float  # the engine's wall time waiting for pulls
+    nbytes: int
+    bandwidth: float  # bytes/s the cost rule assumes (measured by pulls once there were some)
+    prefill_rate: float  # tokens/s the cost rule assumes (measured by prompt steps)
 
 
 class DecodeBufferStats(msgspec.Struct):
@@ -75,5 +89,6 @@ class EngineStats(msgspec.Struct):
     weights_loaded: bool = True
     host_tier: HostTierStats | None = None  # with --swap-space
     disk_tier: DiskTierStats | None = None  # with --kv-disk-path
+    prefix_pulls: PrefixPullStats | None = None  # with --enable-kv-pull
     spec_decode: SpecDecodeCounts | None = None  # with --speculative-config
     pd: PDStats | None = None  # prefill and decode roles

@@ -59,11 +59,11 @@ class WorkerCopies:
     # ---- the host tier ----
 
     def save_blocks(self, save_id: int, device_blocks: list[int], host_blocks: list[int],
-                    disk_keys: list[bytes] = ()) -> None:
+                    disk_keys: list[bytes] = (), hashes: list[bytes] = ()) -> None:
         def saved() -> None:
             self._saved.append((save_id, host_blocks))
-            if any(disk_keys):
-                self.write_to_disk(list(disk_keys), host_blocks)
+            if any(disk_keys) or hashes:
+                self._disk().host_blocks_filled(host_blocks, list(disk_keys), list(hashes))
 
         self._add(DEVICE, "host", device_blocks, host_blocks, saved)
 
@@ -88,9 +88,17 @@ class WorkerCopies:
     def remove_from_disk(self, keys: list[bytes]) -> None:
         self._disk().remove_from_disk(keys)
 
+    def pull_blocks(self, addr: str, hashes: list[bytes], host_blocks: list[int], deadline: float,
+                    wait_until: float) -> tuple[int, int] | None:
+        return self._disk().pull_blocks(addr, hashes, host_blocks, deadline, wait_until)
+
+    def forget_host_blocks(self) -> None:
+        if self.service is not None:
+            self.service.forget_host_blocks()
+
     def _disk(self) -> CacheService:
         if self.service is None:
-            raise RuntimeError("the disk tier needs the cache service (--kv-disk-path starts it)")
+            raise RuntimeError("the disk tier and prefix pulls need the cache service (--swap-space starts it)")
         return self.service
 
     # ---- the decode side ----

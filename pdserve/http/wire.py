@@ -22,10 +22,12 @@ def parse_sent(value: str | None) -> tuple[str, int] | None:
 
 
 class KVEventSource(BaseModel):
-    """Where one engine of an instance publishes its KV events (kv_events/): vLLM's PUB and replay sockets."""
+    """Where one engine of an instance publishes its KV events (kv_events/): vLLM's PUB and replay sockets; and,
+    with --enable-kv-pull, where peers pull the blocks those events name (its block server, host:port)."""
 
     endpoint: str = Field(min_length=1, max_length=300)  # e.g. tcp://10.0.0.5:40123
     replay: str | None = Field(None, max_length=300)
+    pull: str | None = Field(None, max_length=300)  # e.g. 10.0.0.5:40125
 
 
 class Registration(BaseModel):
@@ -54,6 +56,15 @@ class PDRequest(BaseModel):
     role: Literal["prefill", "decode"]
     prefill_addr: str | None = None  # decode side: host:port of the prefill instance's --pd-comm-port
     transport: Literal["ipc", "tcp", "rdma"] | None = None  # decode side: the router's choice for this pair
+
+
+class KVPull(BaseModel):
+    """The router's word to an instance run with --enable-kv-pull (the body's `kv_pull`): the peer whose block
+    server is at `addr` holds the prompt's first `num_blocks` blocks; pull what this instance lacks of them if
+    that is cheaper than computing it."""
+
+    addr: str = Field(min_length=3, max_length=300, pattern=r"^[^\s/]+:\d+$")  # host:port
+    num_blocks: int = Field(ge=1)
 
 
 class Migration(BaseModel):

@@ -19,6 +19,7 @@ from pdserve.engine.engine_core import EngineCore
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.kv_connector import KVConnector, NoCacheService
 from pdserve.engine.load_calibration import calibrate_load
+from pdserve.engine.prefix_pull import PullCost
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 from pdserve.engine.worker_copies import WorkerCopies
 from pdserve.kv.disk_store import DiskFiles
@@ -69,6 +70,11 @@ def build_engine_core(config: EngineConfig, started: StartedProcesses, ctx: zmq.
         kv.record_events()
         publisher = KVEventPublisher(config.kv_events_config, kv.snapshot, ctx, config.data_parallel_rank)
     core = EngineCore(config, started.worker, scheduler, layout, copies, connector, service, publisher)
+    if config.enable_kv_pull:
+        cost = PullCost(layout.block_bytes, config.block_size, lambda: core.load.prefill_rate)
+        kv.add_prefix_pulls(cost)
+        log.info("prefix pulls: a peer's block server named by a router is asked for a prefix when it is cheaper "
+                 "than computing it; at start %s", cost.describe())
     if config.calibrate_load:
         calibrate_load(core.load, started.worker, config, layout.num_blocks, started.max_model_len)
     return core

@@ -156,6 +156,7 @@ class StartedProcesses:
     host_segment: str | None = None
     device_cache: bool = False  # the worker's cache is private (CUDA, or the CPU test mode)
     disk_folder: str | None = None  # --kv-disk-path: this producer's folder (kv/disk_store.py)
+    pull_port: int | None = None  # --enable-kv-pull: the cache service's block server
 
     def shutdown(self) -> None:
         for proc in (self.worker, self.cache_service):
@@ -206,16 +207,18 @@ def layout_without_profile(config: EngineConfig, num_blocks: int) -> KVLayout:
     return KVLayout(num_blocks, model.num_layers, config.block_size, model.num_kv_heads, model.head_dim, dtype)
 
 
-def disk_folder(config: EngineConfig, layout: KVLayout) -> Path:
-    """Where this instance's disk tier keeps its blocks: under --kv-disk-path, a folder named by the weights'
-    digest, the KV dtype, the layout and the block size, so no other producer reads them."""
+def kv_fingerprint(config: EngineConfig, layout: KVLayout) -> str:
+    """What produced this instance's KV bytes: the weights' digest, the KV dtype, the layout and the block size.
+    The disk tier's folder is named by it and prefix pulls match it, so no other producer reads these blocks."""
     from pdserve.kv.disk_store import fingerprint
     from pdserve.loader import resolve_model_folder
     from pdserve.loader.weights_digest import weights_digest
 
     digest = weights_digest(resolve_model_folder(config.model))
     shape = (layout.num_layers, layout.num_kv_heads, layout.head_dim)
-    return Path(config.kv_disk_path) / fingerprint(digest, layout.dtype, shape, layout.block_size)
+    return fingerprint(digest, layout.dtype, shape, layout.block_size)
+
+
 
 
 def start_processes(config: EngineConfig, ctx: zmq.Context, sockdir: str) -> StartedProcesses:
@@ -274,6 +277,8 @@ class _Startup:
         self.segment: str | None = None
         self.messager_address: str | None = None
         self.disk_folder: str | None = None
+        self.fingerprint: str | None = None
+        self.pull_port: int | None = None
         self.endpoints: list[Endpoint] = []
         self.buffer_blocks = 0
         self.buffer_segment: str | None = None
@@ -357,10 +362,11 @@ class _Startup:
         from pdserve.disagg.messages import CreateCache
 
         command = CreateCache(self.layout, self.buffer_blocks, self.host_blocks, cache_segment=staging,
-                              disk_folder=self._disk_folder())
+                              disk_folder=self._disk_folder(), fingerprint=self._fingerprint())
         ready = self.service.setup(command, self.timeout)
         self.segment, self.messager_address, self.endpoints = ready.segment, ready.messager_address, ready.endpoints
         self.buffer_segment, self.host_segment = ready.buffer_segment, ready.host_segment
+        self.pull_port = ready.pull_port
 
     def worker_attaches(self) -> None:
         from pdserve.worker.protocol import CacheCommand
@@ -372,18 +378,26 @@ class _Startup:
         from pdserve.disagg.messages import AttachCache
 
         self.host_blocks = gigabytes_in_blocks("--swap-space", self.config.swap_space, self.layout)
-        ready = self.service.setup(AttachCache(self.layout, self.segment, self.host_blocks, self._disk_folder()),
-                                   self.timeout)
-        self.host_segment = ready.host_segment
+        ready = self.service.setup(AttachCache(self.layout, self.segment, self.host_blocks, self._disk_folder(),
+                                               self._fingerprint()), self.timeout)
+        self.host_segment, self.pull_port = ready.host_segment, ready.pull_port
         self.log.record("cache_attached", CACHE_SERVICE, segment=self.segment,
                         **({"host_blocks": self.host_blocks} if self.host_blocks else {}))
+
+    def _fingerprint(self) -> str | None:
+        """The KV bytes' producer, for the disk tier and prefix pulls (None: neither is on)."""
+        if self.config.kv_disk_path is None and not self.config.enable_kv_pull:
+            return None
+        if self.fingerprint is None:
+            self.fingerprint = kv_fingerprint(self.config, self.layout)
+        return self.fingerprint
 
     def _disk_folder(self) -> str | None:
         """--kv-disk-path's folder for these weights, this KV dtype and layout (their fingerprint)."""
         if self.config.kv_disk_path is None:
             return None
         if self.disk_folder is None:
-            self.disk_folder = str(disk_folder(self.config, self.layout))
+            self.disk_folder = str(Path(self.config.kv_disk_path) / self._fingerprint())
             self.log.record("disk_tier", folder=self.disk_folder)
         return self.disk_folder
 
@@ -391,4 +405,4 @@ class _Startup:
         return StartedProcesses(self.worker, self.service, self.layout, self.loaded.max_model_len,
                                 self.loaded.vocab_size, self.loaded.profile, self.endpoints, self.log, self.segment,
                                 self.buffer_blocks, self.buffer_segment, self.host_blocks, self.host_segment,
-                                self.device_cache, self.disk_folder)
+                                self.device_cache, self.disk_folder, self.pull_port)

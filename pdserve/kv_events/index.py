@@ -96,6 +96,17 @@ class KVIndex:
         with self._lock:
             return max((self._run(source, hashes) for source in self._sources.get(url, ())), default=0)
 
+    def longest_run(self, hashes: list[bytes], exclude: str) -> tuple[str, int] | None:
+        """The source (other than `exclude`'s) whose cache holds the longest run of the prompt's leading blocks,
+        and how many: where a prefix could be pulled from."""
+        with self._lock:
+            if not hashes:
+                return None
+            mine = set(self._sources.get(exclude, ()))
+            runs = [(self._run(s, hashes), s) for s in self._holders.get(hashes[0], {}) if s not in mine]
+            n, source = max(runs, default=(0, ""))
+            return (source, n) if n else None
+
     def _run(self, source: str, hashes: list[bytes]) -> int:
         tier = DEVICE_BIT
         for n, h in enumerate(hashes):

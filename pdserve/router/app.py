@@ -48,7 +48,8 @@ def build_router_app(settings: RouterSettings, reader: PromptReader,
         state.forwarder = Forwarder(client, state.registry, state.selector, settings.max_retries,
                                     state.metrics.retries.inc, settings.migration_limit, state.metrics.count_migration,
                                     state.metrics.count_cached,
-                                    admission.routed if admission is not None else lambda route, request: None)
+                                    admission.routed if admission is not None else lambda route, request: None,
+                                    state.kv_events.index)
         for info in static_instances:
             state.registry.register(info, static=True)
         tasks = [asyncio.create_task(state.checker.run())]

@@ -30,7 +30,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pdserve.balancing.policies import RoutedRequest
 from pdserve.http.errors import PD_ERROR, error_body
 from pdserve.http.wire import SENT_HEADER, PDRequest
+from pdserve.kv_events.index import KVIndex
 from pdserve.router.exchange import BROKEN, Exchange, cancel_response, close_late_response, drain, pump
+from pdserve.router.kv_pull import pull_hint
 from pdserve.router.migration import AnswerSoFar, can_migrate
 from pdserve.router.registry import Instance, Registry
 from pdserve.router.selector import Route, Selector
@@ -84,8 +86,10 @@ class Forwarder:
                  on_retry: Callable[[], None] = lambda: None, migration_limit: int = 3,
                  on_migration: Callable[[bool, float], None] = lambda resumed, seconds: None,
                  on_cached: Callable[[int, int], None] = lambda predicted, reported: None,
-                 on_route: Callable[[Route, RoutedRequest], None] = lambda route, request: None) -> None:
+                 on_route: Callable[[Route, RoutedRequest], None] = lambda route, request: None,
+                 kv_index: KVIndex | None = None) -> None:
         self.client, self.registry, self.selector = client, registry, selector
+        self.kv_index = kv_index  # KV events' exact index: where a prefix could be pulled from (router/kv_pull.py)
         self.max_retries = max_retries
         self.on_retry = on_retry
         self.migration_limit, self.on_migration = migration_limit, on_migration
@@ -157,6 +161,8 @@ class Forwarder:
     async def _single(self, route: Route, path: str, body: dict, request: RoutedRequest,
                       headers: dict[str, str]) -> Response | Retry:
         instance = route.first
+        if (hint := pull_hint(self.kv_index, self.registry, instance, request)) is not None:
+            body = {**body, "kv_pull": hint}
         ex = Exchange(self.registry, instance, request.num_tokens, _to_compute(route, request))
         try:
             upstream = await ex.guard(self.client.post(f"{instance.url}{path}", json=body, headers=headers))
@@ -178,6 +184,8 @@ class Forwarder:
         transfer_id = uuid.uuid4().hex
         p_body = {**body, "stream": False,
                   "pd": PDRequest(transfer_id=transfer_id, role="prefill").model_dump(exclude_none=True)}
+        if (hint := pull_hint(self.kv_index, self.registry, prefill, request)) is not None:
+            p_body["kv_pull"] = hint
         d_body = {**body, "pd": PDRequest(transfer_id=transfer_id, role="decode", prefill_addr=prefill.info.pd_comm,
                                           transport=route.transport).model_dump(exclude_none=True)}
         p_ex = Exchange(self.registry, prefill, request.num_tokens, _to_compute(route, request))

@@ -17,6 +17,7 @@ from pdserve.api.handling import (
     migrate,
     pd_params,
     prompt_text,
+    pull_hint,
     respond,
     sampling_params,
     structured_output,
@@ -44,7 +45,8 @@ async def completions(body: CompletionRequest, raw: Request, state: ServerDep) -
     structured = await structured_output(state, body)
     max_tokens = 1 if body.max_tokens == 0 else body.max_tokens  # echo-only: one token computed, none shown
     params = sampling_params(state, body, max_tokens, body.logprobs, structured, prompt_logprobs=prompt_logprobs)
-    gen = Generation(f"cmpl-{uuid.uuid4().hex}", prompt_ids, pd=pd_params(body), shape=shape, lora_name=lora)
+    gen = Generation(f"cmpl-{uuid.uuid4().hex}", prompt_ids, pd=pd_params(body), shape=shape, lora_name=lora,
+                     kv_pull=pull_hint(state, body))
     params = migrate(state, body, gen, params)
     return await respond(state, raw, body, gen, params, "text_completion", completion_choice)
 
@@ -68,7 +70,8 @@ async def chat(body: ChatCompletionRequest, raw: Request, state: ServerDep) -> A
         if structured is None:  # under auto, a client's own constraint stands instead of the calls' grammar
             structured, shape.tools_forced = await tool_grammar(state, body, forced), forced
     params = sampling_params(state, body, max_tokens, logprobs, structured)
-    gen = Generation(f"chatcmpl-{uuid.uuid4().hex}", prompt_ids, pd=pd_params(body), shape=shape, lora_name=lora)
+    gen = Generation(f"chatcmpl-{uuid.uuid4().hex}", prompt_ids, pd=pd_params(body), shape=shape, lora_name=lora,
+                     kv_pull=pull_hint(state, body))
     params = migrate(state, body, gen, params)
     return await respond(state, raw, body, gen, params, "chat.completion", chat_choice)
 
@@ -82,5 +85,6 @@ async def responses(body: ResponsesRequest, raw: Request, state: ServerDep) -> A
     prompt_ids = template_ids(state, messages, True, None, None)
     check_length(state, prompt_ids)
     params = sampling_params(state, body, body.max_output_tokens, None, await structured_output(state, body))
-    gen = Generation(new_response_id(), prompt_ids, pd=pd_params(body), lora_name=lora)
+    gen = Generation(new_response_id(), prompt_ids, pd=pd_params(body), lora_name=lora,
+                     kv_pull=pull_hint(state, body))
     return await respond(state, raw, body, gen, params, "response", None, responses_api=True)
