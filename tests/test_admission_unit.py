@@ -72,6 +72,19 @@ def test_tpot_from_the_fitted_step_cost_counts_the_prompts_decode_steps_carry() 
     assert judge_tpot(slo, r, sent_streams=1) is not None  # one more stream: 4 ms more
 
 
+def test_a_prompt_tokens_cost_comes_from_the_fit_not_from_steps_that_carried_decodes() -> None:
+    """What a pull is priced against: 0.1 ms a prompt token (10,000 tokens/s), though steps that computed one
+    prompt token beside 8 decodes averaged far fewer tokens per second."""
+    t = LoadTracker(max_num_seqs=64)
+    assert t.marginal_prefill_rate() == 0.0
+    t.observe(prefill_tokens=512, decodes=0, seconds=0.01 + 0.0001 * 512)
+    assert t.marginal_prefill_rate() == pytest.approx(512 / (0.01 + 0.0512))  # no fit yet: the steps' rate
+    for n, p in ((8, 1), (8, 1), (4, 512), (2, 1024), (8, 1), (6, 128)):
+        t.observe(prefill_tokens=p, decodes=n, seconds=0.01 + 0.004 * n + 0.0001 * p)
+    assert t.marginal_prefill_rate() == pytest.approx(10_000, rel=1e-6)
+    assert t.prefill_rate < 0.6 * t.marginal_prefill_rate()  # the average counts the decodes beside the prompts
+
+
 def test_the_fit_never_makes_a_cost_negative() -> None:
     """A decode instance under conditional PD that computed two prompts of nearly one length itself (steps
     without streams) and then decoded one stream: unconstrained, the fit put the base at -3.3 s and a stream at

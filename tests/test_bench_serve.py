@@ -126,7 +126,8 @@ def test_live_pdserve_table_records_and_plot(tmp_path: Path) -> None:
             [sys.executable, "-m", "pdserve.cli", "bench", "serve", "--base-url", server.url, "--num-prompts", "20",
              "--random-input-len", "64", "--random-output-len", "12", "--random-range-ratio", "0.25",
              "--ignore-eos", "--request-rate", "20", "--goodput", "ttft:5000", "--save-result", str(result),
-             "--plot", str(png), "--no-progress"], cwd=REPO, capture_output=True, text=True, timeout=300)
+             "--plot", str(png), "--no-progress", "--metrics-url", f"http://127.0.0.1:{server.metrics_port}/metrics"],
+            cwd=REPO, capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, run.stderr
         table = run.stdout
         assert re.search(r"Successful requests:\s+20\b", table) and re.search(r"Failed requests:\s+0\b", table)
@@ -143,6 +144,10 @@ def test_live_pdserve_table_records_and_plot(tmp_path: Path) -> None:
             values = [float(v) for v in re.findall(rf"^(?:Median|P[\d.]+) {name} \(ms\):\s+([\d.]+)", table, re.M)]
             assert len(values) == 7 and values == sorted(values), (name, values)
         assert "TTFT breakdown" in table  # pdserve sends its per-request timings
+        # --metrics-url: the run's own prompt tokens, as the instance counted them, and its hits by tier
+        assert "Prefix hits by tier" in table
+        assert data["tiers"]["queried_tokens"] == sum(r["prompt_tokens"] for r in records)
+        assert sum(data["tiers"]["hit_tokens"].values()) == sum(r.get("cached_tokens") or 0 for r in records)
         from PIL import Image
 
         with Image.open(png) as image:

@@ -1,14 +1,17 @@
 """Prefix pulls between instances (`--enable-kv-pull`, issue 55): an instance told (the body's `kv_pull`, which
 a router sets from its KV events) that a peer holds a prompt's prefix pulls it from the peer's host tier instead of
 computing it: the answer equals the one the peer computed, the pulled tokens count as cached (tier "pulled"). A
-peer that forgot its blocks, or was killed, makes the pull a miss: the prompt is computed, the answer is the same,
-no block is lost. A router with two instances sends a prompt's second turn to the other instance, which pulls.
-An instance without the flag answers 400 naming `kv_pull`."""
+peer that kept only part of the run serves that part; one killed while the puller waits on it makes the pull a
+miss: the prompt is computed, the answer is the same, no block is lost. A router with two instances sends a
+prompt's second turn to the other instance, which pulls. An instance without the flag answers 400 naming
+`kv_pull`."""
 
 from __future__ import annotations
 
 import re
 import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
@@ -72,16 +75,24 @@ def test_a_prefix_is_pulled_from_the_peer_that_holds_it_and_a_gone_peer_is_a_mis
         assert_same_greedy_completion(part, cold["a"], "a prompt of which the peer held only the first blocks")
         wait_for(lambda: metrics(puller.metrics_port)["pdserve_kv_pulled_blocks"] == 7, 10, "pulled blocks")
 
-        for p in [psutil.Process(holder.proc.pid), *psutil.Process(holder.proc.pid).children(recursive=True)]:
-            p.send_signal(signal.SIGKILL)  # the holder dies: its block server never answers
-        holder.proc.wait(10)
-        missed = _complete(puller.url, b_prompt, hint)
+        (service,) = holder.children("pdserve.disagg.cache_service")
+        service.send_signal(signal.SIGSTOP)  # the holder's block server takes the pull and never answers...
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(_complete, puller.url, b_prompt, hint)
+            time.sleep(1.0)  # ... the puller is waiting on it when the holder dies
+            for p in [psutil.Process(holder.proc.pid), *psutil.Process(holder.proc.pid).children(recursive=True)]:
+                p.send_signal(signal.SIGKILL)
+            holder.proc.wait(10)
+            missed = pending.result(timeout=60)
         assert missed.usage.prompt_tokens_details.cached_tokens == 0
         assert_same_greedy_completion(missed, cold["b"], "a prompt whose holder died before the pull")
         m = metrics(puller.metrics_port)
         assert m["pdserve_kv_pulls_failed"] == 1 and m["pdserve_kv_pulls"] == 3
         again = _complete(puller.url, c_prompt)  # the puller is whole: its answers right, from its own cache now
         assert_same_greedy_completion(again, cold["c"], "the pulled prompt again, after a failed pull")
+        wait_for(lambda: metrics(puller.metrics_port)["pdserve_kv_cache_free_blocks"]
+                 == metrics(puller.metrics_port)["pdserve_kv_cache_total_blocks"], 10,
+                 "the puller's blocks did not all come back")
     finally:
         stop_all([puller])  # checks that the puller leaves nothing behind
         holder.terminate()

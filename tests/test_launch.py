@@ -254,3 +254,14 @@ def test_mixed_given_alone_starts_only_mixed_instances() -> None:
     assert names("--mixed", "1", "--prefill", "2") == ["prefill-0", "prefill-1", "decode-0", "mixed-0"]
     with pytest.raises(ValueError, match="needs at least one --prefill and one --decode"):
         names("--mixed", "2", "--decode", "0")
+
+
+def test_each_launched_instance_keeps_its_own_disk_tier_folder() -> None:
+    """`pdserve launch ... --kv-disk-path DIR`: instance NAME gets DIR/NAME, the same after each restart."""
+    from pdserve.deploy.settings import own_disk_folder
+
+    args = ["--swap-space", "1", "--kv-disk-path", "/var/kv", "--enable-kv-pull"]
+    assert own_disk_folder(args, "mixed-1") == ["--swap-space", "1", "--kv-disk-path", "/var/kv/mixed-1",
+                                                "--enable-kv-pull"]
+    assert own_disk_folder(["--kv-disk-path=/var/kv"], "decode-0") == ["--kv-disk-path=/var/kv/decode-0"]
+    assert own_disk_folder(args[:2], "mixed-0") == args[:2] and args[3] == "/var/kv"  # nothing else changes

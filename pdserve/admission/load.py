@@ -123,6 +123,12 @@ class LoadTracker:
     def prefill_rate(self) -> float:
         return self._prefill_tokens / self._prefill_seconds if self._prefill_seconds else 0.0
 
+    def marginal_prefill_rate(self) -> float:
+        """Prompt tokens per second that one more prompt token costs: the step fit's per-token cost, else (no fit
+        yet) the prompt steps' average rate; 0 before any prompt step."""
+        per_token = self.step_costs()[2]
+        return 1.0 / per_token if per_token > 0 else self.prefill_rate
+
     def step_costs(self) -> tuple[float, float, float]:
         """(base, per stream, per prompt token) seconds of a step; zeros until the steps seen vary in their
         stream counts. A prompt-token cost is fitted only where prompt tokens varied. No cost is negative: a term

@@ -111,7 +111,8 @@ class ServerMetrics:
         self.pull_bandwidth = ranked("pdserve_kv_pull_bandwidth_bytes_per_second",
                                      "the pull bandwidth the cost rule assumes (measured by pulls)")
         self.prefill_rate = ranked("pdserve_prefill_tokens_per_second",
-                                   "the prefill rate the pull cost rule assumes (measured by prompt steps)")
+                                   "prompt tokens per second that one more prompt token costs, from the engine's "
+                                   "step fit (the pull cost rule's)")
         # --speculative-config (vLLM's spec_decode names)
         self.spec_drafts = ranked("pdserve_spec_decode_num_drafts", "sequence steps that carried proposals")
         self.spec_draft_tokens = ranked("pdserve_spec_decode_num_draft_tokens", "tokens proposed")
@@ -197,7 +198,7 @@ class ServerMetrics:
             self.pulls_skipped.labels(rank).set(pulls.skipped)
             self.pull_seconds.labels(rank).set(pulls.seconds)
             self.pull_bandwidth.labels(rank).set(pulls.bandwidth)
-            self.prefill_rate.labels(rank).set(pulls.prefill_rate)
+        self.prefill_rate.labels(rank).set(stats.prefill_rate)
         if stats.pd is not None:
             self._refresh_pd(rank, stats.pd)
         if stats.spec_decode is not None:

@@ -55,4 +55,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-result", type=Path, default=None, help="write every request and the summary as JSON")
     p.add_argument("--plot", type=Path, default=None,
                    help="write a PNG: TTFT and ITL histograms, tokens/s; with --find-rate: goodput against rate")
+    p.add_argument("--metrics-url", nargs="+", default=[], metavar="URL",
+                   help="the instances' /metrics (pdserve serve's --metrics-port): report the prompt tokens served by "
+                        "each cache tier (device, host, disk, pulled) and the prefill time each saved")
     p.add_argument("--no-progress", action="store_true")

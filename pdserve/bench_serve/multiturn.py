@@ -11,6 +11,7 @@ import asyncio
 import random
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,9 +74,11 @@ class TurnRecord(RequestRecord):
 
 async def run_users(base: str, conversations: list[Conversation], model: str | None, think_time: float,
                     temperature: float | None, seed: int, max_context: int | None,
-                    progress: bool = True) -> tuple[list[TurnRecord], float]:
+                    progress: bool = True, on_turn: Callable[[TurnRecord], None] | None = None,
+                    ) -> tuple[list[TurnRecord], float]:
     """Every conversation at once, one user each; a user stops at its first failed turn, or before a turn
-    whose history would pass `max_context` tokens (as the server counts them, from the last usage)."""
+    whose history would pass `max_context` tokens (as the server counts them, from the last usage). `on_turn`
+    hears of each turn as it completes."""
     total = sum(len(c.user_turns) for c in conversations)
     bar = tqdm(total=total, disable=not progress, desc="turns", file=sys.stderr)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -94,6 +97,8 @@ async def run_users(base: str, conversations: list[Conversation], model: str | N
                 record = TurnRecord(**vars(await send(client, PATH, body, 0)), user=index, turn=turn)
                 records.append(record)
                 bar.update(1)
+                if on_turn is not None:
+                    on_turn(record)
                 if not record.ok:
                     break
                 messages.append({"role": "assistant", "content": record.text})

@@ -12,12 +12,14 @@ from pathlib import Path
 import httpx
 from tqdm import tqdm
 
+from pdserve.bench_serve import tiers
 from pdserve.bench_serve.client import RequestRecord, request_body, send
 from pdserve.bench_serve.datasets import BenchRequest, jsonl_requests, random_requests
 from pdserve.bench_serve.find_rate import Probe, find_rate, format_probes, plot_probes
 from pdserve.bench_serve.report import format_table, plot, save_probes, save_result
 from pdserve.bench_serve.sharegpt import sharegpt_requests
 from pdserve.bench_serve.summary import parse_slos, summarize
+from pdserve.bench_serve.tiers import TierCounters
 
 
 def bench_serve(args: argparse.Namespace) -> int:
@@ -47,11 +49,13 @@ def bench_serve(args: argparse.Namespace) -> int:
     path = "/v1/chat/completions" if args.backend == "openai-chat" else "/v1/completions"
     if args.find_rate:
         return _find_rate(base, path, model, args, percentiles, slos)
+    before = _tiers_now(args)
     records, duration = asyncio.run(_run(base, path, requests, model, args, rate))
     summary = summarize(records, duration, percentiles, slos)
     print(format_table(summary), flush=True)
+    by_tier = _tiers_since(args, before)
     if args.save_result:
-        save_result(args.save_result, summary, records, _config(args))
+        save_result(args.save_result, summary, records, _config(args), **by_tier)
     if args.plot:
         plot(args.plot, records)
     return 0 if summary.completed else 1
@@ -98,6 +102,7 @@ def _multiturn(base: str, model: str | None, args: argparse.Namespace, percentil
     except (ValueError, OSError) as e:
         print(f"pdserve bench: {e}", file=sys.stderr)
         return 2
+    before = _tiers_now(args)
     records, duration = asyncio.run(multiturn.run_users(base, conversations, model, args.think_time,
                                                         args.temperature, args.seed, args.max_context,
                                                         not args.no_progress))
@@ -105,13 +110,31 @@ def _multiturn(base: str, model: str | None, args: argparse.Namespace, percentil
     turns, later = multiturn.by_turn(records), multiturn.later_turns(records)
     print(format_table(summary), flush=True)
     print(multiturn.format_turns(turns, later), flush=True)
+    by_tier = _tiers_since(args, before)
     if args.save_result:
         save_result(args.save_result, summary, records, _config(args),
                     by_turn=[{**vars(t), "hit_share": t.hit_share} for t in turns],
-                    later_turns={**vars(later), "hit_share": later.hit_share})
+                    later_turns={**vars(later), "hit_share": later.hit_share}, **by_tier)
     if args.plot:
         multiturn.plot_turns(args.plot, turns)
     return 0 if summary.completed else 1
+
+
+def _tiers_now(args: argparse.Namespace) -> TierCounters | None:
+    return tiers.scrape(args.metrics_url) if args.metrics_url else None
+
+
+def _tiers_since(args: argparse.Namespace, before: TierCounters | None) -> dict:
+    """The run's prefix hits by tier (--metrics-url), printed; {"tiers": ...} for the saved result, or {}."""
+    if before is None:
+        return {}
+    time.sleep(1.2)  # an instance's metrics port refreshes its engine figures every second
+    run = tiers.scrape(args.metrics_url)
+    run.add(before, -1.0)
+    print(tiers.format_tiers(run), flush=True)
+    return {"tiers": {"hit_tokens": run.hit_tokens, "wait_seconds": run.wait_seconds,
+                      "queried_tokens": run.queried_tokens, "prefill_rate": run.prefill_rate,
+                      "saved_seconds": {t: run.saved_seconds(t) for t in tiers.TIERS}}}
 
 
 def _config(args: argparse.Namespace) -> dict:

@@ -35,6 +35,7 @@ from pdserve.deploy.settings import (
     ROUTER_FLAGS,
     LaunchSettings,
     default_routers,
+    own_disk_folder,
     role_counts,
 )
 from pdserve.deploy.supervisor import Supervisor
@@ -152,7 +153,7 @@ def launch(args: argparse.Namespace, settings: LaunchSettings) -> int:
         for spec, cpus, env in zip(specs, cpu_sets, envs, strict=True):
             cores = f", cores {','.join(map(str, sorted(cpus)))}" if cpus else ""
             print(f"pdserve launch: {spec.name} on {spec.host}:{spec.port}{cores}", flush=True)
-            extra = [*shares, *args.instance_args]
+            extra = [*shares, *own_disk_folder(args.instance_args, spec.name)]
             if spec.role == Role.DECODE and settings.splitwise_cache_buffer_size:
                 extra += ["--splitwise-cache-buffer-size", str(settings.splitwise_cache_buffer_size)]
             deployment.start(spec.name, spec.command(",".join(registrations), extra), cpus, env)

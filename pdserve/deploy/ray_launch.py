@@ -38,7 +38,7 @@ from pdserve.deploy.ray_placement import (
     router_nodes,
     unplaceable,
 )
-from pdserve.deploy.settings import LaunchSettings, instance_flag, tensor_parallel_sizes
+from pdserve.deploy.settings import LaunchSettings, instance_flag, own_disk_folder, tensor_parallel_sizes
 from pdserve.router.settings import RouterSettings
 from pdserve.utils.cluster_auth import ENV
 
@@ -173,7 +173,7 @@ def instance_plans(settings: LaunchSettings, instance_args: list[str],
              Role.MIXED: NodeRule()}
     plans, demands = [], []
     for role, name in instance_names(settings):
-        extra = list(instance_args)
+        extra = own_disk_folder(instance_args, name)
         if role == Role.DECODE and settings.splitwise_cache_buffer_size:
             extra += ["--splitwise-cache-buffer-size", str(settings.splitwise_cache_buffer_size)]
         cores = tp[role] * dp

@@ -70,6 +70,18 @@ def instance_flag(instance_args: list[str], names: tuple[str, ...], default: int
     return value
 
 
+def own_disk_folder(instance_args: list[str], name: str) -> list[str]:
+    """The instance arguments with `--kv-disk-path DIR` made `DIR/<name>`: each instance keeps its own disk tier
+    (its index and --kv-disk-size count its own files), and finds it again when it is restarted under its name."""
+    out = list(instance_args)
+    for i, arg in enumerate(out):
+        if arg == "--kv-disk-path" and i + 1 < len(out):
+            out[i + 1] = os.path.join(out[i + 1], name)
+        elif arg.startswith("--kv-disk-path="):
+            out[i] = f"--kv-disk-path={os.path.join(arg.split('=', 1)[1], name)}"
+    return out
+
+
 def tensor_parallel_sizes(launch: Any, instance_args: list[str]) -> dict[Role, int]:
     """Each role's TP size: its own flag, else the --tensor-parallel-size (-tp) given to every instance, else 1."""
     common = instance_flag(instance_args, ("--tensor-parallel-size", "-tp"), 1)

@@ -297,16 +297,17 @@ def _serve(engine: zmq.Socket, service: CacheService) -> None:
     next_check = 0.0
     while True:
         raise_if_stopping()
-        writing = service.disk_writer is not None and service.disk_writer.busy
-        events = dict(poller.poll(DISK_WRITES_POLL_MS if writing else STOP_CHECK_MS))
-        if (written := service.disk_written()) is not None:
-            engine.send(msgspec.msgpack.encode(written))
-        if service.pulls is not None:
+        if service.pulls is not None:  # the peers this service asked for blocks: their answers wake it
             for dealer in set(service.pulls.sockets) - polled_peers:
                 poller.register(dealer, zmq.POLLIN)
             for dealer in polled_peers - set(service.pulls.sockets):
                 poller.unregister(dealer)
             polled_peers = set(service.pulls.sockets)
+        writing = service.disk_writer is not None and service.disk_writer.busy
+        events = dict(poller.poll(DISK_WRITES_POLL_MS if writing else STOP_CHECK_MS))
+        if (written := service.disk_written()) is not None:
+            engine.send(msgspec.msgpack.encode(written))
+        if service.pulls is not None:
             for done in service.pulls.answers():
                 engine.send(msgspec.msgpack.encode(done))
         if service.block_server is not None and service.block_server.socket in events:

@@ -373,15 +373,15 @@ class EngineCore:
             prefix_cache=PrefixCacheStats(prefix.requests, prefix.hit_requests, prefix.queried_tokens,
                                           prefix.hit_tokens, dict(prefix.hit_tokens_by_tier)),
             weights_loaded=self.weights_loaded, host_tier=self._host_tier_stats(), disk_tier=self._disk_tier_stats(),
-            prefix_pulls=self._prefix_pull_stats(), spec_decode=self._spec_decode_stats(), pd=self.connector.stats())
+            prefix_pulls=self._prefix_pull_stats(), prefill_rate=self.load.marginal_prefill_rate(),
+            spec_decode=self._spec_decode_stats(), pd=self.connector.stats())
 
     def _prefix_pull_stats(self) -> PrefixPullStats | None:
         cost = self.kv.pulls
         if cost is None:
             return None
         s = cost.stats
-        return PrefixPullStats(s.pulls, s.pulled_blocks, s.failed, s.skipped, s.seconds, s.nbytes, cost.bandwidth,
-                               cost.prefill_rate)
+        return PrefixPullStats(s.pulls, s.pulled_blocks, s.failed, s.skipped, s.seconds, s.nbytes, cost.bandwidth)
 
     def _spec_decode_stats(self) -> SpecDecodeCounts | None:
         scheduler = self.scheduler

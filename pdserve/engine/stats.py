@@ -43,7 +43,6 @@ class PrefixPullStats(msgspec.Struct):
     seconds: float  # the engine's wall time waiting for pulls
     nbytes: int
     bandwidth: float  # bytes/s the cost rule assumes (measured by pulls once there were some)
-    prefill_rate: float  # tokens/s the cost rule assumes (measured by prompt steps)
 
 
 class DecodeBufferStats(msgspec.Struct):
@@ -90,5 +89,6 @@ class EngineStats(msgspec.Struct):
     host_tier: HostTierStats | None = None  # with --swap-space
     disk_tier: DiskTierStats | None = None  # with --kv-disk-path
     prefix_pulls: PrefixPullStats | None = None  # with --enable-kv-pull
+    prefill_rate: float = 0.0  # prompt tokens per second one more prompt token costs (the step fit; 0: none yet)
     spec_decode: SpecDecodeCounts | None = None  # with --speculative-config
     pd: PDStats | None = None  # prefill and decode roles
