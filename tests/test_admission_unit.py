@@ -72,17 +72,15 @@ def test_tpot_from_the_fitted_step_cost_counts_the_prompts_decode_steps_carry() 
     assert judge_tpot(slo, r, sent_streams=1) is not None  # one more stream: 4 ms more
 
 
-def test_a_prompt_tokens_cost_comes_from_the_fit_not_from_steps_that_carried_decodes() -> None:
-    """What a pull is priced against: 0.1 ms a prompt token (10,000 tokens/s), though steps that computed one
-    prompt token beside 8 decodes averaged far fewer tokens per second."""
+def test_a_prefix_is_priced_at_the_rate_of_steps_that_were_mostly_prompt() -> None:
+    """What a pull is weighed against: 10,000 prompt tokens/s where a step was mostly prompt, though steps that
+    computed a token or two beside 8 decodes average far fewer tokens per second."""
     t = LoadTracker(max_num_seqs=64)
-    assert t.marginal_prefill_rate() == 0.0
-    t.observe(prefill_tokens=512, decodes=0, seconds=0.01 + 0.0001 * 512)
-    assert t.marginal_prefill_rate() == pytest.approx(512 / (0.01 + 0.0512))  # no fit yet: the steps' rate
-    for n, p in ((8, 1), (8, 1), (4, 512), (2, 1024), (8, 1), (6, 128)):
-        t.observe(prefill_tokens=p, decodes=n, seconds=0.01 + 0.004 * n + 0.0001 * p)
-    assert t.marginal_prefill_rate() == pytest.approx(10_000, rel=1e-6)
-    assert t.prefill_rate < 0.6 * t.marginal_prefill_rate()  # the average counts the decodes beside the prompts
+    assert t.prompt_step_rate == 0.0
+    for n, p in ((8, 1), (8, 2), (0, 512), (8, 1), (1, 1024), (8, 1)):
+        t.observe(prefill_tokens=p, decodes=n, seconds=0.0001 * p + 0.004 * n)
+    assert t.prompt_step_rate == pytest.approx(10_000, rel=0.05)
+    assert t.prefill_rate < 0.6 * t.prompt_step_rate  # the average over prompt steps counts the decodes
 
 
 def test_the_fit_never_makes_a_cost_negative() -> None:

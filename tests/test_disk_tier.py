@@ -180,10 +180,10 @@ def test_a_clean_stop_writes_what_the_disk_lacks_from_both_tiers():
     held, _, want_held = admit(kv, copier, list(range(50, 67)))  # computed, still held by its request
     assert len(kv.disk) == 0
     ordered: set[bytes] = set()
-    while kv.write_tiers_to_disk(ordered) or kv.saves_in_flight or kv.disk_writes_in_flight:
+    while kv.write_tiers_to_disk(ordered, limit=3) or kv.saves_in_flight or kv.disk_writes_in_flight:
         copier.complete_saves(kv)
         copier.complete_writes(kv)
     assert len(kv.disk) == 8 and sorted(copier.disk.values()) == sorted(want_saved + want_held)
-    assert not kv.write_tiers_to_disk(ordered)  # nothing is ordered twice
+    assert not kv.write_tiers_to_disk(ordered, limit=3)  # nothing is ordered twice
     kv.free(held)
     copier.complete_saves(kv)

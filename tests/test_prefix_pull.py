@@ -135,3 +135,14 @@ def test_the_router_index_finds_the_peer_with_the_longest_run():
     assert index.longest_run([b"1", b"2", b"3", b"4"], exclude="A") == ("B#0", 3)
     assert index.longest_run([b"1", b"2"], exclude="B") == ("A#0", 1)
     assert index.longest_run([b"9"], exclude="A") is None
+
+
+def test_pulled_blocks_go_on_to_the_disk_tier():
+    from pdserve.engine.disk_tier import DiskTier
+
+    kv, copier = pulling()
+    kv.add_disk_tier(DiskTier(32, []))
+    want = the_peer_computed(copier)
+    hinted(kv, copier)
+    copier.complete_writes(kv)
+    assert len(kv.disk) == 4 and sorted(copier.disk.values()) == sorted(want[:4])

@@ -66,10 +66,12 @@ class LoadTracker:
     ALPHA = 0.2  # weight of the newest step in the moving averages
     FIT_STEPS = 256  # steps kept for the cost fit
     MIN_BASE = 1e-6  # seconds: a fitted base of 0 would read as "no fit yet"
+    PROMPT_STEP_TOKENS = 64  # a step with this many prompt tokens or more times what computing a prefix costs
 
     def __init__(self, max_num_seqs: int, step_tokens: int = 0) -> None:
         self.max_num_seqs, self.step_tokens = max_num_seqs, step_tokens
         self._prefill_tokens = self._prefill_seconds = 0.0
+        self._prompt_step_rate = 0.0
         self._step_time = self._prompt_per_step = self._decodes_per_step = 0.0
         self._quiet = (0.0, 0.0, 0.0)  # the calibration's (base, per stream, prefill rate)
         self._steps: deque[tuple[int, int, float]] = deque(maxlen=self.FIT_STEPS)  # (streams, prompt tokens, s)
@@ -97,6 +99,9 @@ class LoadTracker:
             else:
                 self._prefill_tokens = a * prefill_tokens + (1 - a) * self._prefill_tokens
                 self._prefill_seconds = a * seconds + (1 - a) * self._prefill_seconds
+        if prefill_tokens >= self.PROMPT_STEP_TOKENS and prefill_tokens >= 8 * decodes and seconds > 0:
+            rate = prefill_tokens / seconds
+            self._prompt_step_rate = rate if not self._prompt_step_rate else a * rate + (1 - a) * self._prompt_step_rate
         if decodes:
             first = self._step_time == 0.0
             self._step_time = seconds if first else a * seconds + (1 - a) * self._step_time
@@ -123,11 +128,13 @@ class LoadTracker:
     def prefill_rate(self) -> float:
         return self._prefill_tokens / self._prefill_seconds if self._prefill_seconds else 0.0
 
-    def marginal_prefill_rate(self) -> float:
-        """Prompt tokens per second that one more prompt token costs: the step fit's per-token cost, else (no fit
-        yet) the prompt steps' average rate; 0 before any prompt step."""
-        per_token = self.step_costs()[2]
-        return 1.0 / per_token if per_token > 0 else self.prefill_rate
+    @property
+    def prompt_step_rate(self) -> float:
+        """Prompt tokens per second in steps that were mostly prompt (PROMPT_STEP_TOKENS or more, at least 8 per
+        decode beside them): what computing a prefix costs. The average over all prompt steps (`prefill_rate`)
+        counts steps that computed a token or two beside a batch of decodes, and the step fit's per-token term
+        is noisy when other processes share the cores. 0 before such a step."""
+        return self._prompt_step_rate
 
     def step_costs(self) -> tuple[float, float, float]:
         """(base, per stream, per prompt token) seconds of a step; zeros until the steps seen vary in their

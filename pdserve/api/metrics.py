@@ -111,8 +111,8 @@ class ServerMetrics:
         self.pull_bandwidth = ranked("pdserve_kv_pull_bandwidth_bytes_per_second",
                                      "the pull bandwidth the cost rule assumes (measured by pulls)")
         self.prefill_rate = ranked("pdserve_prefill_tokens_per_second",
-                                   "prompt tokens per second that one more prompt token costs, from the engine's "
-                                   "step fit (the pull cost rule's)")
+                                   "prompt tokens per second of the engine's steps that were mostly prompt (the "
+                                   "pull cost rule's)")
         # --speculative-config (vLLM's spec_decode names)
         self.spec_drafts = ranked("pdserve_spec_decode_num_drafts", "sequence steps that carried proposals")
         self.spec_draft_tokens = ranked("pdserve_spec_decode_num_draft_tokens", "tokens proposed")

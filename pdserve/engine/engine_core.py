@@ -32,6 +32,7 @@ from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.scheduler_output import SchedulerOutput
 from pdserve.engine.stats import DiskTierStats, EngineStats, HostTierStats, PrefixCacheStats, PrefixPullStats
 from pdserve.engine.worker_client import WorkerClient
+from pdserve.kv.disk_writer import QUEUE_BYTES
 from pdserve.kv.layout import KVLayout
 from pdserve.kv.transfer_plan import TransferPlan
 from pdserve.kv_events.publisher import KVEventPublisher
@@ -177,8 +178,9 @@ class EngineCore:
             return
         start = time.monotonic()
         ordered: set[bytes] = set()
+        queue = QUEUE_BYTES // self.layout.block_bytes  # what the cache service's writer takes at once
         while time.monotonic() - start < timeout:
-            more = self.kv.write_tiers_to_disk(ordered)
+            more = self.kv.write_tiers_to_disk(ordered, queue // 2 - self.kv.disk_writes_in_flight)
             if not more and not self.kv.saves_in_flight and not self.kv.disk_writes_in_flight:
                 break
             if self.copies.pending:
@@ -373,7 +375,7 @@ class EngineCore:
             prefix_cache=PrefixCacheStats(prefix.requests, prefix.hit_requests, prefix.queried_tokens,
                                           prefix.hit_tokens, dict(prefix.hit_tokens_by_tier)),
             weights_loaded=self.weights_loaded, host_tier=self._host_tier_stats(), disk_tier=self._disk_tier_stats(),
-            prefix_pulls=self._prefix_pull_stats(), prefill_rate=self.load.marginal_prefill_rate(),
+            prefix_pulls=self._prefix_pull_stats(), prefill_rate=self.load.prompt_step_rate,
             spec_decode=self._spec_decode_stats(), pd=self.connector.stats())
 
     def _prefix_pull_stats(self) -> PrefixPullStats | None:

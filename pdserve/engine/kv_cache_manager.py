@@ -176,6 +176,8 @@ class KVCacheManager:
             else:  # not written; with no answer, a late write may still land: the block waits
                 until = None if answer else time.monotonic() + (deadline - time.time()) + QUARANTINE_S
                 self.host.abandon(block_hash, host_block, until)
+        if self.disk is not None and n:  # the disk holds what the host tier holds
+            self.copier.write_to_disk([self._disk_key(h) for h in keys[:n]], host_blocks[:n])
         return set(keys[:n])
 
     def _read_from_disk(self, hashes: list[bytes]) -> set[bytes]:
@@ -344,15 +346,15 @@ class KVCacheManager:
         if orphans:  # the index forgot them while they were written (a reset): their files go too
             self.copier.remove_from_disk(orphans)
 
-    def write_tiers_to_disk(self, ordered: set[bytes]) -> bool:
-        """A clean stop: order the writes of the prefix blocks the disk lacks (not in `ordered`, which gains
-        them): the host tier's at once, the device cache's through the host tier, as many as it has room for
-        now (call again once saves complete). False when there was nothing left to order."""
+    def write_tiers_to_disk(self, ordered: set[bytes], limit: int) -> bool:
+        """A clean stop: order the writes of up to `limit` prefix blocks the disk lacks (not in `ordered`, which
+        gains them): the host tier's, then the device cache's through the host tier, as many as it has room for
+        (call again once writes and saves complete). False when there was nothing left to order."""
         if self.disk is None:
             return False
         keys, host_blocks = [], []
         for block_hash in self.host.saved_hashes():
-            if block_hash not in self.disk and block_hash not in ordered:
+            if len(keys) < limit and block_hash not in self.disk and block_hash not in ordered:
                 keys.append(self._disk_key(block_hash))
                 host_blocks.append(self.host.lookup(block_hash))
         if keys:
@@ -360,7 +362,7 @@ class KVCacheManager:
         device = [b for h in self.pool.cached_hashes()
                   if h not in self.host and h not in ordered and (b := self.pool.lookup(h)) is not None]
         saves = set(self._saves)
-        self._save_to_host(device)
+        self._save_to_host(device[:max(0, limit - len(keys))])
         new = [b.block_hash for i in set(self._saves) - saves for b in self._saves[i]]
         ordered.update(keys, new)
         return bool(keys or new)

@@ -89,6 +89,6 @@ class EngineStats(msgspec.Struct):
     host_tier: HostTierStats | None = None  # with --swap-space
     disk_tier: DiskTierStats | None = None  # with --kv-disk-path
     prefix_pulls: PrefixPullStats | None = None  # with --enable-kv-pull
-    prefill_rate: float = 0.0  # prompt tokens per second one more prompt token costs (the step fit; 0: none yet)
+    prefill_rate: float = 0.0  # prompt tokens per second of steps that were mostly prompt (0: none yet)
     spec_decode: SpecDecodeCounts | None = None  # with --speculative-config
     pd: PDStats | None = None  # prefill and decode roles

@@ -71,7 +71,7 @@ def build_engine_core(config: EngineConfig, started: StartedProcesses, ctx: zmq.
         publisher = KVEventPublisher(config.kv_events_config, kv.snapshot, ctx, config.data_parallel_rank)
     core = EngineCore(config, started.worker, scheduler, layout, copies, connector, service, publisher)
     if config.enable_kv_pull:
-        cost = PullCost(layout.block_bytes, config.block_size, core.load.marginal_prefill_rate)
+        cost = PullCost(layout.block_bytes, config.block_size, lambda: core.load.prompt_step_rate)
         kv.add_prefix_pulls(cost)
         log.info("prefix pulls: a peer's block server named by a router is asked for a prefix when it is cheaper "
                  "than computing it; at start %s", cost.describe())

@@ -18,6 +18,7 @@ from pdserve.kv.disk_store import DiskFiles
 log = logging.getLogger("pdserve.kv.disk")
 
 QUEUE_BYTES = 256 * 2**20  # queued block copies at most; past it writes are dropped
+WARN_EVERY_S = 10.0
 
 
 class DiskWriter:
@@ -25,6 +26,7 @@ class DiskWriter:
         self.files = files
         self.max_queued = max(1, max_queued_bytes // files.block_bytes)
         self.dropped = 0  # blocks not written because the queue was full
+        self._warned_at, self._warned_count = float("-inf"), 0
         self._queue: queue.Queue[tuple[bytes, bytes] | None] = queue.Queue()
         self._done: list[tuple[bytes, bool]] = []
         self._lock = threading.Lock()
@@ -47,10 +49,17 @@ class DiskWriter:
             else:
                 self._queued += 1
         if full:
-            log.warning("disk KV tier: %d blocks already wait to be written; this one stays in memory only",
-                        self.max_queued)
+            self._warn_dropped()
             return
         self._queue.put((key, bytes(data)))
+
+    def _warn_dropped(self) -> None:
+        """One line per burst of dropped writes (at most every WARN_EVERY_S), with how many."""
+        now = time.monotonic()
+        if now - self._warned_at >= WARN_EVERY_S:
+            log.warning("disk KV tier: %d blocks already wait to be written; %d more stay in memory only",
+                        self.max_queued, self.dropped - self._warned_count)
+            self._warned_at, self._warned_count = now, self.dropped
 
     def results(self) -> list[tuple[bytes, bool]]:
         """(key, written whole) of the writes finished since the last call."""
