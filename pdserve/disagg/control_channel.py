@@ -17,6 +17,7 @@ import zmq
 
 from pdserve.disagg.messages import ControlMessage
 from pdserve.utils.cluster_auth import AuthError, ControlSeal, cluster_secret
+from pdserve.utils.zmq_waiting import waiting
 
 log = logging.getLogger("pdserve.pd")
 
@@ -107,11 +108,7 @@ class DecodeControl:
         """Every genuine message waiting now, with the prefill address it came from."""
         out = []
         for addr, dealer in list(self._dealers.items()):
-            while True:
-                try:
-                    raw = dealer.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
+            for raw in waiting(dealer):
                 if (msg := self._codec.decode(raw, addr)) is not None:
                     out.append((addr, msg))
         return out

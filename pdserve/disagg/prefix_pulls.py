@@ -18,6 +18,7 @@ from pdserve.disagg.block_server import HostBlockIndex
 from pdserve.disagg.messages import PullBlocks, PullDone, PullFrom, PullMessage, PullReply
 from pdserve.transport import Endpoint
 from pdserve.utils.cluster_auth import AuthError, ControlSeal, cluster_secret
+from pdserve.utils.zmq_waiting import waiting
 
 log = logging.getLogger("pdserve.kv.pull")
 
@@ -54,11 +55,7 @@ class PrefixPulls:
         """The peers' answers waiting now, as reports for the engine (blocks written are served from now on)."""
         out = []
         for addr, dealer in list(self._dealers.items()):
-            while True:
-                try:
-                    raw = dealer.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
+            for raw in waiting(dealer):
                 try:
                     reply = self._decoder.decode(self._seal.open(raw))
                 except (AuthError, msgspec.DecodeError) as e:
