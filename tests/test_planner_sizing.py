@@ -1,6 +1,7 @@
 """The planner's arithmetic (issue 56): the predictor follows a ramp and counts refused and queued work as load;
 the sizing from a profile gives the fewest prefill and decode instances that meet the SLOs, says when none can,
-and keeps within the budget."""
+and keeps within the budget; the hysteresis grows a side at once, shrinks it only after two intervals and never
+below the headroom's need, does not flap on an edge, and moves an instance between sides only as one is freed."""
 
 from __future__ import annotations
 
@@ -83,3 +84,40 @@ def test_the_split_follows_the_phase_and_keeps_within_the_budget():
 def test_a_profile_round_trips_through_its_file(tmp_path):
     PROFILE.save(tmp_path / "profile.json")
     assert DeploymentProfile.load(tmp_path / "profile.json") == PROFILE
+
+
+def test_a_side_grows_at_once_and_shrinks_only_after_two_intervals_and_never_below_the_headroom():
+    from pdserve.planner.hysteresis import Hysteresis
+    from pdserve.planner.sizing import Split
+
+    keeper = Hysteresis(max_instances=8, down_after=2)
+    current = Split(1, 1)
+    current = keeper.step(current, Split(3, 1), Split(3, 1))
+    assert (current.prefill, current.decode) == (3, 1)  # a burst: at once
+    current = keeper.step(current, Split(1, 1), Split(2, 1))
+    assert (current.prefill, current.decode) == (3, 1)  # one quiet interval: nothing given up
+    current = keeper.step(current, Split(1, 1), Split(2, 1))
+    assert (current.prefill, current.decode) == (2, 1)  # two: down, but not below what the headroom needs
+
+
+def test_a_load_on_the_edge_does_not_flap():
+    from pdserve.planner.hysteresis import Hysteresis
+    from pdserve.planner.sizing import Split
+
+    keeper = Hysteresis(max_instances=8, down_after=2)
+    current, seen = Split(1, 2), []
+    for wanted in (Split(1, 1), Split(1, 2), Split(1, 1), Split(1, 2), Split(1, 1), Split(1, 2)):
+        current = keeper.step(current, wanted, Split(1, 2))  # with headroom the load needs 2 D
+        seen.append(current.decode)
+    assert seen == [2] * 6
+
+
+def test_within_the_budget_a_growing_side_waits_for_the_other_to_shrink():
+    from pdserve.planner.hysteresis import Hysteresis
+    from pdserve.planner.sizing import Split
+
+    keeper = Hysteresis(max_instances=3, down_after=1)
+    current = keeper.step(Split(1, 2), Split(2, 1), Split(2, 2))  # D cannot shrink: its floor is 2
+    assert (current.prefill, current.decode) == (1, 2)
+    current = keeper.step(Split(1, 2), Split(2, 1), Split(2, 1))  # now it can: one instance changes role
+    assert (current.prefill, current.decode) == (2, 1)
