@@ -121,3 +121,23 @@ def test_within_the_budget_a_growing_side_waits_for_the_other_to_shrink():
     assert (current.prefill, current.decode) == (1, 2)
     current = keeper.step(Split(1, 2), Split(2, 1), Split(2, 1))  # now it can: one instance changes role
     assert (current.prefill, current.decode) == (2, 1)
+
+
+def test_an_interval_counts_answers_where_they_finish_and_the_routers_refusals():
+    from pdserve.planner.observe import Snapshot, interval
+
+    def instance(requests: int, prompt: int, output: int, waiting: int) -> str:
+        return (f'pdserve_requests_total{{finish_reason="stop"}} {requests - 1}\n'
+                f'pdserve_requests_total{{finish_reason="length"}} 1\n'
+                f"pdserve_prompt_tokens_total {prompt}\npdserve_generation_tokens_total {output}\n"
+                f'pdserve_num_requests_waiting{{dp_rank="0"}} {waiting}\n')
+
+    router = 'pdserve_router_requests_total{status="200"} 40\npdserve_router_requests_total{status="429"} %d\n'
+    before = Snapshot.of([router % 2], [("prefill", instance(10, 9_000, 10, 3)),
+                                        ("decode", instance(10, 9_000, 900, 0))])
+    after = Snapshot.of([router % 7], [("prefill", instance(30, 30_000, 30, 4)),
+                                       ("decode", instance(30, 30_000, 3_300, 1))])
+    load = interval(before, after, seconds=10)
+    # the prefill instance's halves of the PD requests are not answers; its waiting requests are work
+    assert (load.requests, load.refused, load.prompt_tokens, load.output_tokens) == (20, 5, 21_000, 2_400)
+    assert load.queued_prompt_tokens == 5 * 1050
