@@ -67,8 +67,8 @@ class ServerMetrics:
                                            "prefill: KV transfers completed, by transport", ["protocol"], registry=r)
         self.refused_control = ranked("pdserve_pd_refused_control_messages",
                                      "control messages refused: forged, replayed or from another cluster")
-        self.refused_kv = ranked("pdserve_kv_refused_connections",
-                                 "decode: KV data connections refused (no or another --cluster-secret)")
+        self.refused_kv = ranked("pdserve_kv_refused_connections", "KV data connections and prefix-pull messages "
+                                 "refused (no or another --cluster-secret)")
         self.blocks_skipped = ranked("pdserve_kv_blocks_skipped",
                                     "decode: prompt blocks not transferred, found in this instance's prefix cache")
         # decode role with --splitwise-cache-buffer-size (seed 002)

@@ -71,8 +71,7 @@ class BlockServer:
         self._decoder = msgspec.msgpack.Decoder(PullMessage)
         self._encoder = msgspec.msgpack.Encoder()
         self._writers: dict[bytes, KVWriter] = {}  # by the endpoint's encoding
-        self.served_blocks = 0
-        self.refused = 0
+        self.refused = 0  # requests that were not sealed with the cluster secret, or not ours
 
     def handle_waiting(self) -> None:
         while True:
@@ -114,7 +113,6 @@ class BlockServer:
             self._drop_writer(endpoint)
             log.warning("a pull of %d blocks failed: %s", len(blocks), e)
             return PullReply(msg.pull_id, 0, error=str(e))
-        self.served_blocks += len(blocks)
         return PullReply(msg.pull_id, len(blocks), nbytes, time.perf_counter() - start)
 
     def _writer(self, endpoint: object) -> KVWriter:

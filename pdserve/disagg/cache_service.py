@@ -218,6 +218,11 @@ class CacheService:
             for key in msg.keys:
                 self.disk.remove(key)
 
+    def refused(self) -> int:
+        """What failed the cluster secret here: KV connections, and prefix pulls asked or answered."""
+        parts = [*self.receivers, *self.host_receivers, self.block_server, self.pulls]
+        return sum(p.refused for p in parts if p is not None)
+
     def pull(self, msg: PullFrom) -> PullDone | None:
         if self.pulls is None:
             return PullDone(msg.pull_id, 0, error="this instance was started without --enable-kv-pull")
@@ -315,7 +320,7 @@ def _serve(engine: zmq.Socket, service: CacheService) -> None:
         if service.messager is not None and time.monotonic() >= next_check:
             service.messager.drop_gone_writers()
             next_check = time.monotonic() + GONE_WRITER_CHECK_S
-        if (refused := sum(r.refused for r in service.receivers + service.host_receivers)) != reported_refusals:
+        if (refused := service.refused()) != reported_refusals:
             engine.send(msgspec.msgpack.encode(ReceiverStats(refused)))
             reported_refusals = refused
         if service.inbox in events:

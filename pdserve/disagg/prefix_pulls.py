@@ -33,7 +33,7 @@ class PrefixPulls:
         self._encoder = msgspec.msgpack.Encoder()
         self._dealers: dict[str, zmq.Socket] = {}
         self._pending: dict[str, PullFrom] = {}
-        self.refused = 0
+        self.refused = 0  # answers that were not sealed with the cluster secret
 
     @property
     def sockets(self) -> list[zmq.Socket]:

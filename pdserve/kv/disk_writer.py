@@ -88,7 +88,7 @@ class DiskWriter:
                 self._done.append((key, ok))
 
     def wait_idle(self, timeout: float) -> bool:
-        """Until every queued write has finished (tests, the clean stop); False if `timeout` passed first."""
+        """Until every queued write has finished; False if `timeout` passed first."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with self._lock:
