@@ -124,6 +124,10 @@ class EngineConfig:
     splitwise_cache_buffer_size: float = option(
         0.0, "decode role: GB of host memory that prefill instances write the KV into; the decode instance takes "
         "its own cache blocks only when the KV is complete (FastDeploy's flag)", group=PD)
+    enable_role_switch: bool = option(
+        False, "the instance can change role in place (POST /role, the planner's lever): it starts with what "
+        "both PD sides need (the cache service owns the cache, with receivers and the cache messager); a mixed "
+        "one also takes the decode side of a PD request", switch=True, group=PD)
     pd_host: str = "127.0.0.1"  # the address the control plane and the KV receiver listen on (serve's --host)
     advertise_host: str | None = None  # the address peers are told to use (default: pd_host)
     data_parallel_rank: int | None = None  # this engine's rank among the server's data-parallel ones
@@ -142,6 +146,12 @@ class EngineConfig:
         object.__setattr__(self, "lora_modules", tuple(map(as_lora_module, self.lora_modules)))
         self._check()
         self._check_lora()
+
+    @property
+    def has_pd_parts(self) -> bool:
+        """Started with what a PD side needs (the cache service owns the cache, with receivers and the messager):
+        a prefill or decode instance, or one that may switch role."""
+        return self.splitwise_role != Role.MIXED or self.enable_role_switch
 
     def _check(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -166,6 +176,12 @@ class EngineConfig:
         if self.splitwise_cache_buffer_size and self.splitwise_role != Role.DECODE:
             raise ValueError(f"--splitwise-cache-buffer-size is for decode instances (--splitwise-role decode); "
                              f"this one is {self.splitwise_role}")
+        if self.enable_role_switch and self.splitwise_cache_buffer_size:
+            raise ValueError("--enable-role-switch with --splitwise-cache-buffer-size is not served (the decode "
+                             "buffer is a decode-only segment)")
+        if self.enable_role_switch and "rdma" in self.cache_transfer_protocol:
+            raise ValueError("--enable-role-switch with the rdma transport is not served yet (its receivers are "
+                             "registered once, for the role the instance starts in)")
         if self.swap_space < 0:
             raise ValueError("--swap-space must be at least 0 (GB)")
         if self.swap_space and not self.enable_prefix_caching:

@@ -105,11 +105,12 @@ class CacheService:
         self.inbox: zmq.Socket | None = None
         if destination is not None:
             buffer = CacheBuffer(destination.shm.buf, buffer_address(destination.shm.buf))
-        if config.splitwise_role == Role.DECODE:
+        # An instance that may switch role (--enable-role-switch) keeps both sides' parts from the start.
+        if config.splitwise_role == Role.DECODE or config.enable_role_switch:
             self.receivers = [start_receiver(p, buffer, destination.name, config.pd_host,
                                              config.advertise_host or config.pd_host)
                               for p in config.cache_transfer_protocol]
-        elif config.splitwise_role == Role.PREFILL:
+        if config.splitwise_role == Role.PREFILL or config.enable_role_switch:
             self.messager = CacheMessager(buffer, command.layout, report,  # type: ignore[arg-type]
                                           ranks=config.tensor_parallel_size)
             self.inbox = ctx.socket(zmq.PULL)

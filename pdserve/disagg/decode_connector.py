@@ -176,6 +176,10 @@ class DecodeConnector(ConnectorBase):
             self._end(inc, Phase.ABORTED)
         return r
 
+    @property
+    def held(self) -> int:
+        return len(self._by_tid)
+
     def next_deadline(self) -> float | None:
         if self._buffered and self.scheduler.can_preallocate(self._buffered[0].request, self._buffered[0].cached):
             return self.clock()  # KV waiting for cache blocks that a finished step has just freed: at once

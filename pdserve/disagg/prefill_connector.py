@@ -164,6 +164,10 @@ class PrefillConnector(ConnectorBase):
             return out.request
         return None
 
+    @property
+    def held(self) -> int:
+        return len(self._by_tid)
+
     def next_deadline(self) -> float | None:
         return min((min(o.wait_deadline, o.deadline, o.renewed + o.lease / 3 if o.lease else o.deadline)
                     for o in self._by_tid.values()), default=None)

@@ -14,8 +14,9 @@ import zmq
 
 from pdserve.admission.load import LoadReport, LoadTracker
 from pdserve.config.engine import EngineConfig
+from pdserve.config.roles import Role
 from pdserve.engine.block_copies import BlockCopies
-from pdserve.engine.kv_connector import CacheService, KVConnector, NoCacheService, NoConnector
+from pdserve.engine.kv_connector import CacheService, KVConnector, NoCacheService
 from pdserve.engine.messages import (
     AbortRequests,
     AddRequest,
@@ -28,6 +29,7 @@ from pdserve.engine.messages import (
 )
 from pdserve.engine.request import Request
 from pdserve.engine.request_output import error_output, final_output
+from pdserve.engine.role_connectors import RoleConnectors
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.scheduler_output import SchedulerOutput
 from pdserve.engine.stats import DiskTierStats, EngineStats, HostTierStats, PrefixCacheStats, PrefixPullStats
@@ -66,7 +68,7 @@ class EngineCore:
     LOAD_INTERVAL = 0.02  # seconds between load reports while busy (one more after it goes idle)
 
     def __init__(self, config: EngineConfig, worker: WorkerClient, scheduler: Scheduler, layout: KVLayout,
-                 copies: BlockCopies, connector: KVConnector | None = None,
+                 copies: BlockCopies, connectors: dict[Role, KVConnector] | None = None,
                  cache_service: CacheService | None = None, kv_events: KVEventPublisher | None = None) -> None:
         self.config = config
         self.worker = worker
@@ -74,7 +76,7 @@ class EngineCore:
         self.kv = scheduler.kv
         self.layout = layout
         self.copies = copies
-        self.connector: KVConnector = connector or NoConnector()
+        self.connector = RoleConnectors(config.splitwise_role, connectors or {})
         self.cache_service: CacheService = cache_service or NoCacheService()
         self.kv_events = kv_events
         self._on_worker: set[str] = set()  # request ids whose sampling state the worker holds
@@ -246,9 +248,6 @@ class EngineCore:
             if msg.params.prompt_logprobs is not None:
                 raise ValueError("prompt logprobs (echo with logprobs, prompt_logprobs) are not served by a PD pair: "
                                  "send the request without `pd`, to one instance (pdserve's router does)")
-            if msg.pd.role != self.config.splitwise_role:
-                raise ValueError(f"PD error: this is a {self.config.splitwise_role} instance; it cannot take the "
-                                 f"{msg.pd.role} side of a PD request")
             return self.connector.add_request(request, msg.pd)
         except ValueError as e:
             return [RequestOutput(msg.request_id, [], finish_reason="error", error=str(e),
@@ -419,6 +418,8 @@ class EngineCore:
                 self.worker.weights("clear")
                 self.cache_service.worker_cache_freed()
                 return UtilityResult(call.call_id, {"aborted": len(aborted)}), aborted
+            if call.method == "set_role":
+                return self._set_role(call), []
             if call.method in ("load_lora", "unload_lora"):
                 return self._lora(call), []
             if call.method == "load_weights":
@@ -429,6 +430,23 @@ class EngineCore:
         except RuntimeError as e:  # the worker reported a failure; it is still alive
             return UtilityResult(call.call_id, error=str(e)), aborted
         return self._query(call), []
+
+    def _set_role(self, call: UtilityCall) -> UtilityResult:
+        """Change role in place (--enable-role-switch): the weights and the KV cache (its prefix index too) stay.
+        Refused while it holds a request or a transfer: the frontend drains it first."""
+        try:
+            role = Role(call.args.get("role", ""))
+        except ValueError:
+            return UtilityResult(call.call_id, error=f"role must be one of {', '.join(Role)}")
+        if (why := self.connector.can_take(role)) is not None:
+            return UtilityResult(call.call_id, error=why)
+        if self.scheduler.num_unfinished or self.connector.held:
+            return UtilityResult(call.call_id, error=f"not drained: {self.scheduler.num_unfinished} requests and "
+                                 f"{self.connector.held} transfers are still held")
+        before, self.connector.role = self.connector.role, role
+        self.scheduler.set_role(role)
+        log.info("role changed in place: %s -> %s", before, role)
+        return UtilityResult(call.call_id, {"role": str(role), "sides": self.connector.sides})
 
     def _lora(self, call: UtilityCall) -> UtilityResult:
         name = call.args.get("name", "")

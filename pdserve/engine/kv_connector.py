@@ -48,6 +48,10 @@ class KVConnector(Protocol):
     def abort(self, request_id: str) -> Request | None:
         """The frontend aborted it: the request if the connector ended it, None if the scheduler must."""
 
+    @property
+    def held(self) -> int:
+        """Transfers it holds (blocks or peers waiting on them): none when the instance may change role."""
+
     def next_deadline(self) -> float | None:
         """The earliest moment poll() has something to do without a message (unix time)."""
 
@@ -66,6 +70,7 @@ class NoConnector:
 
     port = None
     sockets: list = []
+    held = 0
 
     def add_request(self, request: Request, pd: PDParams) -> list[RequestOutput]:
         raise ValueError(f"PD error: this is a mixed instance; it cannot take the {pd.role} side of a PD request")

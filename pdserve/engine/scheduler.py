@@ -19,7 +19,7 @@ kv_connector.py) uses only the public methods here.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pdserve.config.engine import EngineConfig
 from pdserve.config.roles import Role
@@ -79,12 +79,20 @@ class Scheduler:
         self.preallocated: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self._speculate(config)
+        self.spec_stats = SpecDecodeStats(config.speculative.num_speculative_tokens if config.speculative else 0)
+        self.step_loras: set[str] = set()  # the LoRA adapters the last step computed with
+
+    def _speculate(self, config: SchedulerConfig) -> None:
         spec = config.speculative if config.role != Role.PREFILL else None  # P stops after one token
         self.proposer = NgramProposer(spec) if spec is not None else None
         self.max_speculating = spec.disable_by_batch_size if spec is not None else None
         self.controller = SpeculationController() if spec is not None and self.max_speculating is None else None
-        self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens if spec is not None else 0)
-        self.step_loras: set[str] = set()  # the LoRA adapters the last step computed with
+
+    def set_role(self, role: Role) -> None:
+        """The instance changed role in place (nothing is scheduled: it drained first)."""
+        self.config = replace(self.config, role=role)
+        self._speculate(self.config)
 
     # ---- admission and removal -------------------------------------------------------------
 

@@ -59,17 +59,18 @@ def build_engine_core(config: EngineConfig, started: StartedProcesses, ctx: zmq.
         kv.add_host_tier(started.host_blocks, copies)
     if started.disk_folder is not None:
         kv.add_disk_tier(open_disk_tier(started.disk_folder, layout.block_bytes, config.kv_disk_size))
-    connector: KVConnector | None = None
-    if config.splitwise_role == Role.PREFILL:
-        connector = PrefillConnector(config, scheduler, layout, ctx, started.cache_service)
-    elif config.splitwise_role == Role.DECODE:
-        connector = DecodeConnector(config, scheduler, layout, ctx, started.endpoints, started.cache_service,
-                                    buffer_blocks=started.buffer_blocks, copies=copies)
+    connectors: dict[Role, KVConnector] = {}
+    if config.splitwise_role == Role.PREFILL or config.enable_role_switch:
+        connectors[Role.PREFILL] = PrefillConnector(config, scheduler, layout, ctx, started.cache_service)
+    if config.splitwise_role == Role.DECODE or config.enable_role_switch:
+        connectors[Role.DECODE] = DecodeConnector(config, scheduler, layout, ctx, started.endpoints,
+                                                  started.cache_service, buffer_blocks=started.buffer_blocks,
+                                                  copies=copies)
     publisher = None
     if config.kv_events_config is not None and config.kv_events_config.enabled:
         kv.record_events()
         publisher = KVEventPublisher(config.kv_events_config, kv.snapshot, ctx, config.data_parallel_rank)
-    core = EngineCore(config, started.worker, scheduler, layout, copies, connector, service, publisher)
+    core = EngineCore(config, started.worker, scheduler, layout, copies, connectors, service, publisher)
     if config.enable_kv_pull:
         cost = PullCost(layout.block_bytes, config.block_size, lambda: core.load.prompt_step_rate)
         kv.add_prefix_pulls(cost)

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pdserve.config.roles import Role
 from pdserve.utils.shm_room import shm_room
 
 if TYPE_CHECKING:
@@ -228,7 +227,7 @@ def start_processes(config: EngineConfig, ctx: zmq.Context, sockdir: str) -> Sta
 
     if refusal := tensor_parallel_refusal(config.model, config.tensor_parallel_size):  # before any process
         raise ValueError(refusal)
-    key = (config.num_gpu_blocks_override is None, config.splitwise_role == Role.MIXED, config.enable_prefix_caching,
+    key = (config.num_gpu_blocks_override is None, not config.has_pd_parts, config.enable_prefix_caching,
            cache_in_device_memory(config))
     steps = TRUTH_TABLE[key]
     start = _Startup(config, ctx, sockdir, StartupLog(config.startup_log, steps, key), key[3])
@@ -256,8 +255,7 @@ class _Startup:
     def service_has_nothing_to_keep(self, step: Step) -> bool:
         """A mixed instance whose cache is in device memory needs the cache service only for a host tier
         (--swap-space); without one it is not started, and the log says so."""
-        mixed = self.config.splitwise_role == Role.MIXED
-        if not self.device_cache or not mixed or self.config.swap_space:
+        if not self.device_cache or self.config.has_pd_parts or self.config.swap_space:
             return False
         if step is Step.START_CACHE_SERVICE:
             self.log.record("cache_service_not_started", reason="the worker's KV cache is in device memory "
@@ -322,8 +320,7 @@ class _Startup:
         """The host memory of a device cache: PD roles get a staging segment of the cache's layout (the
         cache's block ids; P sends from it, D receives into it) unless D receives into its decode buffer;
         and the host tier."""
-        role, buffered = self.config.splitwise_role, bool(self.config.splitwise_cache_buffer_size)
-        staging = role == Role.PREFILL or (role == Role.DECODE and not buffered)
+        staging = self.config.has_pd_parts and not self.config.splitwise_cache_buffer_size
         self._size_host_memory()
         if staging and not self.config.num_gpu_blocks_override:
             self._fit_staging_in_host_memory()
