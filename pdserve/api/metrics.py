@@ -125,7 +125,16 @@ class ServerMetrics:
         self.spec_accepted_per_pos = Gauge("pdserve_spec_decode_num_accepted_tokens_per_pos",
                                            "proposals accepted at each position of a proposal", ["position"],
                                            registry=r)
+        # --enable-role-switch (POST /role)
+        self.role_changes = Counter("pdserve_role_changes", "role changes in place, by outcome (ok, failed: the "
+                                    "instance stayed as it was)", ["from_role", "to_role", "outcome"], registry=r)
+        self.role_change_seconds = Histogram("pdserve_role_change_seconds", "drain, switch and announce",
+                                             buckets=LATENCY_BUCKETS, registry=r)
         self._last_bytes: dict[str, int] = {}
+
+    def role_change(self, before: str, after: str, outcome: str, seconds: float) -> None:
+        self.role_changes.labels(before, after, outcome).inc()
+        self.role_change_seconds.observe(seconds)
 
     def request_started(self) -> None:
         self.in_flight.inc()

@@ -20,6 +20,7 @@ from pdserve.api.async_engine import AsyncEngine
 from pdserve.api.data_parallel import DataParallelEngine, EngineRank
 from pdserve.api.lora import LoRAServing
 from pdserve.api.metrics import ServerMetrics
+from pdserve.api.role_change import RoleChanger
 from pdserve.api.sampling_defaults import load_sampling_defaults
 from pdserve.api.server import build_app
 from pdserve.api.settings import ServerSettings
@@ -87,6 +88,9 @@ def serve(args: argparse.Namespace) -> int:
     refusals = fastdeploy_refusals(args)
     if split := tensor_parallel_refusal(args.model, args.tensor_parallel_size):
         refusals.append(split)
+    if args.enable_role_switch and settings.data_parallel_size > 1:
+        refusals.append("--enable-role-switch with --data-parallel-size above 1 is not served (the router sees each "
+                        "rank of a PD server as its own instance; a role is the server's)")
     if refusals:
         raise ValueError("\n".join(refusals))
     slo, rate_limits = admission_from_flags(settings.ttft_slo_ms, settings.tpot_slo_ms, settings.rate_limit)
@@ -116,7 +120,9 @@ def serve(args: argparse.Namespace) -> int:
                             api_key=settings.api_key, sampling_defaults=sampling_defaults,
                             tool_call_parser=settings.tool_call_parser, data_parallel_size=settings.data_parallel_size,
                             scheduling_policy=config.scheduling_policy)
-        state.kv_pull = config.enable_kv_pull
+        state.kv_pull, state.role = config.enable_kv_pull, ready.role
+        if config.enable_role_switch:
+            state.role_changer = RoleChanger(state, ready.role)
         if config.enable_lora:
             state.lora = LoRAServing.of(config.lora_modules, config.enable_lora_runtime_loading)
         if slo.enabled or rate_limits is not None:
@@ -207,7 +213,8 @@ def _registration(url: str, ready: EngineReady, engines: list[EngineReady], adve
                         metrics_port=metrics_port, model=name,
                         pd_comm=f"{advertise}:{ready.pd_comm_port}" if ready.pd_comm_port else None,
                         transports=ready.transports, tp_size=tp_size, block_size=ready.block_size,
-                        compatibility_key=ready.compatibility_key, kv_events=sources).model_dump()
+                        compatibility_key=ready.compatibility_key, kv_events=sources,
+                        pd_sides=ready.pd_sides).model_dump()
 
 
 def advertised_endpoint(bound: str, advertise: str) -> str:

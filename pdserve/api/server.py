@@ -18,7 +18,7 @@ from fastapi import FastAPI
 from pdserve.api.data_parallel import DataParallelPrefix
 from pdserve.api.errors import add_error_handlers
 from pdserve.api.registration import register_forever
-from pdserve.api.routes import lora, openai, operations, tokens
+from pdserve.api.routes import lora, openai, operations, role, tokens
 from pdserve.api.state import ServerState
 from pdserve.http.auth import bearer_auth
 
@@ -45,7 +45,7 @@ def build_app(state: ServerState) -> FastAPI:
     if state.data_parallel_size > 1:  # outermost: /dp/R/... is rank R's (the router's address of it)
         app.add_middleware(DataParallelPrefix, ranks=state.data_parallel_size)
     add_error_handlers(app)
-    for routes in (operations, openai, tokens, lora):
+    for routes in (operations, openai, tokens, lora, role):
         app.include_router(routes.router)
     return app
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 from fastapi import Depends, Request
 
@@ -17,6 +17,10 @@ from pdserve.api.generation import Generation
 from pdserve.api.lora import LoRAServing
 from pdserve.api.metrics import ServerMetrics
 from pdserve.tokenization.tokenizer import Tokenizer
+from pdserve.utils.cluster_auth import SignatureCheck, cluster_secret
+
+if TYPE_CHECKING:
+    from pdserve.api.role_change import RoleChanger
 
 
 class APIError(Exception):
@@ -52,6 +56,9 @@ class ServerState:
     acked: dict[str, int] = field(default_factory=dict)
     lora: LoRAServing | None = None  # --enable-lora: the adapters a request may name in `model`
     kv_pull: bool = False  # --enable-kv-pull: a request's `kv_pull` is followed
+    role: str = "mixed"  # the role it started in
+    role_changer: RoleChanger | None = None  # --enable-role-switch: POST /role changes it
+    signatures: SignatureCheck = field(default_factory=lambda: SignatureCheck(cluster_secret()))
 
     def announce_loras(self) -> None:
         """The adapters it serves go into its registrations (the next heartbeat tells the routers)."""

@@ -127,6 +127,7 @@ class EngineReady(msgspec.Struct, tag=True):
     kv_events: str | None = None  # where its KV events are published (the bound ZMQ address)
     kv_events_replay: str | None = None  # ... and replayed
     kv_pull_port: int | None = None  # --enable-kv-pull: the cache service's block server (peers pull from it)
+    pd_sides: list[str] = []  # the PD sides its role takes ("prefill", "decode"; a switchable mixed one: decode)
 
 
 class EngineDead(msgspec.Struct, tag=True):

@@ -47,6 +47,8 @@ class Registration(BaseModel):
     compatibility_key: str | None = None  # model + KV layout; P and D pair only when theirs are equal
     kv_events: list[KVEventSource] = []  # one per engine (data-parallel rank) behind this url; none: no events
     loras: list[str] = []  # the LoRA adapters it serves (a request names one in `model`)
+    pd_sides: list[Literal["prefill", "decode"]] = []  # PD sides it takes (a switchable mixed one: decode)
+    draining: bool = False  # changing role: no new requests, those in flight finish
 
 
 class PDRequest(BaseModel):

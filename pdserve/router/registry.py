@@ -83,7 +83,8 @@ class Registry:
         """Record a heartbeat. Returns the instance and whether it needs a probe now (new, restarted,
         or out of the pool)."""
         known = self._instances.get(info.url)
-        if known is not None and known.info.pid == info.pid and known.info.role == info.role:
+        if known is not None and known.info.pid == info.pid:
+            self._announced(known, info)
             known.info, known.last_seen = info, time.monotonic()
             return known, not known.healthy
         if known is not None:
@@ -96,6 +97,15 @@ class Registry:
         log.info("%s instance %s announced itself (host %s); probing it", info.role, info.url, info.host_id)
         self.on_join(instance)
         return instance, True
+
+    @staticmethod
+    def _announced(known: Instance, info: Registration) -> None:
+        """The same process changed role in place or started or ended a drain: it stays in the pool."""
+        if known.info.role != info.role:
+            log.info("%s changed role in place: %s -> %s", info.url, known.info.role, info.role)
+        if known.info.draining != info.draining:
+            log.info("%s %s", info.url, "is draining: no new requests go to it" if info.draining
+                     else "takes requests again")
 
     def unregister(self, url: str) -> None:
         if (instance := self._instances.pop(url, None)) is not None:
@@ -116,7 +126,8 @@ class Registry:
         return sorted(self._instances.values(), key=lambda i: (i.role, i.url))
 
     def healthy(self, role: str | None = None) -> list[Instance]:
-        return [i for i in self.all() if i.healthy and (role is None or i.role == role)]
+        """In the pool and taking requests (a draining instance finishes those it has and takes no new ones)."""
+        return [i for i in self.all() if i.healthy and not i.info.draining and (role is None or i.role == role)]
 
     def has_pd(self) -> bool:
         return any(i.role in (Role.PREFILL, Role.DECODE) for i in self._instances.values())

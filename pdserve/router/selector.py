@@ -52,18 +52,19 @@ class Selector:
     def pick(self, request: RoutedRequest, exclude: frozenset[str] | set[str] = frozenset()) -> Route | None:
         if request.single:
             return self._pick_single(request, exclude)
-        decode = self._healthy(Role.DECODE, exclude, request)
-        pairable = [p for p in self._healthy(Role.PREFILL, exclude, request) if any(compatible(p, d) for d in decode)]
-        mixed = self._healthy(Role.MIXED, exclude, request)
+        decode = self._decode_side(exclude, request)
+        prefill = self._healthy(Role.PREFILL, exclude, request)
+        pairable = [p for p in prefill if any(compatible(p, d) for d in decode)]
+        whole = self._whole(prefill, exclude, request)
         request.predicted_cached_tokens = None  # each policy that predicts sets it
         if not pairable:
-            if not mixed:
+            if not whole:
                 return None
-            chosen = self.decode_policy.choose(self._warm_first(mixed, request), request)
+            chosen = self.decode_policy.choose(self._warm_first(whole, request), request)
             return Route(chosen, predicted_cached_tokens=request.predicted_cached_tokens)
-        first = self.prefill_policy.choose(self._warm_first(pairable + mixed, request), request)
+        first = self.prefill_policy.choose(self._warm_first(pairable + whole, request), request)
         predicted = request.predicted_cached_tokens
-        if first.role == Role.MIXED:
+        if first.role != Role.PREFILL:
             return Route(first, predicted_cached_tokens=predicted)
         d = self.decode_policy.choose(self._warm_first([d for d in decode if compatible(first, d)], request), request)
         if self.decider is not None:
@@ -79,6 +80,21 @@ class Selector:
         lora = request.lora if request is not None else None
         return [i for i in self.registry.healthy(role)
                 if i.url not in exclude and (lora is None or lora in i.info.loras)]
+
+    def _decode_side(self, exclude: frozenset[str] | set[str], request: RoutedRequest | None = None
+                     ) -> list[Instance]:
+        """Who takes the decode side of a pair: decode instances, and mixed ones that may change role (they hold
+        the decode side's parts: a prefill instance's partner when no decode instance is left)."""
+        mixed = [i for i in self._healthy(Role.MIXED, exclude, request) if Role.DECODE in i.info.pd_sides]
+        return self._healthy(Role.DECODE, exclude, request) + mixed
+
+    def _whole(self, prefill: list[Instance], exclude: frozenset[str] | set[str],
+               request: RoutedRequest | None = None) -> list[Instance]:
+        """Who computes a whole request: mixed instances, and decode ones while no prefill instance is there to
+        pair them with (a decode instance computes a prompt itself, as conditional disaggregation's local
+        prefill does)."""
+        mixed = self._healthy(Role.MIXED, exclude, request)
+        return mixed + ([] if prefill else self._healthy(Role.DECODE, exclude, request))
 
     def _warm_first(self, candidates: list[Instance], request: RoutedRequest) -> list[Instance]:
         """For a LoRA request, the instances whose last load report had its adapter in a step (so in a device
@@ -108,9 +124,9 @@ class Selector:
 
     def can_serve_without(self, excluded: set[str], request: RoutedRequest | None = None) -> bool:
         """can_serve(), the `excluded` urls left out (and for a LoRA request, the instances not serving it)."""
-        decode = self._healthy(Role.DECODE, excluded, request)
-        return (any(compatible(p, d) for p in self._healthy(Role.PREFILL, excluded, request) for d in decode)
-                or bool(self._healthy(Role.MIXED, excluded, request)))
+        decode = self._decode_side(excluded, request)
+        prefill = self._healthy(Role.PREFILL, excluded, request)
+        return any(compatible(p, d) for p in prefill for d in decode) or bool(self._whole(prefill, excluded, request))
 
     def can_route(self, request: RoutedRequest, excluded: set[str]) -> bool:
         """pick() would find a route for this request, the `excluded` urls left out (no policy state moves)."""
