@@ -18,7 +18,7 @@ from pdserve.balancing.policies import CacheAware, LeastRequests, LeastTokens, P
 from pdserve.http.wire import Registration
 from pdserve.router.prefill_decider import PrefillDecider
 from pdserve.router.registry import Instance, Registry
-from pdserve.router.selector import Selector, compatible, pair_transport
+from pdserve.router.selector import Route, Selector, compatible, pair_transport
 from pdserve.utils.cluster_auth import SIGNATURE_HEADER, sign_body
 from tests.servers import Router, register, wait_for
 from tests.stub_instance import StubInstance
@@ -222,6 +222,34 @@ def test_conditional_pd_leaves_the_prompt_to_p_where_d_would_be_late() -> None:
     assert isinstance(admission.admit({}, {}, quick, time.monotonic()), Admitted)
     assert selector.pick(quick).first is d
     assert [(x.local, x.reason) for x in seen] == [(False, "slow_locally"), (True, "decode_idle")]
+
+
+def test_routes_follow_roles_changed_in_place() -> None:
+    """A switchable mixed instance is a prefill instance's partner; with no prefill instance, decode instances take
+    whole requests; a draining instance gets nothing new; a role change keeps the instance in the pool."""
+    pair = {"transports": ["tcp"], "compatibility_key": KEY}
+    p = _instance("p", tokens=100, **pair)
+    m = _instance("m", "mixed", pd_sides=["decode"], **pair)
+    registry = Registry()
+    for i in (p, m):
+        registry._instances[i.url] = i
+    selector = Selector(registry, LeastTokens(), LeastRequests())
+    m.in_flight_tokens = 500  # the prefill instance is the less busy: it computes, the mixed one decodes
+    route = selector.pick(RoutedRequest(None, 100))
+    assert (route.first, route.decode, route.transport) == (p, m, "tcp")
+    m.in_flight_tokens = 0
+    assert selector.pick(RoutedRequest(None, 100)) == Route(m)  # or the mixed one takes it whole
+    d = _instance("d", "decode", **pair)
+    registry._instances = {"m": m, "d": d}
+    m.in_flight_requests = 3
+    assert selector.pick(RoutedRequest(None, 1)) == Route(d)  # no prefill instance: D computes it whole
+    registry.register(Registration(role="mixed", url="m", pid=None, draining=True, **pair))
+    d.in_flight_requests = 9
+    assert m.healthy and selector.pick(RoutedRequest(None, 1)) == Route(d)  # m drains: nothing new goes to it
+    registry.register(Registration(role="prefill", url="m", pid=None, **pair))
+    assert m.healthy and m.role == "prefill", "a role changed in place left the pool"
+    route = selector.pick(RoutedRequest(None, 1))
+    assert (route.first, route.decode) == (m, d)
 
 
 def test_health_thresholds_and_lost_requests() -> None:
