@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from pdserve.planner.predictor import Holt, IntervalLoad, Load, LoadPredictor, MovingAverage
-from pdserve.planner.sizing import DeploymentProfile, decode_instances, prefill_instances, size
+from pdserve.planner.roles import RoleCounts, RolePlanner, best_roles, changes
+from pdserve.planner.sizing import DeploymentProfile, Needs, decode_instances, needs, prefill_instances
 
 PROFILE = DeploymentProfile(prefill_tokens_per_s=2000.0, itl_base_s=0.010, itl_per_stream_s=0.002, max_streams=64)
 
@@ -68,17 +69,13 @@ def test_decode_count_holds_the_streams_at_the_batch_that_meets_the_tpot_slo():
     assert "past the TPOT SLO" in why and slow >= 1
 
 
-def test_the_split_follows_the_phase_and_keeps_within_the_budget():
-    long_prompts = size(Load(rate=3.0, prompt_len=1500, output_len=16), PROFILE, ttft_slo_s=2.0, tpot_slo_s=0.05,
-                        max_instances=8, interval_s=30)
-    long_answers = size(Load(rate=3.0, prompt_len=50, output_len=300), PROFILE, ttft_slo_s=2.0, tpot_slo_s=0.05,
-                        max_instances=8, interval_s=30)
-    assert long_prompts.prefill > long_prompts.decode and long_answers.decode > long_answers.prefill
-    assert long_prompts.meets_slo and long_answers.meets_slo
-    cut = size(Load(rate=20.0, prompt_len=1500, output_len=300), PROFILE, ttft_slo_s=2.0, tpot_slo_s=0.05,
-               max_instances=4, interval_s=30)
-    assert cut.total == 4 and cut.prefill >= 1 and cut.decode >= 1 and not cut.meets_slo
-    assert "past --max-instances 4" in cut.reason
+def test_the_needs_follow_the_phase():
+    long_prompts = needs(Load(rate=3.0, prompt_len=1500, output_len=16), PROFILE, ttft_slo_s=2.0, tpot_slo_s=0.05,
+                         interval_s=30)
+    long_answers = needs(Load(rate=3.0, prompt_len=50, output_len=300), PROFILE, ttft_slo_s=2.0, tpot_slo_s=0.05,
+                         interval_s=30)
+    assert long_prompts.prefill > 1 > long_prompts.decode and long_answers.decode > 1 > long_answers.prefill
+    assert long_prompts.reason == long_answers.reason == ""
 
 
 def test_a_profile_round_trips_through_its_file(tmp_path):
@@ -86,41 +83,47 @@ def test_a_profile_round_trips_through_its_file(tmp_path):
     assert DeploymentProfile.load(tmp_path / "profile.json") == PROFILE
 
 
-def test_a_side_grows_at_once_and_shrinks_only_after_two_intervals_and_never_below_the_headroom():
-    from pdserve.planner.hysteresis import Hysteresis
-    from pdserve.planner.sizing import Split
-
-    keeper = Hysteresis(max_instances=8, down_after=2)
-    current = Split(1, 1)
-    current = keeper.step(current, Split(3, 1), Split(3, 1))
-    assert (current.prefill, current.decode) == (3, 1)  # a burst: at once
-    current = keeper.step(current, Split(1, 1), Split(2, 1))
-    assert (current.prefill, current.decode) == (3, 1)  # one quiet interval: nothing given up
-    current = keeper.step(current, Split(1, 1), Split(2, 1))
-    assert (current.prefill, current.decode) == (2, 1)  # two: down, but not below what the headroom needs
+PD = RoleCounts(1, 1)
 
 
-def test_a_load_on_the_edge_does_not_flap():
-    from pdserve.planner.hysteresis import Hysteresis
-    from pdserve.planner.sizing import Split
-
-    keeper = Hysteresis(max_instances=8, down_after=2)
-    current, seen = Split(1, 2), []
-    for wanted in (Split(1, 1), Split(1, 2), Split(1, 1), Split(1, 2), Split(1, 1), Split(1, 2)):
-        current = keeper.step(current, wanted, Split(1, 2))  # with headroom the load needs 2 D
-        seen.append(current.decode)
-    assert seen == [2] * 6
+def test_two_instances_lend_the_busy_side_a_mixed_one_and_keep_pure_roles_when_they_suffice():
+    assert best_roles(Needs(1.6, 0.2), PD) == RoleCounts(1, 0, 1)  # long prompts: D -> mixed
+    assert best_roles(Needs(0.1, 1.5), PD) == RoleCounts(0, 1, 1)  # long answers: P -> mixed
+    assert best_roles(Needs(0.3, 0.3), RoleCounts(1, 0, 1)) == PD  # light: back to pure roles
+    assert best_roles(Needs(0.0, 0.0), RoleCounts(1, 3)) == RoleCounts(1, 3)  # idle: nothing moves
+    assert best_roles(Needs(2.5, 0.5), RoleCounts(1, 3)) == RoleCounts(3, 1)
+    assert best_roles(Needs(9.0, 1.0), PD) == RoleCounts(1, 0, 1)  # past any split: the least pressure
+    assert RoleCounts(1, 0, 1).pressure(Needs(1.6, 0.2)) == pytest.approx(0.9)
 
 
-def test_within_the_budget_a_growing_side_waits_for_the_other_to_shrink():
-    from pdserve.planner.hysteresis import Hysteresis
-    from pdserve.planner.sizing import Split
+def test_a_burst_moves_at_once_and_a_fitting_change_waits_to_settle():
+    planner = RolePlanner(settle=2, headroom=0.2)
+    burst = planner.step(PD, Needs(1.6, 0.2))  # 1P misses the TTFT SLO: at once
+    assert burst.move and burst.target == RoleCounts(1, 0, 1) and "misses" in burst.reason
+    light = Needs(0.3, 0.3)
+    first = planner.step(RoleCounts(1, 0, 1), light)
+    assert not first.move and "1 of 2" in first.reason
+    second = planner.step(RoleCounts(1, 0, 1), light)
+    assert second.move and second.target == PD
 
-    keeper = Hysteresis(max_instances=3, down_after=1)
-    current = keeper.step(Split(1, 2), Split(2, 1), Split(2, 2))  # D cannot shrink: its floor is 2
-    assert (current.prefill, current.decode) == (1, 2)
-    current = keeper.step(Split(1, 2), Split(2, 1), Split(2, 1))  # now it can: one instance changes role
-    assert (current.prefill, current.decode) == (2, 1)
+
+def test_a_load_on_the_edge_does_not_flap_and_survivors_must_absorb_the_headroom():
+    planner = RolePlanner(settle=2, headroom=0.2)
+    current = RoleCounts(1, 0, 1)
+    for need in (Needs(0.9, 0.2), Needs(1.05, 0.2)) * 3:  # PD fits the first, not the second
+        decision = planner.step(current, need)
+        assert not decision.move, decision.reason
+    tight = Needs(0.9, 0.2)  # PD fits it, but not with 20% more
+    planner.step(current, tight)
+    held = planner.step(current, tight)
+    assert not held.move and "headroom" in held.reason
+
+
+def test_the_least_busy_instances_change_role():
+    roles = {"a": "prefill", "b": "decode", "c": "decode", "d": "decode"}
+    assert changes(roles, RoleCounts(2, 2), {"b": 5, "c": 0, "d": 2}) == [("c", "prefill")]
+    assert changes(roles, RoleCounts(1, 2, 1), {"b": 5, "c": 7, "d": 2}) == [("d", "mixed")]
+    assert changes(roles, RoleCounts(1, 3), {}) == []
 
 
 def test_an_interval_counts_answers_where_they_finish_and_the_routers_refusals():

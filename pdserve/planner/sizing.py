@@ -5,7 +5,8 @@ share rho of the time, and a prompt waits as in a single-server queue: TTFT ~ se
 one prompt's compute. The fewest P whose TTFT meets the SLO. Decode: a stream's inter-token latency grows with
 its instance's batch, ITL(b) = base + per_stream * b; the batch that just meets the TPOT SLO (at most the
 instance's max streams) bounds the streams per instance, and the streams in flight are arrivals x answer length
-x ITL (Little's law). The fewest D that holds them. Both at least 1; together within the budget.
+x ITL (Little's law). Both are given as real numbers of instances (`Needs`), for the role assignment (roles.py)
+to weigh; rounded up, each is the count of instances a side needs.
 """
 
 from __future__ import annotations
@@ -41,54 +42,56 @@ class DeploymentProfile(msgspec.Struct, frozen=True):
 
 
 @dataclass(frozen=True)
-class Split:
-    prefill: int
-    decode: int
-    meets_slo: bool = True
-    reason: str = ""  # why it cannot meet the SLOs, or why the budget cut it
+class Needs:
+    """Instance-equivalents each side needs for the SLOs (1.0: one instance's whole capacity), and why a side
+    cannot meet its SLO at any size ("" when it can)."""
 
-    @property
-    def total(self) -> int:
-        return self.prefill + self.decode
+    prefill: float
+    decode: float
+    reason: str = ""
+
+    def scaled(self, factor: float) -> Needs:
+        return Needs(self.prefill * factor, self.decode * factor, self.reason)
 
 
-def prefill_instances(load: Load, profile: DeploymentProfile, ttft_slo_s: float, interval_s: float) -> tuple[int, str]:
-    """The fewest prefill instances whose predicted TTFT meets the SLO ("" or why none can)."""
+def prefill_need(load: Load, profile: DeploymentProfile, ttft_slo_s: float, interval_s: float) -> tuple[float, str]:
+    """Prefill instances (real-valued) whose predicted TTFT meets the SLO: service / (1 - demand / (P rate)) <= SLO
+    and no instance busier than MAX_UTILIZATION ("" or why none can)."""
     rate = profile.prefill_tokens_per_s
     service = load.prompt_len / rate
     demand = load.prefill_tokens_per_s + load.backlog_tokens / interval_s
     if service >= ttft_slo_s:
-        return max(1, math.ceil(demand / (0.5 * rate))), (
+        return demand / (0.5 * rate), (
             f"one {load.prompt_len:.0f}-token prompt takes {service * 1e3:.0f} ms to compute, past the TTFT SLO")
-    p = max(1, math.ceil(demand / (MAX_UTILIZATION * rate)))
-    while service / (1 - demand / (p * rate)) > ttft_slo_s:
-        p += 1
-    return p, ""
+    return max(demand / (MAX_UTILIZATION * rate), demand / (rate * (1 - service / ttft_slo_s))), ""
 
 
-def decode_instances(load: Load, profile: DeploymentProfile, tpot_slo_s: float) -> tuple[int, str]:
-    """The fewest decode instances whose batch keeps the ITL within the SLO ("" or why none can)."""
+def decode_need(load: Load, profile: DeploymentProfile, tpot_slo_s: float) -> tuple[float, str]:
+    """Decode instances (real-valued) whose batch keeps the ITL within the SLO ("" or why none can)."""
     if profile.itl(1) > tpot_slo_s:
-        streams = load.rate * load.output_len * profile.itl(1)
-        return max(1, math.ceil(streams)), f"one stream's ITL is {profile.itl(1) * 1e3:.1f} ms, past the TPOT SLO"
+        return load.rate * load.output_len * profile.itl(1), (
+            f"one stream's ITL is {profile.itl(1) * 1e3:.1f} ms, past the TPOT SLO")
     per_instance = profile.max_streams
     if profile.itl_per_stream_s > 0:
         per_instance = min(per_instance, int((tpot_slo_s - profile.itl_base_s) / profile.itl_per_stream_s))
     per_instance = max(1, per_instance)
     streams = load.rate * load.output_len * profile.itl(per_instance)
-    return max(1, math.ceil(streams / (MAX_UTILIZATION * per_instance))), ""
+    return streams / (MAX_UTILIZATION * per_instance), ""
 
 
-def size(load: Load, profile: DeploymentProfile, ttft_slo_s: float, tpot_slo_s: float, max_instances: int,
-         interval_s: float) -> Split:
-    """The split the load needs; cut to `max_instances` (each side keeping its share of the need, at least 1)."""
-    if max_instances < 2:
-        raise ValueError("a prefill/decode split needs a budget of at least 2 instances")
-    p, p_why = prefill_instances(load, profile, ttft_slo_s, interval_s)
-    d, d_why = decode_instances(load, profile, tpot_slo_s)
-    reasons = [r for r in (p_why, d_why) if r]
-    if p + d <= max_instances:
-        return Split(p, d, not reasons, "; ".join(reasons))
-    p_cut = min(max_instances - 1, max(1, round(max_instances * p / (p + d))))
-    reasons.append(f"the load needs {p}P + {d}D, past --max-instances {max_instances}")
-    return Split(p_cut, max_instances - p_cut, False, "; ".join(reasons))
+def needs(load: Load, profile: DeploymentProfile, ttft_slo_s: float, tpot_slo_s: float, interval_s: float) -> Needs:
+    p, p_why = prefill_need(load, profile, ttft_slo_s, interval_s)
+    d, d_why = decode_need(load, profile, tpot_slo_s)
+    return Needs(p, d, "; ".join(r for r in (p_why, d_why) if r))
+
+
+def prefill_instances(load: Load, profile: DeploymentProfile, ttft_slo_s: float, interval_s: float) -> tuple[int, str]:
+    """The fewest prefill instances whose predicted TTFT meets the SLO ("" or why none can)."""
+    p, why = prefill_need(load, profile, ttft_slo_s, interval_s)
+    return max(1, math.ceil(p - 1e-9)), why
+
+
+def decode_instances(load: Load, profile: DeploymentProfile, tpot_slo_s: float) -> tuple[int, str]:
+    """The fewest decode instances whose batch keeps the ITL within the SLO ("" or why none can)."""
+    d, why = decode_need(load, profile, tpot_slo_s)
+    return max(1, math.ceil(d - 1e-9)), why
