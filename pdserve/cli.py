@@ -42,6 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
     from pdserve.deploy.launch import add_launch_args
 
     add_launch_args(lch)
+    pln = sub.add_parser("planner", help="move capacity between prefill and decode as the load changes (changes "
+                         "roles of instances started with --enable-role-switch); `planner profile` saves a profile")
+    from pdserve.planner.serve import add_planner_args
+
+    add_planner_args(pln)
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     bench_serve = bench_sub.add_parser("serve", help="measure a running server (or router): the seed 003 table")
@@ -79,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
 
                 return launch_on_ray(args, settings)
             return launch(args, settings)
+        if args.command == "planner":
+            from pdserve.planner.serve import planner_main
+
+            return planner_main(args)
         if args.command == "bench":
             from pdserve.bench_serve.run import bench_serve
 

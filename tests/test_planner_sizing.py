@@ -136,11 +136,15 @@ def test_an_interval_counts_answers_where_they_finish_and_the_routers_refusals()
                 f'pdserve_num_requests_waiting{{dp_rank="0"}} {waiting}\n')
 
     router = 'pdserve_router_requests_total{status="200"} 40\npdserve_router_requests_total{status="429"} %d\n'
-    before = Snapshot.of([router % 2], [("prefill", instance(10, 9_000, 10, 3)),
-                                        ("decode", instance(10, 9_000, 900, 0))])
-    after = Snapshot.of([router % 7], [("prefill", instance(30, 30_000, 30, 4)),
-                                       ("decode", instance(30, 30_000, 3_300, 1))])
+    before = Snapshot.of([router % 2], {"p": ("prefill", instance(10, 9_000, 10, 3)),
+                                        "d": ("decode", instance(10, 9_000, 900, 0))})
+    after = Snapshot.of([router % 7], {"p": ("prefill", instance(30, 30_000, 30, 4)),
+                                       "d": ("decode", instance(30, 30_000, 3_300, 1))})
     load = interval(before, after, seconds=10)
     # the prefill instance's halves of the PD requests are not answers; its waiting requests are work
     assert (load.requests, load.refused, load.prompt_tokens, load.output_tokens) == (20, 5, 21_000, 2_400)
     assert load.queued_prompt_tokens == 5 * 1050
+    # the prefill instance became mixed: only what it answered since counts, not its prefill halves before
+    switched = Snapshot.of([router % 7], {"p": ("mixed", instance(32, 31_000, 100, 0)),
+                                          "d": ("decode", instance(30, 30_000, 3_300, 0))})
+    assert interval(after, switched, seconds=10).requests == 2

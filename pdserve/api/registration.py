@@ -7,24 +7,16 @@ router admits only members of its deployment.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 
 import httpx
 
-from pdserve.utils.cluster_auth import SIGNATURE_HEADER, cluster_secret, sign_body
+from pdserve.http.members import post_signed
 
 log = logging.getLogger("pdserve.registration")
 
 INTERVAL = 2.0  # seconds; the router drops an instance it has not heard from in a few intervals
 RETRY = 0.5  # seconds between tries while the router cannot be reached
-
-
-async def post_signed(client: httpx.AsyncClient, base: str, path: str, payload: dict,
-                      **kwargs: object) -> httpx.Response:
-    body = json.dumps(payload).encode()
-    headers = {"Content-Type": "application/json", SIGNATURE_HEADER: sign_body(cluster_secret(), path, body)}
-    return await client.post(f"{base}{path}", content=body, headers=headers, **kwargs)
 
 
 async def register_forever(router_url: str, instance: dict, interval: float = INTERVAL) -> None:

@@ -1,10 +1,11 @@
-"""Changing an instance's role in place (POST /role, --enable-role-switch): drain, switch, announce.
+"""Changing an instance's role in place (POST /role, --enable-role-switch): switch, announce; drain first if asked.
 
-The instance first tells its routers it is draining (a registration with `draining`: they route nothing new to
-it), waits until no request is in flight here or held in the engine, then asks the engine to change role (the
-weights, the KV cache and its prefix index stay) and registers with the new role. A drain that does not finish
-within its timeout, or an engine that refuses, puts the instance back as it was: it announces its old role and
-serves on. Every change and every failure is logged with its reason.
+The engine changes role at once: the weights, the KV cache and its prefix index stay, and what is in flight goes on
+(a transfer ends on the connector that began it, a stream decodes to its end), so a change leaves no hole in the
+deployment's capacity. The new role goes to the routers at once, not at the next heartbeat. With a drain timeout,
+the instance first tells its routers it is draining (they route nothing new to it) and waits until nothing is in
+flight here or in the engine; a drain that does not finish in time, or an engine that refuses, puts it back as it
+was: it announces its old role and serves on. Every change and every failure is logged with its reason.
 """
 
 from __future__ import annotations
@@ -12,13 +13,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from pdserve.api.registration import post_signed
 from pdserve.engine.engine_client import EngineError
+from pdserve.http.members import post_signed
 
 if TYPE_CHECKING:
-    from pdserve.api.state import ServerState
+    from pdserve.api.async_engine import AsyncEngine
+    from pdserve.api.metrics import ServerMetrics
 
 log = logging.getLogger("pdserve.role")
 
@@ -32,9 +35,12 @@ class RoleChangeFailed(Exception):
 
 
 class RoleChanger:
-    def __init__(self, state: ServerState, role: str) -> None:
-        self.state = state
-        self.role = role
+    def __init__(self, role: str, engine: AsyncEngine, metrics: ServerMetrics, in_flight: Callable[[], int],
+                 instances: list[dict], router_urls: list[str]) -> None:
+        """`in_flight`: the requests this server is answering; `instances`: its registrations (a change edits
+        them: the heartbeats carry the new role)."""
+        self.role, self.engine, self.metrics, self.in_flight = role, engine, metrics, in_flight
+        self.instances, self.router_urls = instances, router_urls
         self.busy = False
 
     async def change(self, role: str, drain_timeout: float) -> dict:
@@ -45,21 +51,23 @@ class RoleChanger:
         self.busy = True
         started = time.monotonic()
         try:
-            await self._announce(draining=True)
-            await self._drain(drain_timeout)
+            if drain_timeout > 0:
+                await self._announce(draining=True)
+                await self._drain(drain_timeout)
             result = await self._switch(role)
         except RoleChangeFailed as e:
             log.warning("role change %s -> %s failed, the instance stays %s: %s", self.role, role, self.role, e)
-            self.state.metrics.role_change(self.role, role, "failed", time.monotonic() - started)
+            self.metrics.role_change(self.role, role, "failed", time.monotonic() - started)
             await self._announce(draining=False)
             raise
         finally:
             self.busy = False
         seconds = time.monotonic() - started
-        log.info("role changed %s -> %s in %.2f s (drained, switched, announced)", self.role, role, seconds)
-        self.state.metrics.role_change(self.role, role, "ok", seconds)
+        log.info("role changed %s -> %s in %.2f s%s", self.role, role, seconds,
+                 " (drained first)" if drain_timeout > 0 else "")
+        self.metrics.role_change(self.role, role, "ok", seconds)
         self.role = role
-        for instance in self.state.instances:
+        for instance in self.instances:
             instance["role"], instance["pd_sides"] = role, result["sides"]
         await self._announce(draining=False)
         return {"role": role, "changed": True, "seconds": round(seconds, 3)}
@@ -73,26 +81,21 @@ class RoleChanger:
             await asyncio.sleep(DRAIN_POLL_S)
 
     async def _in_flight(self) -> int:
-        stats = await self.state.engine.call("stats")
-        return self.state.in_flight + stats.running + stats.waiting + stats.preallocated
+        stats = await self.engine.call("stats")
+        return self.in_flight() + stats.running + stats.waiting + stats.preallocated
 
     async def _switch(self, role: str) -> dict:
-        """The engine refuses while it holds a request or a transfer; one that came in since the drain is
-        waited for (a router may have chosen this instance just before it heard of the drain)."""
-        while True:
-            try:
-                return await self.state.engine.call("set_role", args={"role": role}, timeout=30)
-            except EngineError as e:
-                if not str(e).startswith("not drained"):
-                    raise RoleChangeFailed(f"the engine refused: {e}", 500) from None
-            await self._drain(10.0)
+        try:
+            return await self.engine.call("set_role", args={"role": role}, timeout=30)
+        except EngineError as e:
+            raise RoleChangeFailed(f"the engine refused: {e}", 500) from None
 
     async def _announce(self, draining: bool) -> None:
         """Registrations now, not at the next heartbeat: the routers stop (or resume) choosing it at once."""
-        for instance in self.state.instances:
+        for instance in self.instances:
             instance["draining"] = draining
-        await asyncio.gather(*(self._register(url, instance) for url in self.state.router_urls
-                               for instance in self.state.instances))
+        await asyncio.gather(*(self._register(url, instance) for url in self.router_urls
+                               for instance in self.instances))
 
     @staticmethod
     async def _register(router_url: str, instance: dict) -> None:

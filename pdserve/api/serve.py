@@ -121,8 +121,6 @@ def serve(args: argparse.Namespace) -> int:
                             tool_call_parser=settings.tool_call_parser, data_parallel_size=settings.data_parallel_size,
                             scheduling_policy=config.scheduling_policy)
         state.kv_pull, state.role = config.enable_kv_pull, ready.role
-        if config.enable_role_switch:
-            state.role_changer = RoleChanger(state, ready.role)
         if config.enable_lora:
             state.lora = LoRAServing.of(config.lora_modules, config.enable_lora_runtime_loading)
         if slo.enabled or rate_limits is not None:
@@ -133,6 +131,9 @@ def serve(args: argparse.Namespace) -> int:
             state.instances = registrations(engine, f"http://{advertise}:{port}", advertise, metrics_port, name,
                                             config.tensor_parallel_size)
             state.announce_loras()
+        if config.enable_role_switch:
+            state.role_changer = RoleChanger(ready.role, engine, metrics, lambda: state.in_flight, state.instances,
+                                             state.router_urls)
         from prometheus_client import start_http_server
 
         metrics_reservation.close()

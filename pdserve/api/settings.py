@@ -8,18 +8,11 @@ from dataclasses import dataclass
 
 from pdserve.admission.settings import RATE_LIMIT_HELP, TPOT_HELP, TTFT_HELP
 from pdserve.config.flags import option
+from pdserve.http.members import router_urls
 from pdserve.tool_calling.parsers import PARSERS
 from pdserve.utils.cluster_auth import ENV
 
 API_KEY_ENV = "PDSERVE_API_KEY"
-
-
-def router_url(text: str) -> str:
-    return text if "://" in text else f"http://{text}"
-
-
-def router_urls(text: str) -> list[str]:
-    return [router_url(t.strip()) for t in text.split(",") if t.strip()]
 
 
 SERVER = "server"  # the --help group

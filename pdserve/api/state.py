@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 from fastapi import Depends, Request
 
@@ -16,11 +16,9 @@ from pdserve.api.data_parallel import DataParallelEngine
 from pdserve.api.generation import Generation
 from pdserve.api.lora import LoRAServing
 from pdserve.api.metrics import ServerMetrics
+from pdserve.api.role_change import RoleChanger
 from pdserve.tokenization.tokenizer import Tokenizer
 from pdserve.utils.cluster_auth import SignatureCheck, cluster_secret
-
-if TYPE_CHECKING:
-    from pdserve.api.role_change import RoleChanger
 
 
 class APIError(Exception):

@@ -26,11 +26,12 @@ from pathlib import Path
 
 from pdserve.admission.predictor import SLO
 from pdserve.api.serve import DEMO_REQUEST
-from pdserve.config.flags import add_flags, from_args
+from pdserve.config.flags import add_flags, from_args, to_flags
 from pdserve.config.roles import Role
 from pdserve.deploy.lifecycle import SIGINT_GRACE_S, stop_on_signals, stopped, wait_ready
 from pdserve.deploy.plan import InstanceSpec, cpu_only, memory_shares, plan, plan_routers, registration_urls
 from pdserve.deploy.settings import (
+    PLANNER_FLAGS,
     ROUTER_DEFAULTS,
     ROUTER_FLAGS,
     LaunchSettings,
@@ -39,6 +40,7 @@ from pdserve.deploy.settings import (
     role_counts,
 )
 from pdserve.deploy.supervisor import Supervisor
+from pdserve.planner.settings import PlannerSettings
 from pdserve.router.settings import RouterSettings
 from pdserve.utils.cluster_auth import ENV
 from pdserve.worker import core_loan
@@ -49,6 +51,8 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
     routers = p.add_argument_group("router", "the router's flags (see pdserve router --help), given to every router")
     for name, remark in ROUTER_FLAGS.items():
         add_flags(routers, RouterSettings, only=[name], defaults=ROUTER_DEFAULTS, help_suffix=remark)
+    planner = p.add_argument_group("planner", "with --planner: the planner's flags (see pdserve planner --help)")
+    add_flags(planner, PlannerSettings, only=PLANNER_FLAGS)
     p.epilog = "Any other flag (e.g. --cache-transfer-protocol tcp, --kv-cache-memory 2G) goes to every instance."
 
 
@@ -119,7 +123,17 @@ def launch_settings(args: argparse.Namespace) -> LaunchSettings:
     """The launch's settings from its flags (both launchers); with SLOs, instances calibrate before ready."""
     if SLO.from_ms(args.ttft_slo_ms, args.tpot_slo_ms).enabled:  # the routers judge from the instances' first report
         args.instance_args = [*args.instance_args, "--calibrate-load"]
+    if args.planner and args.ray is not None:
+        raise ValueError("--planner with --ray is not served yet (its instances' role changes are; the planner "
+                         "process is not placed as a Ray actor): run `pdserve planner --router URL` beside it")
+    if args.planner:  # the planner changes roles in place, and sizes from the instances' calibration
+        args.instance_args = [*args.instance_args, "--enable-role-switch", "--calibrate-load"]
     return from_args(LaunchSettings, args)
+
+
+def planner_command(args: argparse.Namespace, registrations: list[str]) -> list[str]:
+    settings = from_args(PlannerSettings, args, router=registrations)
+    return [sys.executable, "-m", "pdserve.cli", "planner", *to_flags(settings)]
 
 
 def launch(args: argparse.Namespace, settings: LaunchSettings) -> int:
@@ -164,8 +178,11 @@ def launch(args: argparse.Namespace, settings: LaunchSettings) -> int:
             return 1
         if stop.is_set():
             return stopped(stopped_by)
+        if settings.planner:
+            deployment.start("planner", planner_command(args, registrations))
         roles = ", ".join(f"{n} {r}" for r, n in role_counts(settings).items() if n)
         shared = f", {len(routers)} routers" if len(routers) > 1 else ""
+        shared += ", the planner" if settings.planner else ""
         print(f"pdserve launch: ready on {router_url} ({roles}{shared}); Ctrl-C stops everything", flush=True)
         print(f"  curl {router_url}/v1/chat/completions -H 'Content-Type: application/json' "
               f"-d '{DEMO_REQUEST}'", flush=True)

@@ -42,6 +42,10 @@ class LaunchSettings:
               "differ: each keeps the whole KV layout, each rank its heads")
     splitwise_cache_buffer_size: float = option(
         0.0, "GB of host buffer each decode instance receives the prefill's KV into (decode only)")
+    planner: bool = option(
+        False, "run the SLA planner beside the deployment: its instances may change role in place "
+               "(--enable-role-switch, calibrated before ready for the planner's profile) and the planner moves them "
+               "between prefill, decode and mixed as the load asks (pdserve planner --help: its flags)", switch=True)
     ray: str | None = option(
         None, "place the deployment on a Ray cluster (auto: the one `ray start` runs here; else its address): each "
               "instance a Ray actor on a node with its cores free, restarted there if its process dies and on "
@@ -124,3 +128,8 @@ ROUTER_FLAGS = {
 # turns against least_tokens / least_requests on multi-turn chats (bench/kv_routing.py, docs/measurements.md).
 ROUTER_DEFAULTS = {"pd_policy": "conditional", "max_local_prefill_length": 512, "local_prefill_decode_requests": 4,
                    "api_key": None, "prefill_policy": "cache_aware", "decode_policy": "cache_aware"}
+
+# The planner's settings (planner/settings.py) that launch takes and passes on to its planner.
+PLANNER_FLAGS = ("planner_interval", "planner_ttft_slo_ms", "planner_tpot_slo_ms", "planner_profile",
+                 "planner_predictor", "planner_headroom", "planner_settle", "planner_drain_timeout", "planner_dry_run",
+                 "planner_metrics_port")

@@ -432,20 +432,18 @@ class EngineCore:
         return self._query(call), []
 
     def _set_role(self, call: UtilityCall) -> UtilityResult:
-        """Change role in place (--enable-role-switch): the weights and the KV cache (its prefix index too) stay.
-        Refused while it holds a request or a transfer: the frontend drains it first."""
+        """Change role in place (--enable-role-switch): the weights and the KV cache (its prefix index too) stay,
+        and what is in flight goes on (role_connectors.py)."""
         try:
             role = Role(call.args.get("role", ""))
         except ValueError:
             return UtilityResult(call.call_id, error=f"role must be one of {', '.join(Role)}")
         if (why := self.connector.can_take(role)) is not None:
             return UtilityResult(call.call_id, error=why)
-        if self.scheduler.num_unfinished or self.connector.held:
-            return UtilityResult(call.call_id, error=f"not drained: {self.scheduler.num_unfinished} requests and "
-                                 f"{self.connector.held} transfers are still held")
         before, self.connector.role = self.connector.role, role
         self.scheduler.set_role(role)
-        log.info("role changed in place: %s -> %s", before, role)
+        log.info("role changed in place: %s -> %s (%d requests and %d transfers in flight go on)", before, role,
+                 self.scheduler.num_unfinished, self.connector.held)
         return UtilityResult(call.call_id, {"role": str(role), "sides": self.connector.sides})
 
     def _lora(self, call: UtilityCall) -> UtilityResult:

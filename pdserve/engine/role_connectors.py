@@ -1,10 +1,11 @@
 """The connectors of an instance's PD roles, behind the one KVConnector face the engine loop sees.
 
 A prefill or decode instance holds its role's connector; a mixed one none; an instance that may change role
-(--enable-role-switch) holds both from the start. All held connectors are polled whatever the role (a peer's
-late message, a quarantined block's release), but a new PD request goes only to the side its current role takes:
-prefill takes the prefill side, decode the decode side, and a switchable mixed instance the decode side as well
-as whole requests (a prefill instance's partner while no decode instance is left).
+(--enable-role-switch) holds both from the start. Every held connector is polled whatever the role, and a PD request
+of either side it holds is taken: so a role change cuts nothing short (a transfer in flight ends on the connector
+that began it, a stream decodes to its end) and a router that chose this instance for its old role a moment before
+the change is served. The role says what the instance advertises (`sides`: prefill takes the prefill side, decode
+the decode side, a switchable mixed instance the decode side as well as whole requests).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class RoleConnectors:
         return sum(c.held for c in self.connectors.values())
 
     def add_request(self, request: Request, pd: PDParams) -> list[RequestOutput]:
-        if pd.role not in self.sides:
+        if Role(pd.role) not in self.connectors:
             raise ValueError(f"PD error: this is a {self.role} instance; it cannot take the {pd.role} side of a "
                              "PD request")
         return self.connectors[Role(pd.role)].add_request(request, pd)

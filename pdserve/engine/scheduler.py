@@ -90,9 +90,11 @@ class Scheduler:
         self.controller = SpeculationController() if spec is not None and self.max_speculating is None else None
 
     def set_role(self, role: Role) -> None:
-        """The instance changed role in place (nothing is scheduled: it drained first)."""
+        """The instance changed role in place. A proposer is added where the new role speculates, never taken away
+        (a stream decoding on may be mid-speculation; a prefill-side request stops after one token anyway)."""
         self.config = replace(self.config, role=role)
-        self._speculate(self.config)
+        if self.proposer is None:
+            self._speculate(self.config)
 
     # ---- admission and removal -------------------------------------------------------------
 

@@ -1,15 +1,16 @@
 """One interval's load, from the counters the deployment already exports (Prometheus text of its /metrics).
 
 Answers are counted where they finish: mixed and decode instances (`pdserve_requests_total`, their prompt and
-generated tokens); a prefill instance's part of a PD request is not an answer. Refusals are the routers' 429s
-(admission, rate limits). What waits at the interval's end is the instances' waiting requests at the interval's
-mean prompt length: work the next interval carries.
+generated tokens); a prefill instance's part of a PD request is not an answer. Each instance's counters are
+differenced on their own, so an instance that changed role between two snapshots adds only what it did between
+them. Refusals are the routers' 429s (admission, rate limits). What waits at the interval's end is the instances'
+waiting requests at the interval's mean prompt length: work the next interval carries.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.planner.predictor import IntervalLoad
 
@@ -31,29 +32,46 @@ def total(text: str, name: str, **labels: str) -> float:
 
 
 @dataclass(frozen=True)
-class Snapshot:
-    """The counters at one moment, summed over the deployment."""
+class Counters:
+    """One instance's counters at one moment."""
 
     requests: float = 0.0
     prompt_tokens: float = 0.0
     output_tokens: float = 0.0
-    refused: float = 0.0
     waiting: float = 0.0  # a gauge: requests waiting now
 
     @classmethod
-    def of(cls, routers: list[str], instances: list[tuple[str, str]]) -> Snapshot:
-        """`routers`: their /metrics texts; `instances`: (role, /metrics text) of each instance."""
-        answering = [text for role, text in instances if role in ANSWERING_ROLES]
-        return cls(requests=sum(total(t, "pdserve_requests_total") for t in answering),
-                   prompt_tokens=sum(total(t, "pdserve_prompt_tokens_total") for t in answering),
-                   output_tokens=sum(total(t, "pdserve_generation_tokens_total") for t in answering),
-                   refused=sum(total(t, "pdserve_router_requests_total", status="429") for t in routers),
-                   waiting=sum(total(t, "pdserve_num_requests_waiting") for _, t in instances))
+    def of(cls, text: str) -> Counters:
+        return cls(total(text, "pdserve_requests_total"), total(text, "pdserve_prompt_tokens_total"),
+                   total(text, "pdserve_generation_tokens_total"), total(text, "pdserve_num_requests_waiting"))
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The deployment's counters at one moment: each instance's (with its role then) and the routers' refusals."""
+
+    instances: dict[str, tuple[str, Counters]] = field(default_factory=dict)
+    refused: float = 0.0
+
+    @classmethod
+    def of(cls, routers: list[str], instances: dict[str, tuple[str, str]]) -> Snapshot:
+        """`routers`: their /metrics texts; `instances`: url -> (role, /metrics text)."""
+        return cls({url: (role, Counters.of(text)) for url, (role, text) in instances.items()},
+                   sum(total(t, "pdserve_router_requests_total", status="429") for t in routers))
 
 
 def interval(before: Snapshot, after: Snapshot, seconds: float) -> IntervalLoad:
-    requests = int(after.requests - before.requests)
-    prompt = int(after.prompt_tokens - before.prompt_tokens)
+    requests = prompt = output = 0.0
+    for url, (role, now) in after.instances.items():
+        if role not in ANSWERING_ROLES:
+            continue
+        then = before.instances.get(url, (role, Counters()))[1]
+        if now.requests < then.requests:  # restarted: its counters began again
+            then = Counters()
+        requests += now.requests - then.requests
+        prompt += now.prompt_tokens - then.prompt_tokens
+        output += now.output_tokens - then.output_tokens
+    waiting = sum(c.waiting for _, c in after.instances.values())
     mean_prompt = prompt / requests if requests else 0.0
-    return IntervalLoad(seconds, requests, int(after.refused - before.refused), prompt,
-                        int(after.output_tokens - before.output_tokens), int(after.waiting * mean_prompt))
+    return IntervalLoad(seconds, int(requests), int(max(0.0, after.refused - before.refused)), int(prompt),
+                        int(output), int(waiting * mean_prompt))

@@ -77,7 +77,9 @@ class LoadPredictor:
         make = {"holt": Holt, "moving_average": MovingAverage}.get(kind)
         if make is None:
             raise ValueError(f"unknown load predictor {kind!r}: holt or moving_average")
-        self._rate, self._prompt, self._output = make(), make(), make()
+        # Lengths follow a phase change without a trend: Holt's would overshoot a drop from 1,500-token prompts
+        # to 50-token ones below zero.
+        self._rate, self._prompt, self._output = make(), Holt(beta=0.0), Holt(beta=0.0)
         self._backlog = 0.0
 
     def observe(self, interval: IntervalLoad) -> None:

@@ -24,7 +24,8 @@ class RoleRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     role: Literal["mixed", "prefill", "decode"]
-    drain_timeout: float = Field(60.0, gt=0, le=3600)  # seconds to wait for the requests in flight
+    # seconds to wait for the requests in flight before the change (0: change at once, they go on under it)
+    drain_timeout: float = Field(0.0, ge=0, le=3600)
 
 
 @router.get("/role")
