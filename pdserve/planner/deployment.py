@@ -54,7 +54,7 @@ class Deployment:
         return self._switchable[key]
 
     async def _members(self) -> list[Member]:
-        for router in self.routers:
+        for router in self.routers * 2:  # each twice: a kept-alive connection the router closed fails once
             try:
                 r = await self.client.get(f"{router}/registered")
                 r.raise_for_status()

@@ -44,6 +44,9 @@ class Planner:
 
     async def tick(self) -> None:
         view = await self.deployment.read()
+        if not view.members:
+            log.warning("planner: no instance registered (or no router answered): interval skipped")
+            return
         now = time.monotonic()
         snapshot = Snapshot.of(view.router_metrics, view.instance_metrics)
         last, self._last = self._last, (snapshot, now)

@@ -65,7 +65,9 @@ def interval(before: Snapshot, after: Snapshot, seconds: float) -> IntervalLoad:
     for url, (role, now) in after.instances.items():
         if role not in ANSWERING_ROLES:
             continue
-        then = before.instances.get(url, (role, Counters()))[1]
+        if url not in before.instances:  # new to the planner: what it did before is not this interval's
+            continue
+        then = before.instances[url][1]
         if now.requests < then.requests:  # restarted: its counters began again
             then = Counters()
         requests += now.requests - then.requests
