@@ -148,3 +148,20 @@ def test_an_interval_counts_answers_where_they_finish_and_the_routers_refusals()
     switched = Snapshot.of([router % 7], {"p": ("mixed", instance(32, 31_000, 100, 0)),
                                           "d": ("decode", instance(30, 30_000, 3_300, 0))})
     assert interval(after, switched, seconds=10).requests == 2
+
+
+def test_the_profile_is_corrected_by_the_latencies_the_deployment_shows():
+    from pdserve.planner.correction import Correction
+
+    correction = Correction(smoothing=1.0)
+    # 1,000-token prompts at 1 req/s on one instance: at the profile's 2,000 tokens/s the TTFT would be
+    # 0.5 / (1 - 0.5) = 1 s; 3 s observed is what a 1,000 / 3 + 1,000 = 1,333 tokens/s instance shows
+    seen = IntervalLoad(10, 10, 0, 10_000, 1_000, mean_ttft_s=3.0, mean_tpot_s=0.060, decoding_streams=20)
+    correction.observe(seen, PROFILE, prefill_capacity=1, decode_capacity=1)
+    assert correction.prefill == pytest.approx(2000 / (1000 / 3 + 1000))
+    assert correction.decode == pytest.approx(0.060 / PROFILE.itl(20))
+    slower = correction.applied(PROFILE)
+    assert slower.prefill_tokens_per_s == pytest.approx(1000 / 3 + 1000)
+    assert slower.itl(20) == pytest.approx(0.060)
+    correction.observe(IntervalLoad(10, 1, 0, 1_000, 100, mean_ttft_s=5.0), PROFILE, 1, 1)  # 300 tokens/s
+    assert correction.prefill == 4.0  # a stalled interval moves it only as far as the bound

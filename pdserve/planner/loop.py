@@ -11,6 +11,7 @@ import time
 import httpx
 
 from pdserve.http.members import post_signed
+from pdserve.planner.correction import Correction
 from pdserve.planner.deployment import Deployment, DeploymentView
 from pdserve.planner.metrics import PlannerMetrics
 from pdserve.planner.observe import Snapshot, interval
@@ -31,6 +32,7 @@ class Planner:
         self.deployment = Deployment(client, settings.router or [])
         self.predictor = LoadPredictor(settings.planner_predictor)
         self.roles = RolePlanner(settings.planner_settle, settings.planner_headroom)
+        self.correction = Correction()
         self._last: tuple[Snapshot, float] | None = None
 
     async def run(self) -> None:
@@ -52,19 +54,22 @@ class Planner:
         last, self._last = self._last, (snapshot, now)
         if last is None:
             return  # an interval needs two looks
-        self.predictor.observe(interval(last[0], snapshot, now - last[1]))
+        seen = interval(last[0], snapshot, now - last[1])
+        self.predictor.observe(seen)
         pool = await self._pool(view)
         if len(pool) < 2 or not await self._have_profile(pool):
             return
+        current = RoleCounts.of(list(pool.values()))
+        self.correction.observe(seen, self.profile, current.prefill + current.mixed, current.decode + current.mixed)
         s = self.settings
         load = self.predictor.predict()
-        need = needs(load, self.profile, s.planner_ttft_slo_ms / 1e3, s.planner_tpot_slo_ms / 1e3,
-                     s.planner_interval)
-        current = RoleCounts.of(list(pool.values()))
+        need = needs(load, self.correction.applied(self.profile), s.planner_ttft_slo_ms / 1e3,
+                     s.planner_tpot_slo_ms / 1e3, s.planner_interval)
         decision = self.roles.step(current, need)
-        self.metrics.looked(load, need, current, decision.target)
-        log.info("planner: %.2f req/s, prompt %.0f, answer %.0f tokens -> needs %.2f prefill, %.2f decode%s; %s: %s",
-                 load.rate, load.prompt_len, load.output_len, need.prefill, need.decode,
+        self.metrics.looked(load, need, current, decision.target, self.correction)
+        log.info("planner: %.2f req/s, prompt %.0f, answer %.0f tokens (profile x%.2f prefill, x%.2f ITL) -> needs "
+                 "%.2f prefill, %.2f decode%s; %s: %s", load.rate, load.prompt_len, load.output_len,
+                 self.correction.prefill, self.correction.decode, need.prefill, need.decode,
                  f" ({need.reason})" if need.reason else "", "move" if decision.move else "stay", decision.reason)
         if decision.move:
             busy = {m.url: m.in_flight for m in view.members}

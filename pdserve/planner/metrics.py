@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from pdserve.planner.correction import Correction
 from pdserve.planner.predictor import Load
 from pdserve.planner.roles import ROLES, RoleCounts
 from pdserve.planner.sizing import Needs
@@ -32,10 +33,16 @@ class PlannerMetrics:
                                ["to_role", "outcome"], registry=r)
         self.action_seconds = Histogram("pdserve_planner_action_seconds", "a role change, asked to answered "
                                         "(drain included)", buckets=ACTION_BUCKETS, registry=r)
+        self.correction = Gauge("pdserve_planner_correction", "how far the deployment is from the profile: prefill, "
+                                "the profile's speed over the observed; decode, the observed ITL over the "
+                                "profile's", ["side"], registry=r)
         self.intervals = Counter("pdserve_planner_intervals", "intervals looked at", registry=r)
 
-    def looked(self, load: Load, need: Needs, current: RoleCounts, target: RoleCounts) -> None:
+    def looked(self, load: Load, need: Needs, current: RoleCounts, target: RoleCounts,
+               correction: Correction) -> None:
         self.intervals.inc()
+        self.correction.labels("prefill").set(correction.prefill)
+        self.correction.labels("decode").set(correction.decode)
         self.rate.set(load.rate)
         self.prompt_len.set(load.prompt_len)
         self.output_len.set(load.output_len)

@@ -39,11 +39,21 @@ class Counters:
     prompt_tokens: float = 0.0
     output_tokens: float = 0.0
     waiting: float = 0.0  # a gauge: requests waiting now
+    running: float = 0.0  # a gauge: streams in the decode batch now
+    ttft_sum: float = 0.0  # seconds, over ttft_count first tokens
+    ttft_count: float = 0.0
+    tpot_sum: float = 0.0  # seconds, over tpot_count requests' mean gaps
+    tpot_count: float = 0.0
 
     @classmethod
     def of(cls, text: str) -> Counters:
         return cls(total(text, "pdserve_requests_total"), total(text, "pdserve_prompt_tokens_total"),
-                   total(text, "pdserve_generation_tokens_total"), total(text, "pdserve_num_requests_waiting"))
+                   total(text, "pdserve_generation_tokens_total"), total(text, "pdserve_num_requests_waiting"),
+                   total(text, "pdserve_num_requests_running"),
+                   total(text, "pdserve_time_to_first_token_seconds_sum"),
+                   total(text, "pdserve_time_to_first_token_seconds_count"),
+                   total(text, "pdserve_time_per_output_token_seconds_sum"),
+                   total(text, "pdserve_time_per_output_token_seconds_count"))
 
 
 @dataclass(frozen=True)
@@ -61,7 +71,7 @@ class Snapshot:
 
 
 def interval(before: Snapshot, after: Snapshot, seconds: float) -> IntervalLoad:
-    requests = prompt = output = 0.0
+    requests = prompt = output = ttft_sum = ttft_n = tpot_sum = tpot_n = streams = 0.0
     for url, (role, now) in after.instances.items():
         if role not in ANSWERING_ROLES:
             continue
@@ -73,7 +83,11 @@ def interval(before: Snapshot, after: Snapshot, seconds: float) -> IntervalLoad:
         requests += now.requests - then.requests
         prompt += now.prompt_tokens - then.prompt_tokens
         output += now.output_tokens - then.output_tokens
+        ttft_sum, ttft_n = ttft_sum + now.ttft_sum - then.ttft_sum, ttft_n + now.ttft_count - then.ttft_count
+        tpot_sum, tpot_n = tpot_sum + now.tpot_sum - then.tpot_sum, tpot_n + now.tpot_count - then.tpot_count
+        streams += (now.running + then.running) / 2
     waiting = sum(c.waiting for _, c in after.instances.values())
     mean_prompt = prompt / requests if requests else 0.0
     return IntervalLoad(seconds, int(requests), int(max(0.0, after.refused - before.refused)), int(prompt),
-                        int(output), int(waiting * mean_prompt))
+                        int(output), int(waiting * mean_prompt), ttft_sum / ttft_n if ttft_n > 0 else None,
+                        tpot_sum / tpot_n if tpot_n > 0 else None, streams)

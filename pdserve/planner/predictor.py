@@ -56,6 +56,9 @@ class IntervalLoad:
     prompt_tokens: int  # of the answered requests
     output_tokens: int
     queued_prompt_tokens: int = 0  # waiting at the interval's end: work carried into the next
+    mean_ttft_s: float | None = None  # of the requests answered (None: none)
+    mean_tpot_s: float | None = None
+    decoding_streams: float = 0.0  # in the answering instances' batches, on average
 
 
 @dataclass(frozen=True)
