@@ -55,6 +55,7 @@ class Deployment:
         flags = ["--prefill", "1", "--decode", "1", "--routers", "1", "--planner", "--planner-interval",
                  str(args.interval), "--planner-ttft-slo-ms", str(args.ttft_slo_ms), "--planner-tpot-slo-ms",
                  str(args.tpot_slo_ms), *(["--planner-dry-run"] if dry_run else []),
+                 "--pd-policy", args.pd_policy,
                  "--max-model-len", "2048", "--max-num-seqs", "64", "--num-gpu-blocks-override", "1200"]
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "launch", "--port", str(self.port),
@@ -162,7 +163,8 @@ def goodput(result: dict) -> float:
 
 
 def report(results: dict[str, dict], args: argparse.Namespace) -> None:
-    print(f"\nmachine: {cpu_name()}; SLOs TTFT {args.ttft_slo_ms:g} ms, TPOT {args.tpot_slo_ms:g} ms; phase A "
+    print(f"\nmachine: {cpu_name()}; --pd-policy {args.pd_policy}; SLOs TTFT {args.ttft_slo_ms:g} ms, TPOT "
+          f"{args.tpot_slo_ms:g} ms; phase A "
           f"{args.rate_a:g} req/s of 1,500 -> 16 tokens, phase B {args.rate_b:g} req/s of 50 -> 300 tokens, "
           f"{args.phase_seconds:g} s each")
     print(f"{'config':8} {'phase':5} {'done':>5} {'failed':>6} {'goodput':>8} {'attain':>7} {'TTFT p50':>9} "
@@ -222,6 +224,9 @@ def main() -> int:
     parser.add_argument("--ttft-slo-ms", type=float, default=2000)
     parser.add_argument("--tpot-slo-ms", type=float, default=25)
     parser.add_argument("--interval", type=float, default=5)
+    parser.add_argument("--pd-policy", default="always", choices=("always", "conditional"),
+                        help="the routers' (launch's default is conditional: a decode instance computes short "
+                             "prompts, and any prompt while it has few streams, which blurs the splits)")
     parser.add_argument("--configs", default="planner," + ",".join(FIXED))
     parser.add_argument("--out", type=Path, default=Path("bench-results/planner"))
     args = parser.parse_args()

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import random
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -116,6 +118,15 @@ def _two_phases(launch: Launch) -> None:
              f"under long answers:\n{_planner_log(launch)}")
     assert_same_greedy_completions(greedy(launch.url), fixed, min_share=0.75)
     assert long_answers.end() == []
+
+    # `pdserve planner profile` saves an instance's calibration (launch --planner calibrates them before ready)
+    saved = launch.tmp / "measured.json"
+    instance = next(iter(launch.instances().values()))["url"]
+    done = subprocess.run([sys.executable, "-m", "pdserve.cli", "planner", "profile", "--url", instance, "--output",
+                           str(saved)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    measured = DeploymentProfile.load(saved)
+    assert measured.prefill_tokens_per_s > 0 and measured.itl(1) > 0 and measured.max_streams == 32
 
     planner_metrics = _planner_metrics(launch)
     assert total(planner_metrics, "pdserve_planner_actions_total", outcome="ok") >= 2

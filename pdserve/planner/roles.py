@@ -86,7 +86,9 @@ class RolePlanner:
         target = best_roles(need, current)
         if target == current:
             self._wanted, self._streak = None, 0
-            return Decision(current, False, f"{current} fits (pressure {current.pressure(need):.2f})")
+            pressure = current.pressure(need)
+            verdict = "fits" if pressure <= 1 else "is the best split there is, and misses the SLOs"
+            return Decision(current, False, f"{current} {verdict} (pressure {pressure:.2f})")
         self._streak = self._streak + 1 if target == self._wanted else 1
         self._wanted = target
         now, then = current.pressure(need), target.pressure(need)
