@@ -165,3 +165,5 @@ def test_the_profile_is_corrected_by_the_latencies_the_deployment_shows():
     assert slower.itl(20) == pytest.approx(0.060)
     correction.observe(IntervalLoad(10, 1, 0, 1_000, 100, mean_ttft_s=5.0), PROFILE, 1, 1)  # 300 tokens/s
     assert correction.prefill == 4.0  # a stalled interval moves it only as far as the bound
+    correction.observe(IntervalLoad(10, 10, 0, 500, 3_000, mean_ttft_s=0.2), PROFILE, 1, 1)  # 50-token prompts
+    assert correction.prefill == 4.0  # their TTFT is overheads, not compute: no news of the prompt speed

@@ -6,7 +6,7 @@ Prefill: the queueing model says TTFT = (L / r) / (1 - D / (c r)) for prompts of
 second over c instances of speed r; solved for r, the speed that explains the TTFT observed is r = L / TTFT + D / c.
 Decode: the mean time per output token observed over the profile's ITL at the mean batch per decode-side instance.
 Each factor (profile over observed speed) is smoothed over intervals and kept within [0.5, 4]: a noisy interval
-moves it, none takes it over.
+moves it, none takes it over; short prompts leave the prefill factor alone.
 """
 
 from __future__ import annotations
@@ -17,6 +17,9 @@ from pdserve.planner.predictor import IntervalLoad
 from pdserve.planner.sizing import DeploymentProfile
 
 BOUNDS = (0.5, 4.0)
+# Short prompts' TTFT is mostly what is not compute (the router, the PD exchange, the first decode step): it says
+# nothing of the prompt speed, so intervals whose mean prompt computes in less than this leave the factor alone.
+MIN_SERVICE_S = 0.1
 
 
 class Correction:
@@ -27,8 +30,8 @@ class Correction:
 
     def observe(self, load: IntervalLoad, profile: DeploymentProfile, prefill_capacity: float,
                 decode_capacity: float) -> None:
-        if load.mean_ttft_s and load.requests and prefill_capacity > 0:
-            prompt = load.prompt_tokens / load.requests
+        prompt = load.prompt_tokens / load.requests if load.requests else 0.0
+        if load.mean_ttft_s and prompt / profile.prefill_tokens_per_s >= MIN_SERVICE_S and prefill_capacity > 0:
             speed = prompt / load.mean_ttft_s + load.prompt_tokens / load.seconds / prefill_capacity
             self.prefill = self._smooth(self.prefill, profile.prefill_tokens_per_s / speed)
         if load.mean_tpot_s and decode_capacity > 0:
