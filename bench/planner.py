@@ -1,8 +1,8 @@
 """The SLA planner against fixed splits on a phased workload: goodput with the planner moving roles, beside every
 fixed assignment of the same two instances (the best of which a user would have had to guess).
 
-    .venv/bin/python bench/planner.py [--phase-seconds 40] [--rate-a 2.5] [--rate-b 4] [--ttft-slo-ms 2000]
-        [--tpot-slo-ms 25] [--interval 5] [--out bench-results/planner]
+    .venv/bin/python bench/planner.py [--phase-seconds 60] [--rate-a 1] [--rate-b 3.5] [--ttft-slo-ms 2000]
+        [--tpot-slo-ms 50] [--interval 5] [--pd-policy always] [--out bench-results/planner]
 
 Each configuration is one `pdserve launch --prefill 1 --decode 1 --planner` (instances with --enable-role-switch,
 calibrated before ready); the fixed ones run the planner with --planner-dry-run and set their roles with POST /role
@@ -218,11 +218,11 @@ def plot(results: dict[str, dict], path: Path) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--phase-seconds", type=float, default=40)
-    parser.add_argument("--rate-a", type=float, default=2.5)
-    parser.add_argument("--rate-b", type=float, default=4.0)
+    parser.add_argument("--phase-seconds", type=float, default=60)
+    parser.add_argument("--rate-a", type=float, default=1.0, help="phase A's requests/s (1,500 -> 16 tokens)")
+    parser.add_argument("--rate-b", type=float, default=3.5, help="phase B's requests/s (50 -> 300 tokens)")
     parser.add_argument("--ttft-slo-ms", type=float, default=2000)
-    parser.add_argument("--tpot-slo-ms", type=float, default=25)
+    parser.add_argument("--tpot-slo-ms", type=float, default=50)
     parser.add_argument("--interval", type=float, default=5)
     parser.add_argument("--pd-policy", default="always", choices=("always", "conditional"),
                         help="the routers' (launch's default is conditional: a decode instance computes short "

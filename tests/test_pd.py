@@ -352,13 +352,14 @@ def test_small_decode_cache_queues_then_serves_and_killed_prefill_frees_decode_b
             assert start >= end, f"D held blocks for two 29-block requests at once: {spans}"
         assert all(o["choices"][0]["finish_reason"] == "length" for o in outs)
 
-        # Kill P during a prefill: the client gets a PD error and D frees its preallocated blocks.
+        # Kill P during a prefill: D frees its preallocated blocks, and the router, the client having seen nothing
+        # yet, sends the request again: with no prefill instance left, the decode instance computes it whole.
         def kill_prefill(worker: psutil.Process) -> None:
             p.kill()
             worker.kill()
 
         text, seconds = _fault_during_prefill(router, p, d, _long_prompt(tokenizer, 440), kill_prefill)
-        assert "PD error" in text, text
+        assert '"finish_reason": "length"' in text and text.rstrip().endswith("[DONE]"), text
         assert seconds < 30
         wait_for(lambda: metrics(d.metrics_port)["pdserve_kv_cache_free_blocks"] == 40, 15,
                  "D did not free its preallocated blocks after P died")
