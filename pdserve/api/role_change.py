@@ -81,8 +81,9 @@ class RoleChanger:
             await asyncio.sleep(DRAIN_POLL_S)
 
     async def _in_flight(self) -> int:
+        """The requests this server answers, or the engine holds if more (a PD side's is the engine's alone)."""
         stats = await self.engine.call("stats")
-        return self.in_flight() + stats.running + stats.waiting + stats.preallocated
+        return max(self.in_flight(), stats.running + stats.waiting + stats.preallocated)
 
     async def _switch(self, role: str) -> dict:
         try:
