@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import httpx
+
 from pdserve.engine.engine_client import EngineError
 from pdserve.http.members import post_signed
 
@@ -100,8 +102,6 @@ class RoleChanger:
 
     @staticmethod
     async def _register(router_url: str, instance: dict) -> None:
-        import httpx
-
         try:
             async with httpx.AsyncClient(timeout=5.0) as client:
                 (await post_signed(client, router_url.rstrip("/"), "/register", instance)).raise_for_status()

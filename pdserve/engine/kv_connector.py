@@ -4,7 +4,8 @@ A KV connector is the scheduler-side half of PD (vLLM's split): the engine calls
 points of its loop and acts on nothing else of it; a connector acts on the engine only through the
 scheduler's public methods (check_request, add_request, preallocate, mark_prefilled, abort,
 free_blocks, release_blocks, has_waiting). pdserve.disagg implements it for the prefill and decode
-roles (prefill_connector.py, decode_connector.py); a mixed instance gets NoConnector. Nothing in
+roles (prefill_connector.py, decode_connector.py); the engine holds its role's (none for a mixed
+instance, both for one that may change role) behind role_connectors.py. Nothing in
 pdserve.engine imports pdserve.disagg: pdserve.instance (build.py), above both, wires
 the two together.
 """
@@ -63,41 +64,6 @@ class KVConnector(Protocol):
         """Counters for /metrics (None: no PD role)."""
 
     def close(self) -> None: ...
-
-
-class NoConnector:
-    """A mixed instance's connector: no PD requests, nothing to send, nothing to poll."""
-
-    port = None
-    sockets: list = []
-    held = 0
-
-    def add_request(self, request: Request, pd: PDParams) -> list[RequestOutput]:
-        raise ValueError(f"PD error: this is a mixed instance; it cannot take the {pd.role} side of a PD request")
-
-    def transfers(self, chunks: list[ScheduledChunk]) -> list[TransferPlan]:
-        return []
-
-    def on_prefilled(self, request: Request, token: int, logprobs: TokenLogprobs | None) -> None:
-        pass
-
-    def poll(self) -> list[RequestOutput]:
-        return []
-
-    def abort(self, request_id: str) -> Request | None:
-        return None
-
-    def next_deadline(self) -> float | None:
-        return None
-
-    def during_step(self) -> None:
-        pass
-
-    def stats(self) -> PDStats | None:
-        return None
-
-    def close(self) -> None:
-        pass
 
 
 class CacheService(Protocol):

@@ -54,13 +54,15 @@ class Deployment:
         return self._switchable[key]
 
     async def _members(self) -> list[Member]:
+        errors = []
         for router in self.routers * 2:  # each twice: a kept-alive connection the router closed fails once
             try:
                 r = await self.client.get(f"{router}/registered")
                 r.raise_for_status()
                 return [_member(i) for i in r.json()["instances"]]
             except (httpx.HTTPError, ValueError, KeyError) as e:
-                log.warning("could not read who is registered at %s: %s", router, e)
+                errors.append(f"{router}: {e}")
+        log.warning("could not read who is registered: %s", "; ".join(errors))
         return []
 
     async def _text(self, url: str) -> str:

@@ -5,6 +5,7 @@ engine timed decode steps of several batch sizes and prompt steps on its own wei
 from __future__ import annotations
 
 import httpx
+import msgspec
 
 from pdserve.admission.load import LoadReport
 from pdserve.planner.sizing import DeploymentProfile
@@ -19,8 +20,6 @@ def profile_of(report: LoadReport) -> DeploymentProfile | None:
 
 
 async def fetch_profile(client: httpx.AsyncClient, instance_url: str) -> DeploymentProfile | None:
-    import msgspec
-
     r = await client.get(f"{instance_url.rstrip('/')}/load")
     r.raise_for_status()
     report = msgspec.json.decode(r.content, type=LoadReport | None)
