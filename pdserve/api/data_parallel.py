@@ -111,7 +111,7 @@ class DataParallelEngine:
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        eos_token_ids: list[int], pd: PDParams | None = None, num_resumed: int = 0,
                        priority: int = 0, lora_name: str | None = None,
-                       kv_pull: PullHint | None = None) -> AsyncIterator[RequestOutput]:
+                       kv_pull: PullHint | None = None, trace_steps: bool = False) -> AsyncIterator[RequestOutput]:
         rank = self._pick(prompt_token_ids)
         rank.in_flight_requests += 1
         rank.in_flight_tokens += len(prompt_token_ids)
@@ -119,7 +119,7 @@ class DataParallelEngine:
         self._where[request_id] = rank
         try:
             async for out in rank.engine.generate(request_id, prompt_token_ids, params, eos_token_ids, pd,
-                                                  num_resumed, priority, lora_name, kv_pull):
+                                                  num_resumed, priority, lora_name, kv_pull, trace_steps):
                 yield out
         finally:
             rank.in_flight_requests -= 1

@@ -66,6 +66,7 @@ class Generation:
     admitted: Any = None  # api/admission.Admitted when --ttft-slo-ms / --rate-limit let it in
     lora_name: str | None = None  # the LoRA adapter its `model` named
     kv_pull: PullHint | None = None  # the router's `kv_pull`: a peer to pull the prompt's prefix from
+    trace: Any = None  # api/tracing.RequestSpan: its trace is sampled (--otlp-traces-endpoint)
 
     def resume_after(self, token_ids: list[int], text: str) -> None:
         self.resumed, self.resumed_text = list(token_ids), text
@@ -98,6 +99,7 @@ async def generate_choices(engine: AsyncEngine, tokenizer: Tokenizer, gen: Gener
     """Deltas of the n choices, interleaved as they come. Leaving early aborts what still runs."""
     queue: asyncio.Queue[ChoiceDelta | Exception | None] = asyncio.Queue()
     eos = list(tokenizer.eos_token_ids)
+    trace_steps = gen.trace is not None and gen.trace.detailed
 
     async def one(index: int) -> None:
         sub = params if n == 1 else msgspec.structs.replace(
@@ -109,7 +111,7 @@ async def generate_choices(engine: AsyncEngine, tokenizer: Tokenizer, gen: Gener
         engine_id = f"{gen.request_id}-{index}" + (f"-{uuid.uuid4().hex[:8]}" if gen.resumed else "")
         try:
             async for out in engine.generate(engine_id, prompt, sub, eos, pd, len(gen.resumed), gen.priority,
-                                             gen.lora_name, gen.kv_pull):
+                                             gen.lora_name, gen.kv_pull, trace_steps):
                 if out.error is not None:  # 400s are the request's fault; the rest the engine's
                     raise (ValueError(out.error) if out.error_status == 400
                            else EngineError(out.error, out.error_type or "internal_server_error"))

@@ -123,6 +123,9 @@ async def respond(state: ServerState, raw: Request, body: Any, gen: Generation, 
     if state.admission is not None and body.pd is None and getattr(body, "migration", None) is None:
         admit(state, raw, body, gen, decodes=params.max_tokens > 1)
     took(state, raw, body, gen)
+    if state.tracing is not None:
+        part = gen.pd.role if gen.pd is not None else "whole"
+        gen.trace = state.tracing.start(raw.headers, body, kind, gen.request_id, gen.created, part)
     state.in_flight += 1
     state.metrics.request_started()
     if body.stream:

@@ -9,6 +9,7 @@ import dataclasses
 import logging
 import os
 import socket
+from typing import TYPE_CHECKING
 
 import msgspec
 import uvicorn
@@ -44,6 +45,9 @@ from pdserve.utils.memory import release_freed_memory
 from pdserve.utils.process import die_with_parent, exit_on_sigterm
 from pdserve.utils.shm_room import free_host_memory
 from pdserve.utils.uvicorn_run import listening_socket, serve_and_announce, server_config
+
+if TYPE_CHECKING:  # OpenTelemetry is imported only when tracing is on
+    from pdserve.api.tracing import InstanceTracing
 
 log = logging.getLogger("pdserve.serve")
 
@@ -91,8 +95,11 @@ def serve(args: argparse.Namespace) -> int:
     if args.enable_role_switch and settings.data_parallel_size > 1:
         refusals.append("--enable-role-switch with --data-parallel-size above 1 is not served (the router sees each "
                         "rank of a PD server as its own instance; a role is the server's)")
+    if settings.collect_detailed_traces and not settings.otlp_traces_endpoint:
+        refusals.append("--collect-detailed-traces needs --otlp-traces-endpoint (where the spans go)")
     if refusals:
         raise ValueError("\n".join(refusals))
+    tracing = instance_tracing(settings)  # before the model loads: a missing SDK fails at once
     slo, rate_limits = admission_from_flags(settings.ttft_slo_ms, settings.tpot_slo_ms, settings.rate_limit)
     # Bound now, before the engine loads for seconds: a port picked free by whoever started us cannot be
     # taken meanwhile by a bind to port 0 of our own children (the cache service's listener could get
@@ -120,7 +127,7 @@ def serve(args: argparse.Namespace) -> int:
                             api_key=settings.api_key, sampling_defaults=sampling_defaults,
                             tool_call_parser=settings.tool_call_parser, data_parallel_size=settings.data_parallel_size,
                             scheduling_policy=config.scheduling_policy)
-        state.kv_pull, state.role = config.enable_kv_pull, ready.role
+        state.kv_pull, state.role, state.tracing = config.enable_kv_pull, ready.role, tracing
         if config.enable_lora:
             state.lora = LoRAServing.of(config.lora_modules, config.enable_lora_runtime_loading)
         if slo.enabled or rate_limits is not None:
@@ -147,7 +154,21 @@ def serve(args: argparse.Namespace) -> int:
         engine.close() if isinstance(engine, DataParallelEngine) else engine.client.close()
         http_socket.close()
         metrics_reservation.close()
+        if tracing is not None:
+            tracing.tracing.shutdown()
     return state.exit_code
+
+
+def instance_tracing(settings: ServerSettings) -> InstanceTracing | None:
+    if not settings.otlp_traces_endpoint:
+        return None
+    from pdserve.api.tracing import InstanceTracing
+    from pdserve.tracing.setup import start_tracing
+
+    address = advertised_host(settings.host, settings.advertise_host)
+    # One service name whatever the role (it may change in place); each span names its request's part.
+    tracing = start_tracing(settings.otlp_traces_endpoint, "pdserve-instance", f"{address}:{settings.port}")
+    return InstanceTracing(tracing, address, settings.port, settings.collect_detailed_traces)
 
 
 def start_engines(config: EngineConfig, name: str, ranks: int, pd_ports: list[int]) -> AsyncEngine | DataParallelEngine:

@@ -10,6 +10,7 @@ from pdserve.admission.settings import RATE_LIMIT_HELP, TPOT_HELP, TTFT_HELP
 from pdserve.config.flags import option
 from pdserve.http.members import router_urls
 from pdserve.tool_calling.parsers import PARSERS
+from pdserve.tracing.setup import ENDPOINT_HELP
 from pdserve.utils.cluster_auth import ENV
 
 API_KEY_ENV = "PDSERVE_API_KEY"
@@ -55,3 +56,7 @@ class ServerSettings:
                                     choices=sorted(PARSERS), group=SERVER)
     enable_auto_tool_choice: bool = option(
         False, "accepted for vLLM's command lines: tool_choice auto is always served", switch=True, group=SERVER)
+    otlp_traces_endpoint: str | None = option(None, ENDPOINT_HELP, group=SERVER)
+    collect_detailed_traces: bool = option(
+        False, "with --otlp-traces-endpoint: a span per engine step that computed the request", switch=True,
+        group=SERVER)

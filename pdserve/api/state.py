@@ -3,9 +3,10 @@ handlers raise (an OpenAI-format error body)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 from fastapi import Depends, Request
 
@@ -18,7 +19,11 @@ from pdserve.api.lora import LoRAServing
 from pdserve.api.metrics import ServerMetrics
 from pdserve.api.role_change import RoleChanger
 from pdserve.tokenization.tokenizer import Tokenizer
+from pdserve.tracing import genai
 from pdserve.utils.cluster_auth import SignatureCheck, cluster_secret
+
+if TYPE_CHECKING:  # OpenTelemetry is imported only when tracing is on
+    from pdserve.api.tracing import InstanceTracing
 
 
 class APIError(Exception):
@@ -57,6 +62,7 @@ class ServerState:
     role: str = "mixed"  # the role it started in
     role_changer: RoleChanger | None = None  # --enable-role-switch: POST /role changes it
     signatures: SignatureCheck = field(default_factory=lambda: SignatureCheck(cluster_secret()))
+    tracing: InstanceTracing | None = None  # --otlp-traces-endpoint
 
     def announce_loras(self) -> None:
         """The adapters it serves go into its registrations (the next heartbeat tells the routers)."""
@@ -66,10 +72,26 @@ class ServerState:
     def request_finished(self, gen: Generation, outcome: str | None = None) -> None:
         """Once per request, however it ended: its metrics, and what admission charges or learns from it."""
         self.metrics.request_finished(gen, outcome)
+        if gen.trace is not None:
+            finish_span(gen, outcome, self.model_name)
         if self.admission is not None and gen.admitted is not None:
             t = gen.times.get(0)
             ttft = t.first_token - t.arrival if t is not None and t.first_token is not None else None
             self.admission.finished(gen.admitted, gen.completion_tokens, ttft)
+
+
+def finish_span(gen: Generation, outcome: str | None, model: str) -> None:
+    """The request's span ends with what it answered: the GenAI usage and finish reasons."""
+    reasons = [gen.finish_reasons[i] for i in sorted(gen.finish_reasons)]
+    usage = gen.usage()
+    attributes = {genai.RESPONSE_ID: gen.request_id, genai.RESPONSE_MODEL: model,
+                  genai.FINISH_REASONS: reasons or [outcome or "abort"],
+                  genai.INPUT_TOKENS: usage["prompt_tokens"], genai.OUTPUT_TOKENS: usage["completion_tokens"],
+                  genai.CACHED_INPUT_TOKENS: usage["prompt_tokens_details"]["cached_tokens"]}
+    if gen.resumed:
+        attributes["pdserve.migration.resumed_tokens"] = len(gen.resumed)
+    error = outcome if outcome in ("error", "abort") else None
+    gen.trace.finish(gen.times.get(0), attributes, error, time.time())
 
 
 async def server_state(request: Request) -> ServerState:

@@ -52,6 +52,7 @@ class RoutedRequest:
     decodes: bool = True  # it opens a stream of tokens: not a prompt scored, not max_tokens <= 1 (admission's TPOT)
     sent_tag: str | None = None  # "router id:sequence number" of its route, which the instances acknowledge
     predicted_cached_tokens: int | None = None  # cache_aware: what it expects the chosen instance to have cached
+    route_cost: float | None = None  # cache_aware: the chosen instance's cost, in KV blocks
     priority: int = 0  # the request's `priority` field (admission counts the queue at its priority and above)
     admitted: Any = None  # router/admission.Admitted, when the router admits by SLO or rate limit
     lora: str | None = None  # the LoRA adapter its `model` names: only instances serving it may take it
@@ -142,6 +143,7 @@ class CacheAware(Policy):
         costs = {i.url: self._cost(i, request) for i in candidates}
         chosen = min(candidates, key=lambda i: (costs[i.url][0], i.in_flight_requests, i.served))
         request.predicted_cached_tokens = costs[chosen.url][1]
+        request.route_cost = costs[chosen.url][0]
         self.cache.sent(chosen.url, request.block_hashes(chosen.block_size or DEFAULT_BLOCK_SIZE))
         return chosen
 

@@ -126,6 +126,8 @@ def launch_settings(args: argparse.Namespace) -> LaunchSettings:
     if args.planner and args.ray is not None:
         raise ValueError("--planner with --ray is not served yet (its instances' role changes are; the planner "
                          "process is not placed as a Ray actor): run `pdserve planner --router URL` beside it")
+    if args.otlp_traces_endpoint:  # the routers' flag, and every instance's: one trace across the deployment
+        args.instance_args = [*args.instance_args, "--otlp-traces-endpoint", args.otlp_traces_endpoint]
     if args.planner:  # the planner changes roles in place, and sizes from the instances' calibration
         args.instance_args = [*args.instance_args, "--enable-role-switch", "--calibrate-load"]
     return from_args(LaunchSettings, args)

@@ -119,6 +119,7 @@ ROUTER_FLAGS = {
     "tpot_slo_ms": "",
     "rate_limit": "",
     "load_interval": "",
+    "otlp_traces_endpoint": " (launch gives it to every instance too; --collect-detailed-traces goes to instances)",
 }
 # Launch's own defaults for them. The API key is not taken from $PDSERVE_API_KEY here: the routers
 # read the variable themselves, which keeps the key off their command lines. Admission by SLO stays off unless

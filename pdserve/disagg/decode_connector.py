@@ -275,6 +275,7 @@ class DecodeConnector(ConnectorBase):
         t.first_scheduled = msg.times.get("prefill_start", t.first_scheduled)
         t.first_layer_written = msg.times.get("first_layer_written")
         t.last_layer_written = msg.times.get("last_layer_written")
+        t.kv_bytes, t.kv_protocol = msg.nbytes, msg.protocol
         self.transfer_stats.bytes_received += msg.nbytes
         self.transfer_stats.transfers_ok += 1
         if t.cache_info_sent is not None:

@@ -225,6 +225,7 @@ class PrefillDone(msgspec.Struct, tag=True):
     logprobs: TokenLogprobs | None
     nbytes: int
     times: dict[str, float]  # prefill_start, first_layer_written, last_layer_written, first_token
+    protocol: str | None = None  # the transport that wrote the KV
 
 
 class LeaseRenew(msgspec.Struct, tag=True):

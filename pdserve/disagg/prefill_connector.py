@@ -265,9 +265,9 @@ class PrefillConnector(ConnectorBase):
         times = {k: v for k, v in (("prefill_start", r.times.first_scheduled), ("first_layer_written", t.first_write),
                                    ("last_layer_written", t.last_write), ("first_token", r.times.first_token))
                  if v is not None}
-        self._send(out, PrefillDone(out.transfer_id, token, logprobs, t.nbytes, times))
-        self.transfer_stats.transfers_ok += 1
         protocol = out.endpoint.protocol if out.endpoint is not None else "none"
+        self._send(out, PrefillDone(out.transfer_id, token, logprobs, t.nbytes, times, protocol))
+        self.transfer_stats.transfers_ok += 1
         self.transfer_stats.by_protocol[protocol] = self.transfer_stats.by_protocol.get(protocol, 0) + 1
         if t.first_write is not None and r.times.first_scheduled is not None:
             self.transfer_stats.seconds.append(t.last_write - r.times.first_scheduled)

@@ -241,6 +241,8 @@ class EngineCore:
                           num_resumed=msg.num_resumed, priority=msg.priority, lora_name=msg.lora_name,
                           kv_pull=msg.kv_pull if self.kv.pulls is not None else None)
         request.times.arrival = msg.arrival_time
+        if msg.trace_steps:
+            request.times.steps = []
         try:
             if msg.pd is None:
                 self.scheduler.add_request(request)

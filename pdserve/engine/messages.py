@@ -40,6 +40,7 @@ class AddRequest(msgspec.Struct, tag=True):
     priority: int = 0  # --scheduling-policy priority: lower is served first
     lora_name: str | None = None  # the LoRA adapter it computes with (None: the base model)
     kv_pull: PullHint | None = None  # a peer holding a longer prefix, to pull it from (--enable-kv-pull)
+    trace_steps: bool = False  # a traced request with --collect-detailed-traces: record its steps (RequestTimes.steps)
 
 
 class AbortRequests(msgspec.Struct, tag=True):
@@ -63,6 +64,14 @@ EngineInput = AddRequest | AbortRequests | UtilityCall | Shutdown
 
 # ---- engine -> frontend ----------------------------------------------------------------------
 
+class StepTime(msgspec.Struct, array_like=True):
+    """One engine step's part in a request: when the step was scheduled and ended, and the request's tokens in it."""
+
+    started: float
+    ended: float
+    num_tokens: int
+
+
 class RequestTimes(msgspec.Struct):
     """Engine-side timestamps (time.time()): kept on the Request as it runs, sent with its final output."""
 
@@ -81,6 +90,11 @@ class RequestTimes(msgspec.Struct):
     buffered: float | None = None
     swap_started: float | None = None
     swapped_in: float | None = None
+    # ... the KV that came in from the prefill instance, and the transport that moved it
+    kv_bytes: int | None = None
+    kv_protocol: str | None = None
+    preempted: list[float] = []  # each time it was preempted (its KV given up, to be computed again)
+    steps: list[StepTime] | None = None  # AddRequest.trace_steps: every step that computed some of it
 
 
 class RequestOutput(msgspec.Struct):

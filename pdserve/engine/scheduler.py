@@ -26,6 +26,7 @@ from pdserve.config.roles import Role
 from pdserve.config.speculative import SpeculativeConfig
 from pdserve.engine.block_pool import Block
 from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.messages import StepTime
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from pdserve.engine.waiting_queue import WaitingQueue
@@ -278,10 +279,13 @@ class Scheduler:
         tokens (finished ones included), with how many (fewer than sampled when a stop came first).
         """
         changed = []
+        now = time.time()
         for chunk in out.chunks:
             request = chunk.request
             if request.is_finished:  # aborted while the step ran
                 continue
+            if request.times.steps is not None:
+                request.times.steps.append(StepTime(out.scheduled_at, now, chunk.num_new_tokens))
             num_draft = len(chunk.draft_token_ids)
             request.num_computed_tokens += chunk.num_new_tokens - num_draft
             tokens = sampled.get(request.request_id)
@@ -356,6 +360,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.spec_token_ids = []
         request.num_preemptions += 1
+        request.times.preempted.append(time.time())
         request.status = RequestStatus.PREEMPTED
         self.num_preemptions += 1
         self.waiting.requeue(request)

@@ -3,6 +3,7 @@ core runs it, the PD connectors read it, and neither needs the scheduler for tha
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from pdserve.engine.request import Request
@@ -25,6 +26,7 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    scheduled_at: float = field(default_factory=time.time)  # a traced request's step starts here (StepTime)
 
     @property
     def num_batched_tokens(self) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
 
 import aiohttp
 from fastapi import FastAPI
@@ -29,6 +30,9 @@ from pdserve.router.selector import Selector
 from pdserve.router.settings import RouterSettings
 from pdserve.router.state import RouterState
 from pdserve.utils.cluster_auth import SignatureCheck
+
+if TYPE_CHECKING:  # OpenTelemetry is imported only when tracing is on
+    from pdserve.router.tracing import RouterTracing
 
 
 def build_router_app(settings: RouterSettings, reader: PromptReader,
@@ -63,6 +67,8 @@ def build_router_app(settings: RouterSettings, reader: PromptReader,
         await asyncio.gather(*tasks, return_exceptions=True)
         await client.close()
         state.kv_events.close()
+        if state.tracing is not None:
+            state.tracing.tracing.shutdown()
 
     app = FastAPI(title="pdserve router", lifespan=lifespan)
     app.state.router = state
@@ -92,7 +98,17 @@ def _router_state(settings: RouterSettings, reader: PromptReader) -> RouterState
     if slo.enabled or limits is not None:
         state.admission = RouterAdmission(slo, limits, AdmissionMetrics(metrics.prometheus, "pdserve_router"),
                                           registry, selector, settings.api_key, kv_index, settings.admitting_routers)
+    if settings.otlp_traces_endpoint:
+        state.tracing = _tracing(settings)
     return state
+
+
+def _tracing(settings: RouterSettings) -> RouterTracing:
+    from pdserve.router.tracing import RouterTracing
+    from pdserve.tracing.setup import start_tracing
+
+    tracing = start_tracing(settings.otlp_traces_endpoint, "pdserve-router", f"{settings.host}:{settings.port}")
+    return RouterTracing(tracing, settings.prefill_policy, settings.decode_policy)
 
 
 def _policy(name: str, settings: RouterSettings, kv_index: KVIndex) -> Policy:

@@ -23,6 +23,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -37,6 +38,9 @@ from pdserve.router.migration import AnswerSoFar, can_migrate
 from pdserve.router.registry import Instance, Registry
 from pdserve.router.selector import Route, Selector
 from pdserve.router.sse import DONE, error_event, server_error, take_token_ids, whole_events
+
+if TYPE_CHECKING:  # OpenTelemetry is imported only when tracing is on
+    from pdserve.router.tracing import RequestTrace
 
 log = logging.getLogger("pdserve.router")
 
@@ -69,16 +73,21 @@ class Opened:
     reader: asyncio.Task
     first: bytes
     rest: AsyncIterator[bytes]
+    leg: Any = None  # router/tracing.RouteSpan of its route, when traced: ends with the exchange
+
 
     async def events(self) -> AsyncIterator[bytes]:
         yield self.first
         async for event in self.rest:
             yield event
 
-    def close(self) -> None:
+    def close(self, error: str | None = None) -> None:
         self.reader.cancel()
         self.upstream.close()
         self.ex.close()
+        if self.leg is not None:
+            self.leg.failed(error) if error else self.leg.answered(200)
+            self.leg = None
 
 
 class Forwarder:
@@ -98,20 +107,21 @@ class Forwarder:
         self.routed_at: float | None = None  # when a request last found a route
 
     async def forward(self, path: str, body: dict, request: RoutedRequest, headers: dict[str, str],
-                      avoid: set[str] | None = None) -> Response:
+                      avoid: set[str] | None = None, trace: RequestTrace | None = None) -> Response:
         """`avoid`: instances the first try does not route to (admission's: they would miss an SLO); once the
         request was admitted and a route failed it, any working instance is better than none."""
         answer = AnswerSoFar(self.migration_limit if can_migrate(path, body, self.migration_limit) else 0)
         if answer.limit:
             body = {**body, "migration": {}}  # instances name each event's tokens
-        outcome = await self._open(path, body, request, headers, set(), avoid or set())
+        outcome = await self._open(path, body, request, headers, set(), avoid or set(), trace)
         if isinstance(outcome, Opened):
-            return StreamingResponse(self._relay_stream(outcome, answer, path, body, request, headers),
+            return StreamingResponse(self._relay_stream(outcome, answer, path, body, request, headers, trace),
                                      media_type="text/event-stream")
         return outcome
 
     async def _open(self, path: str, body: dict, request: RoutedRequest, headers: dict[str, str],
-                    excluded: set[str], avoid: frozenset[str] | set[str] = frozenset()) -> Response | Opened:
+                    excluded: set[str], avoid: frozenset[str] | set[str] = frozenset(),
+                    trace: RequestTrace | None = None) -> Response | Opened:
         """The request on the first route that works, trying others while nothing reached the client."""
         last: Response | None = None
         for attempt in range(self.max_retries + 1):
@@ -123,12 +133,22 @@ class Forwarder:
             self.routed_at = time.monotonic()
             self.on_route(route, request)
             hop = {**headers, SENT_HEADER: request.sent_tag} if request.sent_tag else headers
-            if route.decode is None:
-                outcome = await self._single(route, path, body, request, hop)
-                if isinstance(outcome, Response) and not isinstance(outcome, StreamingResponse):
-                    self._count_cached(route, outcome.body)
-            else:
-                outcome = await self._pd(route, path, body, request, hop)
+            leg = trace.route(route, request, attempt) if trace is not None else None
+            if leg is not None:
+                hop = {**hop, **leg.headers}
+            try:
+                if route.decode is None:
+                    outcome = await self._single(route, path, body, request, hop)
+                    if isinstance(outcome, Response) and not isinstance(outcome, StreamingResponse):
+                        self._count_cached(route, outcome.body)
+                else:
+                    outcome = await self._pd(route, path, body, request, hop)
+            except BaseException:  # the client hung up
+                if leg is not None:
+                    leg.failed("the client left")
+                raise
+            if leg is not None:
+                settle(leg, outcome)
             if not isinstance(outcome, Retry):
                 return outcome
             if outcome.failed is not None:
@@ -138,6 +158,8 @@ class Forwarder:
                 log.warning("retrying a request without %s (%d of %d)",
                             outcome.failed.url if outcome.failed else "change", attempt + 1, self.max_retries)
                 self.on_retry()
+                if trace is not None:
+                    trace.retried(outcome.failed.url if outcome.failed else None, attempt + 1)
         if last is not None:
             return last
         return error_response(self.selector.why_not(), 503)
@@ -238,7 +260,7 @@ class Forwarder:
                 await cancel_response(d_task)
 
     async def _resume(self, path: str, body: dict, request: RoutedRequest, headers: dict[str, str],
-                      answer: AnswerSoFar) -> Response | Opened:
+                      answer: AnswerSoFar, trace: RequestTrace | None) -> Response | Opened:
         """The rest of the answer from another route; with none in the pool (1P1D, its D died), from
         the first that joins within MIGRATION_WAIT_S (the supervisor restarts the dead one in seconds)."""
         deadline = time.monotonic() + MIGRATION_WAIT_S
@@ -246,7 +268,7 @@ class Forwarder:
             excluded = answer.excluded(self.registry)
             if self.selector.can_serve_without(excluded) or time.monotonic() > deadline:
                 return await self._open(path, answer.resumed_body(body), answer.resumed_request(request),
-                                        headers, excluded)
+                                        headers, excluded, trace=trace)
             await asyncio.sleep(0.25)
 
     async def _blame(self, p_ex: Exchange, p_task: asyncio.Task, d_failure: Retry) -> Retry:
@@ -316,7 +338,8 @@ class Forwarder:
         return Opened(ex, upstream, reader, first, rest)
 
     async def _relay_stream(self, opened: Opened, answer: AnswerSoFar, path: str, body: dict,
-                            request: RoutedRequest, headers: dict[str, str]) -> AsyncIterator[bytes]:
+                            request: RoutedRequest, headers: dict[str, str],
+                            trace: RequestTrace | None) -> AsyncIterator[bytes]:
         """The client's stream: events as they come; when the instance fails mid-answer, the rest from
         another route (`answer` says where the client is), else an error event."""
         current: Opened | None = opened
@@ -335,7 +358,7 @@ class Forwarder:
                     failure = f"the {current.ex.instance.role} instance {current.ex.instance.url} failed " \
                               f"mid-answer: {e}"
                 finally:
-                    current.close()
+                    current.close(failure)
                 if failure is None:
                     return
                 instance = current.ex.instance
@@ -350,9 +373,12 @@ class Forwarder:
                 log.warning("resuming a stream after %d tokens without %s: %s", len(answer.token_ids),
                             instance.url, failure[:200])
                 began = time.monotonic()
-                outcome = await self._resume(path, body, request, headers, answer)
+                outcome = await self._resume(path, body, request, headers, answer, trace)
                 took = time.monotonic() - began
                 self.on_migration(isinstance(outcome, Opened), took)
+                if trace is not None:
+                    trace.migrated(instance.url, len(answer.token_ids),
+                                   outcome.ex.instance.url if isinstance(outcome, Opened) else None)
                 if not isinstance(outcome, Opened):
                     yield error_event(error_body(f"PD error: {failure}; resuming it elsewhere failed: "
                                                  f"{_message(outcome)}", 502, PD_ERROR))
@@ -372,6 +398,16 @@ class Forwarder:
         finally:
             upstream.close()
         return Response(content, status_code=upstream.status, media_type="application/json")
+
+
+def settle(leg: Any, outcome: Response | Opened | Retry) -> None:
+    """A traced route's span: a stream's goes on with it; any other ends with its answer."""
+    if isinstance(outcome, Opened):
+        outcome.leg = leg
+    elif isinstance(outcome, Retry):
+        leg.failed(_message(outcome.response))
+    else:
+        leg.answered(outcome.status_code)
 
 
 def _to_compute(route: Route, request: RoutedRequest) -> int:

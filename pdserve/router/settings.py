@@ -10,6 +10,7 @@ from pdserve.admission.settings import RATE_LIMIT_HELP, TPOT_HELP, TTFT_HELP
 from pdserve.balancing.policies import POLICIES
 from pdserve.config.flags import option
 from pdserve.router.prefill_decider import PD_POLICIES
+from pdserve.tracing.setup import ENDPOINT_HELP
 from pdserve.utils.cluster_auth import ENV
 
 API_KEY_ENV = "PDSERVE_API_KEY"
@@ -76,3 +77,4 @@ class RouterSettings:
            "until an instance takes them, each counts what it sent that many times, as connections are spread "
            "evenly (two routers each admitted a whole burst's worth within one poll)")
     request_timeout: float = option(600.0, "seconds an instance may take to answer")
+    otlp_traces_endpoint: str | None = option(None, ENDPOINT_HELP)

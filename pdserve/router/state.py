@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 from fastapi import Depends, Request
 
@@ -18,6 +18,9 @@ from pdserve.router.selector import Selector
 from pdserve.router.settings import RouterSettings
 from pdserve.utils.cluster_auth import SignatureCheck
 
+if TYPE_CHECKING:  # OpenTelemetry is imported only when tracing is on
+    from pdserve.router.tracing import RouterTracing
+
 
 @dataclass
 class RouterState:
@@ -29,6 +32,7 @@ class RouterState:
     reader: PromptReader
     kv_events: KVEventSubscriber
     admission: RouterAdmission | None = None  # --ttft-slo-ms, --tpot-slo-ms, --rate-limit
+    tracing: RouterTracing | None = None  # --otlp-traces-endpoint
     # Made in the lifespan, on the running event loop (they share its HTTP client session):
     forwarder: Forwarder = field(init=False)
     checker: HealthChecker = field(init=False)

@@ -8,10 +8,11 @@ import logging
 import time
 import uuid
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import aiohttp
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.admission.predictor import Refusal
 from pdserve.http.disconnect import until_disconnect
@@ -19,6 +20,9 @@ from pdserve.http.errors import REQUEST_ID_HEADER, error_body, explain_error
 from pdserve.router.admission import Admitted
 from pdserve.router.forward import error_response
 from pdserve.router.state import RouterDep, RouterState
+
+if TYPE_CHECKING:  # OpenTelemetry is imported only when tracing is on
+    from pdserve.router.tracing import RequestTrace
 
 router = APIRouter()
 log = logging.getLogger("pdserve.router")
@@ -56,7 +60,18 @@ async def detokenize(raw: Request, state: RouterDep) -> Response:
 
 async def _forward(raw: Request, state: RouterState, path: str) -> Response:
     request_id = raw.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
-    response = await _forward_checked(raw, state, path, request_id)
+    traced = Traced()
+    try:
+        response = await _forward_checked(raw, state, path, request_id, traced)
+    except BaseException:
+        if traced.trace is not None:
+            traced.trace.end(499, "the client left")
+        raise
+    if (trace := traced.trace) is not None:
+        if isinstance(response, StreamingResponse):
+            response.body_iterator = trace.until_streamed(response.body_iterator)
+        else:
+            trace.end(response.status_code, _error_message(response))
     state.metrics.requests.labels(str(response.status_code)).inc()
     if response.status_code >= 400:
         explain_error(log, state.metrics.failed, raw.method, path, request_id, response.status_code,
@@ -65,7 +80,22 @@ async def _forward(raw: Request, state: RouterState, path: str) -> Response:
     return response
 
 
-async def _forward_checked(raw: Request, state: RouterState, path: str, request_id: str) -> Response:
+class Traced:
+    """The request's trace, once its body is read (None: tracing is off or its trace is not sampled)."""
+
+    trace: RequestTrace | None = None
+
+
+def _error_message(response: Response) -> str | None:
+    if response.status_code < 400:
+        return None
+    try:
+        return str(json.loads(bytes(response.body))["error"]["message"])[:300]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+async def _forward_checked(raw: Request, state: RouterState, path: str, request_id: str, traced: Traced) -> Response:
     received = time.monotonic()
     limit = state.settings.max_request_bytes
     body = await _read_limited(raw, limit)
@@ -79,6 +109,10 @@ async def _forward_checked(raw: Request, state: RouterState, path: str, request_
             raise ValueError("the body must be a JSON object")
     except ValueError as e:
         return error_response(f"the request body is not valid JSON: {e}", 400, "invalid_request_error")
+    if state.tracing is not None:
+        traced.trace = state.tracing.start(raw.headers, path, parsed, request_id, state.settings.host,
+                                           state.settings.port)
+    trace = traced.trace
     request = state.reader.read(path, parsed)
     model = parsed.get("model")
     if isinstance(model, str) and state.selector.serves_lora(model):
@@ -90,12 +124,16 @@ async def _forward_checked(raw: Request, state: RouterState, path: str, request_
     if state.admission is not None:
         verdict = state.admission.admit(raw.headers, parsed, request, received)
         if isinstance(verdict, Refusal):
+            if trace is not None:
+                trace.refused(verdict.message)
             return JSONResponse(error_body(verdict.message, 429, verdict.error_type), status_code=429,
                                 headers={"Retry-After": verdict.retry_after_header})
         admitted, avoid = verdict, verdict.excluded
+        if trace is not None:
+            trace.admitted(avoid)
     started = time.monotonic()
     headers = {**_passed_headers(raw.headers), REQUEST_ID_HEADER: request_id}
-    work = state.forwarder.forward(path, parsed, request, headers, avoid)
+    work = state.forwarder.forward(path, parsed, request, headers, avoid, trace)
     # A streamed answer stops when the client does (its generator is closed); a whole one would not.
     response = await (work if parsed.get("stream") else until_disconnect(raw, work))
     if admitted is not None:

@@ -1,0 +1,85 @@
+"""A process's tracer: OTLP over HTTP/protobuf or gRPC, spans batched off the request path.
+
+Sampling is the OpenTelemetry SDK's own, from the standard variables (OTEL_TRACES_SAMPLER=parentbased_traceidratio,
+OTEL_TRACES_SAMPLER_ARG=0.1): a router samples a trace, and the instances follow the sampled flag it passes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+from urllib.parse import urlsplit
+
+log = logging.getLogger("pdserve.tracing")
+
+PROTOCOL_ENVS = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
+PROTOCOLS = ("http/protobuf", "grpc")
+ENDPOINT_HELP = ("send OpenTelemetry traces there (OTLP; http/protobuf, or gRPC for a grpc:// URL or with "
+                 "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=grpc); sampled by OTEL_TRACES_SAMPLER; needs pdserve[otel]")
+INSTALL_HINT = "tracing needs the OpenTelemetry SDK and OTLP exporters: pip install 'pdserve[otel]'"
+
+
+class TracingUnavailable(ValueError):
+    """--otlp-traces-endpoint was given, but it cannot be served (no SDK, an unknown protocol)."""
+
+
+def export_protocol(endpoint: str) -> str:
+    """The standard variables decide; without them a grpc:// endpoint means gRPC, any other HTTP/protobuf."""
+    for env in PROTOCOL_ENVS:
+        if value := os.environ.get(env):
+            if value not in PROTOCOLS:
+                raise TracingUnavailable(f"{env}={value!r}: pdserve exports traces over {' or '.join(PROTOCOLS)}")
+            return value
+    return "grpc" if urlsplit(endpoint).scheme == "grpc" else "http/protobuf"
+
+
+def http_traces_url(endpoint: str) -> str:
+    """An endpoint given without a path is a collector's base address: traces go to its /v1/traces."""
+    parts = urlsplit(endpoint)
+    return endpoint.rstrip("/") + "/v1/traces" if parts.path in ("", "/") else endpoint
+
+
+class Tracing:
+    """The process's tracer and the provider behind it."""
+
+    def __init__(self, provider: Any) -> None:
+        self.provider = provider
+        self.tracer = provider.get_tracer("pdserve")
+
+    def shutdown(self) -> None:
+        """Export what is still batched (also done at exit; a process stopped by a signal may not get there)."""
+        self.provider.shutdown()
+
+
+def start_tracing(endpoint: str, service_name: str, instance_id: str) -> Tracing:
+    """Spans exported to `endpoint` as `service_name` (OTEL_SERVICE_NAME overrides it)."""
+    try:
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    except ImportError as e:
+        raise TracingUnavailable(f"{INSTALL_HINT} ({e})") from None
+    protocol = export_protocol(endpoint)
+    exporter = _exporter(protocol, endpoint)
+    name = os.environ.get("OTEL_SERVICE_NAME") or service_name
+    resource = Resource.create({"service.name": name, "service.instance.id": instance_id})
+    provider = TracerProvider(resource=resource)
+    provider.add_span_processor(BatchSpanProcessor(exporter))
+    log.info("tracing: spans of %s go to %s over %s", name, endpoint, protocol)
+    return Tracing(provider)
+
+
+def _exporter(protocol: str, endpoint: str) -> Any:
+    try:
+        if protocol == "grpc":
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+
+            parts = urlsplit(endpoint)
+            target = parts.netloc or endpoint
+            return GrpcExporter(endpoint=target, insecure=parts.scheme != "https")
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
+
+        return HttpExporter(endpoint=http_traces_url(endpoint))
+    except ImportError as e:
+        raise TracingUnavailable(f"{INSTALL_HINT} ({e})") from None

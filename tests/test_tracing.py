@@ -1,0 +1,152 @@
+"""OpenTelemetry traces across a deployment: `pdserve launch --otlp-traces-endpoint` sends every member's spans
+to a collector (here an OTLP receiver in the test process), one trace per request: the router's, its route's,
+and under the route the prefill and decode instances' spans with their phases."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.otlp_receiver import OtlpReceiver, Span
+from tests.servers import Server
+from tests.test_launch import Launch
+
+pytestmark = pytest.mark.e2e
+
+CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+CLIENT_SPAN = "00f067aa0ba902b7"
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+@pytest.fixture(scope="module")
+def receiver() -> Iterator[OtlpReceiver]:
+    r = OtlpReceiver()
+    yield r
+    r.close()
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory: pytest.TempPathFactory, receiver: OtlpReceiver) -> Iterator[Launch]:
+    os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "100"  # spans leave each process within 0.1 s (default 5 s)
+    try:
+        launch = Launch(tmp_path_factory.mktemp("traced"), "--prefill", "1", "--decode", "1", "--routers", "1",
+                        "--pd-policy", "always", "--otlp-traces-endpoint", receiver.url, "--collect-detailed-traces",
+                        "--num-gpu-blocks-override", "200", "--max-model-len", "1024")
+    finally:
+        del os.environ["OTEL_BSP_SCHEDULE_DELAY"]
+    try:
+        yield launch
+        launch.proc.send_signal(signal.SIGINT)
+        assert launch.proc.wait(60) == 130, launch.log()[-3000:]
+    finally:
+        launch.kill()
+
+
+def _one(spans: list[Span], **match: object) -> Span:
+    found = [s for s in spans if all(getattr(s, k) == v for k, v in match.items())]
+    assert len(found) == 1, f"{match}: {[(s.service, s.name, s.attributes.get('pdserve.request.part')) for s in spans]}"
+    return found[0]
+
+
+def _instance_span(spans: list[Span], part: str) -> Span:
+    (found,) = [s for s in spans if s.attributes.get("pdserve.request.part") == part]
+    return found
+
+
+def _children(spans: list[Span], parent: Span) -> dict[str, list[Span]]:
+    out: dict[str, list[Span]] = {}
+    for s in spans:
+        if s.parent_id == parent.span_id:
+            out.setdefault(s.name, []).append(s)
+    return out
+
+
+def test_a_pd_request_is_one_trace_router_route_prefill_decode(deployment: Launch, receiver: OtlpReceiver) -> None:
+    client = openai.OpenAI(base_url=f"{deployment.url}/v1", api_key="x", max_retries=0, timeout=120)
+    stream = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": PROMPT}], max_tokens=12,
+        temperature=0, stream=True, stream_options={"include_usage": True},
+        extra_headers={"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"})
+    chunks = list(stream)
+    usage = chunks[-1].usage
+
+    def complete(spans: list[Span]) -> bool:
+        mine = [s for s in spans if s.trace_id == CLIENT_TRACE]
+        parts = {s.attributes.get("pdserve.request.part") for s in mine}
+        return {"prefill", "decode"} <= parts and any(s.service == "pdserve-router" and s.kind == 2 for s in mine)
+
+    spans = [s for s in receiver.wait_for(complete) if s.trace_id == CLIENT_TRACE]
+    root = _one(spans, service="pdserve-router", kind=2)
+    assert root.parent_id == CLIENT_SPAN  # the client's trace is continued, under its span
+    assert root.name == "chat SmolLM2-135M-Instruct"
+    assert root.attributes["gen_ai.operation.name"] == "chat"
+    assert root.attributes["gen_ai.request.max_tokens"] == 12 and root.attributes["pdserve.request.stream"]
+    route = _one(spans, service="pdserve-router", name="route")
+    assert route.parent_id == root.span_id
+    assert route.attributes["pdserve.route.kind"] == "pd" and route.attributes["pdserve.route.transport"]
+    assert route.attributes["pdserve.route.prefill_policy"] == "cache_aware"
+    assert route.attributes["pdserve.route.predicted_hit_ratio"] >= 0 and "pdserve.route.cost_blocks" in route.attributes
+
+    prefill, decode = _instance_span(spans, "prefill"), _instance_span(spans, "decode")
+    assert prefill.parent_id == decode.parent_id == route.span_id
+    assert prefill.service == decode.service == "pdserve-instance"
+    assert route.attributes["pdserve.route.prefill"].endswith(str(prefill.attributes["server.port"]))
+    assert route.attributes["pdserve.route.decode"].endswith(str(decode.attributes["server.port"]))
+    for s in (prefill, decode):
+        assert s.attributes["gen_ai.usage.input_tokens"] == usage.prompt_tokens
+        assert s.attributes["gen_ai.request.model"] == "SmolLM2-135M-Instruct"
+    assert decode.attributes["gen_ai.usage.output_tokens"] == usage.completion_tokens == 12
+    assert decode.attributes["gen_ai.response.finish_reasons"] == ["length"]
+    assert prefill.attributes["gen_ai.response.finish_reasons"] == ["prefilled"]
+
+    p_phases, d_phases = _children(spans, prefill), _children(spans, decode)
+    assert {"queue", "prefill"} <= p_phases.keys() and "decode" not in p_phases
+    assert {"kv_wait", "kv_transfer", "decode"} <= d_phases.keys()
+    (transfer,) = d_phases["kv_transfer"]
+    assert transfer.attributes["pdserve.kv.bytes"] > 0
+    assert transfer.attributes["pdserve.kv.transport"] == route.attributes["pdserve.route.transport"]
+    assert [s.name for s in spans if s.parent_id == transfer.span_id] == ["kv_write"]
+    (decoding,) = d_phases["decode"]
+    steps = [s for s in spans if s.parent_id == decoding.span_id and s.name == "step"]
+    assert len(steps) >= 10  # --collect-detailed-traces: a span per step (11 tokens decoded after P's first)
+    assert all(s.attributes["pdserve.step.tokens"] == 1 for s in steps)
+    prefill_steps = p_phases.get("step", [])
+    assert sum(s.attributes["pdserve.step.tokens"] for s in prefill_steps) == usage.prompt_tokens
+    (prefilling,) = p_phases["prefill"]
+    # one timeline: the router's span holds the route's, the route's holds P's prefill and D's decode
+    assert root.start <= route.start <= prefilling.start < prefilling.end <= decoding.end <= root.end + 0.05
+
+    # No traceparent: the router starts the trace, and the instances join it
+    before = {s.trace_id for s in receiver.spans}
+    answer = client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=3)
+    new = receiver.wait_for(lambda spans: sum(1 for s in spans if s.trace_id not in before and
+                                              s.attributes.get("pdserve.request.part") in ("prefill", "decode")) == 2)
+    traces = {s.trace_id for s in new if s.trace_id not in before}
+    assert len(traces) == 1
+    (trace_id,) = traces
+    root = _one(receiver.trace(trace_id), service="pdserve-router", kind=2)
+    assert root.parent_id == "" and root.name == "text_completion SmolLM2-135M-Instruct"
+    assert _instance_span(receiver.trace(trace_id), "decode").attributes["gen_ai.usage.output_tokens"] == \
+        answer.usage.completion_tokens
+
+
+def test_tracing_off_exports_nothing_even_when_the_variables_point_at_a_collector(tmp_path: Path,
+                                                                                 receiver: OtlpReceiver) -> None:
+    """No --otlp-traces-endpoint: no span leaves the process, whatever OTEL_* variables say."""
+    posts = receiver.posts
+    env = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": receiver.url, "OTEL_TRACES_EXPORTER": "otlp",
+           "OTEL_BSP_SCHEDULE_DELAY": "100"}
+    server = Server(tmp_path / "plain", "--num-gpu-blocks-override", "64", "--max-model-len", "512", env=env)
+    try:
+        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 3},
+                       headers={"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"}, timeout=60)
+        assert r.status_code == 200
+    finally:
+        server.stop()
+    assert receiver.posts == posts
