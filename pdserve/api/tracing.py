@@ -90,9 +90,11 @@ class RequestSpan:
         else:
             self._child("queue", t.arrival, t.first_scheduled)
             self._child("prefill", t.first_scheduled, t.first_token)
-        decode = self._child("decode", decoding_from, t.finished) if self.part != "prefill" else None
-        for moment in t.preempted:
-            (decode or self.span).add_event("preempted", timestamp=ns(moment))
+        preempted = [("preempted", moment) for moment in t.preempted]
+        decode = self._child("decode", decoding_from, t.finished, events=preempted) if self.part != "prefill" else None
+        if decode is None:
+            for name, moment in preempted:
+                self.span.add_event(name, timestamp=ns(moment))
         if t.first_token is not None:
             self.span.add_event("first_token", timestamp=ns(t.first_token))
         if self.detailed and t.steps:
@@ -111,11 +113,13 @@ class RequestSpan:
         self._child("kv_swap_in", t.swap_started, t.swapped_in)
 
     def _child(self, name: str, start: float | None, end: float | None, attributes: dict | None = None,
-               parent: Any = None) -> Any:
-        """A child span from `start` to `end` (left out when either is unknown)."""
+               parent: Any = None, events: list[tuple[str, float]] = ()) -> Any:
+        """A child span from `start` to `end` (left out when either is unknown), with events at their moments."""
         if start is None or end is None:
             return None
         child = self.tracer.start_span(name, context=set_span_in_context(parent or self.span),
                                        attributes=attributes, start_time=ns(start))
+        for event, moment in events:
+            child.add_event(event, timestamp=ns(moment))
         child.end(end_time=ns(max(end, start)))
         return child
