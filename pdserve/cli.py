@@ -47,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     from pdserve.planner.serve import add_planner_args
 
     add_planner_args(pln)
+    top = sub.add_parser("top", help="a deployment's live view: every member's role, load, queue, KV use, TTFT/ITL")
+    from pdserve.top.serve import add_top_args
+
+    add_top_args(top)
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     bench_serve = bench_sub.add_parser("serve", help="measure a running server (or router): the seed 003 table")
@@ -88,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
             from pdserve.planner.serve import planner_main
 
             return planner_main(args)
+        if args.command == "top":
+            from pdserve.top.serve import top_main
+
+            return top_main(args)
         if args.command == "bench":
             from pdserve.bench_serve.run import bench_serve
 

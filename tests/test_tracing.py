@@ -1,11 +1,13 @@
-"""OpenTelemetry traces across a deployment: `pdserve launch --otlp-traces-endpoint` sends every member's spans
-to a collector (here an OTLP receiver in the test process), one trace per request: the router's, its route's,
-and under the route the prefill and decode instances' spans with their phases."""
+"""Seeing a deployment: `pdserve launch --otlp-traces-endpoint` sends every member's spans to a collector (here an
+OTLP receiver in the test process), one trace per request: the router's, its route's, and under the route the
+prefill and decode instances' spans with their phases; the router's /cluster and `pdserve top` show every member."""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -135,6 +137,31 @@ def test_a_pd_request_is_one_trace_router_route_prefill_decode(deployment: Launc
     assert root.parent_id == "" and root.name == "text_completion SmolLM2-135M-Instruct"
     assert _instance_span(receiver.trace(trace_id), "decode").attributes["gen_ai.usage.output_tokens"] == \
         answer.usage.completion_tokens
+
+
+def test_cluster_json_and_pdserve_top_show_every_member(deployment: Launch) -> None:
+    client = openai.OpenAI(base_url=f"{deployment.url}/v1", api_key="x", max_retries=0, timeout=120)
+    client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=4)
+    view = httpx.get(f"{deployment.url}/cluster", timeout=10).json()
+    assert view["router"]["can_serve"] and view["router"]["last_minute"]["requests"] >= 1
+    members = {m["role"]: m for m in view["members"]}
+    assert sorted(members) == ["decode", "prefill"]
+    for role, m in members.items():
+        status = m["status"]
+        assert m["healthy"] and status["role"] == role and status["engine_answered"]
+        assert status["kv"]["device"]["blocks"] == 200 and set(status["kv"]) == {"device"}  # no host or disk tier
+        assert status["last_minute"]["requests"] >= 1 and status["last_minute"]["ttft_ms"]["p50"] > 0
+        assert status["waiting"] == status["running"] == status["in_flight"] == 0  # idle between requests
+    assert members["decode"]["status"]["last_minute"]["itl_ms"]["p50"] > 0  # decode streams its tokens
+
+    top = subprocess.run([sys.executable, "-m", "pdserve.cli", "top", "--url", deployment.url, "--once",
+                          "--width", "250"], capture_output=True, text=True, timeout=60)
+    assert top.returncode == 0, top.stderr
+    lines = top.stdout.splitlines()
+    assert "serving" in lines[0] and "TTFT p50/p90 ms" in top.stdout
+    for role, m in members.items():
+        (row,) = [line for line in lines if m["url"] in line]
+        assert role in row and "healthy" in row and "% of 200" in row
 
 
 def test_tracing_off_exports_nothing_even_when_the_variables_point_at_a_collector(tmp_path: Path,

@@ -114,6 +114,9 @@ def test_a_decode_request_spans_its_kv_transfer_and_an_unsampled_one_costs_nothi
     assert instance.start({"traceparent": sampled_out}, Body(), "chat", "x", 1.0, "whole") is None
 
 
+P_URL, D_URL = "http://127.0.0.1:1", "http://127.0.0.1:2"  # not contacted
+
+
 def _instance(url: str, role: str) -> Instance:
     return Instance(Registration(role=role, url=url, model="m"))
 
@@ -121,11 +124,12 @@ def _instance(url: str, role: str) -> Instance:
 def test_route_attributes_say_what_was_chosen_and_why() -> None:
     owner = RouterTracing(_provider_spans()[0], "cache_aware", "least_requests")
     request = RoutedRequest(token_ids=None, num_tokens=200, route_cost=3.5)
-    pd = Route(_instance("http://p", "prefill"), _instance("http://d", "decode"), "ipc", predicted_cached_tokens=150)
+    prefill, decode = _instance(P_URL, "prefill"), _instance(D_URL, "decode")
+    pd = Route(prefill, decode, "ipc", predicted_cached_tokens=150)
     attributes = route_attributes(pd, request, owner)
-    assert attributes["pdserve.route.kind"] == "pd" and attributes["pdserve.route.decode"] == "http://d"
+    assert attributes["pdserve.route.kind"] == "pd" and attributes["pdserve.route.decode"] == D_URL
     assert attributes["pdserve.route.predicted_hit_ratio"] == 0.75 and attributes["pdserve.route.cost_blocks"] == 3.5
-    local = Route(_instance("http://d", "decode"), decision=Decision(True, "short", 40))
+    local = Route(decode, decision=Decision(True, "short", 40))
     attributes = route_attributes(local, RoutedRequest(token_ids=None, num_tokens=50), owner)
     assert (attributes["pdserve.route.kind"], attributes["pdserve.route.reason"]) == ("local_prefill", "short")
     assert attributes["pdserve.route.uncached_tokens"] == 40 and "pdserve.route.decode" not in attributes

@@ -20,6 +20,8 @@ def answered(request: Request, response: JSONResponse) -> JSONResponse:
     """Every error answer is logged with its reason and counted (pdserve_requests_failed_total{reason})."""
     state = getattr(request.app.state, "server", None)
     if state is not None:
+        if response.status_code == 429:
+            state.recent.refused.add()
         explain_error(log, state.metrics.failed, request.method, request.url.path,
                       request.headers.get(REQUEST_ID_HEADER), response.status_code, response.body)
     return response

@@ -18,6 +18,7 @@ from pdserve.api.generation import Generation
 from pdserve.api.lora import LoRAServing
 from pdserve.api.metrics import ServerMetrics
 from pdserve.api.role_change import RoleChanger
+from pdserve.api.status import RecentRequests
 from pdserve.tokenization.tokenizer import Tokenizer
 from pdserve.tracing import genai
 from pdserve.utils.cluster_auth import SignatureCheck, cluster_secret
@@ -63,6 +64,11 @@ class ServerState:
     role_changer: RoleChanger | None = None  # --enable-role-switch: POST /role changes it
     signatures: SignatureCheck = field(default_factory=lambda: SignatureCheck(cluster_secret()))
     tracing: InstanceTracing | None = None  # --otlp-traces-endpoint
+    recent: RecentRequests = field(default_factory=RecentRequests)  # the last minute, for GET /status
+
+    @property
+    def current_role(self) -> str:
+        return self.role_changer.role if self.role_changer is not None else self.role
 
     def announce_loras(self) -> None:
         """The adapters it serves go into its registrations (the next heartbeat tells the routers)."""
@@ -72,12 +78,24 @@ class ServerState:
     def request_finished(self, gen: Generation, outcome: str | None = None) -> None:
         """Once per request, however it ended: its metrics, and what admission charges or learns from it."""
         self.metrics.request_finished(gen, outcome)
+        self.recent.finished(*latencies(gen))
         if gen.trace is not None:
             finish_span(gen, outcome, self.model_name)
         if self.admission is not None and gen.admitted is not None:
             t = gen.times.get(0)
             ttft = t.first_token - t.arrival if t is not None and t.first_token is not None else None
             self.admission.finished(gen.admitted, gen.completion_tokens, ttft)
+
+
+def latencies(gen: Generation) -> tuple[float | None, float | None]:
+    """The request's TTFT and mean inter-token latency, in seconds (None: it had no such thing)."""
+    t = gen.times.get(0)
+    if t is None or t.first_token is None:
+        return None, None
+    itl = None
+    if t.last_token is not None and gen.completion_tokens > 1:
+        itl = (t.last_token - t.first_token) / (gen.completion_tokens - 1)
+    return t.first_token - t.arrival, itl
 
 
 def finish_span(gen: Generation, outcome: str | None, model: str) -> None:

@@ -9,6 +9,7 @@ from fastapi import Depends, Request
 
 from pdserve.kv_events.subscriber import KVEventSubscriber
 from pdserve.router.admission import RouterAdmission
+from pdserve.router.cluster import RecentAnswers
 from pdserve.router.forward import Forwarder
 from pdserve.router.health import HealthChecker
 from pdserve.router.metrics import RouterMetrics
@@ -33,6 +34,7 @@ class RouterState:
     kv_events: KVEventSubscriber
     admission: RouterAdmission | None = None  # --ttft-slo-ms, --tpot-slo-ms, --rate-limit
     tracing: RouterTracing | None = None  # --otlp-traces-endpoint
+    recent: RecentAnswers = field(default_factory=RecentAnswers)  # the last minute, for GET /cluster
     # Made in the lifespan, on the running event loop (they share its HTTP client session):
     forwarder: Forwarder = field(init=False)
     checker: HealthChecker = field(init=False)

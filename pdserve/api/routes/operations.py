@@ -9,6 +9,7 @@ from fastapi.responses import JSONResponse, Response
 
 from pdserve.api.data_parallel import ROUTED_RANK, DataParallelEngine
 from pdserve.api.state import APIError, ServerDep
+from pdserve.api.status import instance_status
 from pdserve.engine.engine_client import EngineError
 from pdserve.http.errors import error_body
 
@@ -60,6 +61,13 @@ async def update_model_weight(state: ServerDep) -> dict:
         raise APIError(str(e), 500, "internal_server_error") from None
     state.weights_cleared = False
     return {"status": "loaded"}
+
+
+@router.get("/status")
+async def status(state: ServerDep) -> dict:
+    """This instance as live views show it (`pdserve top`, a router's /cluster)."""
+    ranks = [stats for _, stats in await state.engine.stats_by_rank()]
+    return instance_status(state.current_role, state.in_flight, ranks, state.recent)
 
 
 @router.get("/v1/models")

@@ -73,6 +73,7 @@ async def _forward(raw: Request, state: RouterState, path: str) -> Response:
         else:
             trace.end(response.status_code, _error_message(response))
     state.metrics.requests.labels(str(response.status_code)).inc()
+    state.recent.add(response.status_code)
     if response.status_code >= 400:
         explain_error(log, state.metrics.failed, raw.method, path, request_id, response.status_code,
                       getattr(response, "body", b""))
