@@ -24,10 +24,11 @@ def exported() -> set[str]:
     from pdserve.router.metrics import RouterMetrics
     from pdserve.router.registry import Registry
 
-    server = ServerMetrics()
-    AdmissionMetrics(server.registry, "pdserve")
+    server, router = ServerMetrics(), RouterMetrics(Registry()).prometheus
+    AdmissionMetrics(server.registry, "pdserve")  # as api/serve.py and router/app.py add them, with admission on
+    AdmissionMetrics(router, "pdserve_router")
     names = set()
-    for registry in (server.registry, RouterMetrics(Registry()).prometheus, PlannerMetrics().registry):
+    for registry in (server.registry, router, PlannerMetrics().registry):
         for family in registry.collect():
             names.add(family.name)
             names.update(family.name + s for s in SUFFIXES.get(family.type, ()))
@@ -48,5 +49,6 @@ def test_a_dashboard_references_only_exported_metrics(path: Path) -> None:
             assert used <= names, f"{path.name}: panel {panel['title']!r} reads {sorted(used - names)}, not exported"
 
 
-def test_the_overview_and_the_planner_dashboards_are_there() -> None:
-    assert {p.name for p in DASHBOARDS} >= {"pdserve-overview.json", "pdserve-planner.json"}
+def test_the_overview_pd_kv_admission_and_planner_dashboards_are_there() -> None:
+    assert {p.name for p in DASHBOARDS} >= {"pdserve-overview.json", "pdserve-pd.json", "pdserve-kv-cache.json",
+                                            "pdserve-admission.json", "pdserve-planner.json"}
