@@ -43,6 +43,21 @@ def test_spans_reach_a_collector_over_either_protocol(receiver: OtlpReceiver, pr
     assert (span.service, span.name, span.attributes) == ("pdserve-test", "hello", {"gen_ai.request.model": "m"})
 
 
+def test_the_sdk_sampler_variables_decide_which_requests_are_traced(receiver: OtlpReceiver,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "parentbased_traceidratio")
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "0")  # no trace of its own; a sampled parent's children are
+    instance = InstanceTracing(start_tracing(receiver.url, "pdserve-test", "x"), "127.0.0.1", 9)  # not contacted
+    assert instance.start({}, Body(), "chat", "a", 1.0, "whole") is None
+    sampled = {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}
+    span = instance.start(sampled, Body(), "chat", "b", 1.0, "whole")
+    assert span is not None
+    span.finish(None, {}, None, 2.0)
+    instance.tracing.shutdown()
+    (exported,) = receiver.spans
+    assert exported.trace_id == "4bf92f3577b34da6a3ce929d0e0e4736" and exported.parent_id == "00f067aa0ba902b7"
+
+
 def test_protocol_and_endpoint_rules(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", raising=False)
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_PROTOCOL", raising=False)
