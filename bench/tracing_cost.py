@@ -7,7 +7,8 @@ without it (goal: at most 2% with a span per request, every trace sampled).
 Each run is a fresh deployment (`pdserve launch`) loaded by `pdserve bench serve` with the same ShareGPT prompts
 (greedy, --ignore-eos at --output-len: every run computes the same tokens); runs alternate off, on, off, on ...
 so both see the same machine drift. With tracing on, the spans go to a collector in this process that only reads
-them and answers 200 (a real one runs elsewhere). Prints each run, then the means and on/off ratios.
+them and answers 200 (a real one runs elsewhere). Prints each run, then the medians over runs and on/off ratios
+(a median: one run disturbed by something else on the box moves it least).
 """
 
 from __future__ import annotations
@@ -99,10 +100,10 @@ def main() -> None:
     print(f"\n{args.deployment}, {args.num_prompts} ShareGPT prompts, concurrency {args.max_concurrency}, "
           f"{args.output_len} tokens each, greedy; tracing on: every request traced"
           f"{' with a span per step' if args.detailed else ''}")
-    print(f"{'':22}{'off':>10}{'on':>10}{'on/off':>9}")
+    print(f"{'median of runs':22}{'off':>10}{'on':>10}{'on/off':>9}")
     for key, label in (("tpot_ms", "TPOT mean ms"), ("itl_p99_ms", "ITL p99 ms"), ("ttft_ms", "TTFT p50 ms"),
                        ("output_tok_s", "output tok/s")):
-        a, b = statistics.mean(r[key] for r in off), statistics.mean(r[key] for r in on)
+        a, b = statistics.median(r[key] for r in off), statistics.median(r[key] for r in on)
         print(f"{label:22}{a:>10.2f}{b:>10.2f}{b / a:>9.3f}")
     args.out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
 

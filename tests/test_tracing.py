@@ -13,10 +13,11 @@ from pathlib import Path
 
 import httpx
 import openai
+import psutil
 import pytest
 
 from tests.otlp_receiver import OtlpReceiver, Span
-from tests.servers import Server
+from tests.servers import Server, wait_for
 from tests.test_launch import Launch
 
 pytestmark = pytest.mark.e2e
@@ -162,6 +163,47 @@ def test_cluster_json_and_pdserve_top_show_every_member(deployment: Launch) -> N
     for role, m in members.items():
         (row,) = [line for line in lines if m["url"] in line]
         assert role in row and "healthy" in row and "% of 200" in row
+
+
+def test_a_stream_resumed_after_its_decode_instance_failed_shows_both_decode_instances(
+        deployment: Launch, receiver: OtlpReceiver) -> None:
+    """D's worker dies mid-stream: D ends the stream with an error event, exports its span and exits; launch
+    restarts it, and the router resumes the stream there. The trace holds both routes, each with its own P and D."""
+    trace_id = "5bf92f3577b34da6a3ce929d0e0e4737"
+    decode = next(i for i in deployment.instances().values() if i["role"] == "decode")
+    (worker,) = [p for p in psutil.Process(decode["pid"]).children(recursive=True)
+                 if "pdserve.worker" in " ".join(p.cmdline())]
+    client = openai.OpenAI(base_url=f"{deployment.url}/v1", api_key="x", max_retries=0, timeout=120)
+    stream = client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=60, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True},
+                                       extra_headers={"traceparent": f"00-{trace_id}-{CLIENT_SPAN}-01"})
+    texts = []
+    for chunk in stream:
+        texts.append(chunk.choices[0].text if chunk.choices else "")
+        if len(texts) == 5:
+            worker.kill()
+    assert len([t for t in texts if t]) >= 55  # the answer came whole, across the two decode instances
+
+    def both_routes_done(spans: list[Span]) -> bool:
+        mine = [s for s in spans if s.trace_id == trace_id]
+        return (sum(s.attributes.get("pdserve.request.part") == "decode" for s in mine) == 2
+                and any(s.kind == 2 and s.service == "pdserve-router" for s in mine))
+
+    spans = [s for s in receiver.wait_for(both_routes_done, timeout=60) if s.trace_id == trace_id]
+    root = _one(spans, service="pdserve-router", kind=2)
+    routes = sorted((s for s in spans if s.name == "route"), key=lambda s: s.start)
+    assert len(routes) == 2 and routes[0].error and not routes[1].error
+    decodes = sorted((s for s in spans if s.attributes.get("pdserve.request.part") == "decode"), key=lambda s: s.start)
+    assert [d.parent_id for d in decodes] == [r.span_id for r in routes]
+    failed, resumed = decodes
+    assert failed.error and not resumed.error
+    assert resumed.attributes["pdserve.migration.resumed_tokens"] >= 4
+    assert resumed.attributes["gen_ai.usage.output_tokens"] == 60  # the resumed part counts what came before
+    prefills = [s for s in spans if s.attributes.get("pdserve.request.part") == "prefill"]
+    assert sorted(p.parent_id for p in prefills) == sorted(r.span_id for r in routes)  # each route's own P
+    (migration,) = [e for e in root.events if e[0] == "migration"]
+    assert migration[1]["pdserve.migration.tokens"] >= 4
+    wait_for(lambda: deployment.rejoined(decode["url"], 1), 60, "the decode instance did not rejoin")
 
 
 def test_tracing_off_exports_nothing_even_when_the_variables_point_at_a_collector(tmp_path: Path,

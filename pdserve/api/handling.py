@@ -5,6 +5,7 @@ calls), a migrated stream's resumption, and the answer, whole or streamed, withi
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import msgspec
@@ -125,7 +126,8 @@ async def respond(state: ServerState, raw: Request, body: Any, gen: Generation, 
     took(state, raw, body, gen)
     if state.tracing is not None:
         part = gen.pd.role if gen.pd is not None else "whole"
-        gen.trace = state.tracing.start(raw.headers, body, kind, gen.request_id, gen.created, part)
+        # from now: a resumed answer's `created` is when the first instance took it
+        gen.trace = state.tracing.start(raw.headers, body, kind, gen.request_id, time.time(), part)
     state.in_flight += 1
     state.metrics.request_started()
     if body.stream:
