@@ -18,6 +18,7 @@ class StubInstance:
         self.name = name
         self.story: list[str] | None = None
         self.cut_after: int | None = None
+        self.cut_mid_event = False  # the cut ends the stream cleanly inside an event, not the connection
         self.health_status = 200
         self.requests: list[dict] = []
         self.headers: list[dict] = []
@@ -62,6 +63,10 @@ class StubInstance:
                 start = len(migration.get("token_ids", [])) if migration is not None else 0
                 stream_id = (migration or {}).get("id") or f"cmpl-{stub.name}"
                 for i in range(start, len(stub.story)):
+                    if stub.cut_after is not None and i - start == stub.cut_after and stub.cut_mid_event:
+                        self._chunk(b'data: {"id": "cmpl-cut", "choi')  # half an event, then a proper end
+                        self._chunk(b"")
+                        return
                     if stub.cut_after is not None and i - start == stub.cut_after:
                         self.wfile.flush()
                         time.sleep(0.3)  # the words reach the client first (aiohttp drops what it holds at a cut)

@@ -426,6 +426,28 @@ def test_a_stream_cut_mid_answer_resumes_on_another_instance_and_limit_0_ends_it
 
 
 @pytest.mark.e2e
+def test_a_stream_that_ends_inside_an_event_resumes_and_the_client_never_sees_half_an_event(tmp_path: Path) -> None:
+    """The instance's answer ends cleanly (the HTTP body is complete) but inside an SSE event: that is a failure
+    mid-answer, not an event to relay (the client would get a line it cannot parse)."""
+    alpha, beta = StubInstance("alpha"), StubInstance("beta")
+    for stub in (alpha, beta):
+        stub.story, stub.cut_after, stub.cut_mid_event = ["Once", " upon", " a", " time"], 2, True
+    listing = tmp_path / "instances.yaml"
+    listing.write_text(yaml.safe_dump({"instances": [alpha.registration(), beta.registration()]}))
+    router = Router(tmp_path / "router", "--instances", str(listing), "--tokenizer", "none", "--health-interval", "0.2")
+    try:
+        wait_for(lambda: len(router.healthy_urls()) == 2, 10, "the static instances were not probed")
+        client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="x", max_retries=0, timeout=30)
+        chunks = list(client.completions.create(model="stub", prompt="hi", max_tokens=4, stream=True))
+        assert "".join(c.choices[0].text for c in chunks) == "Once upon a time"
+        assert sorted(len(s.requests) for s in (alpha, beta)) == [1, 1]  # resumed on the other one
+    finally:
+        router.stop()
+        alpha.close()
+        beta.close()
+
+
+@pytest.mark.e2e
 def test_a_cut_stream_with_no_other_route_waits_for_the_instance_to_come_back(router: Router) -> None:
     """1P1D or one mixed instance: the stream resumes on the restarted process (a new pid), not the dead one."""
     alone = StubInstance("alone")

@@ -79,6 +79,16 @@ class Generation:
                 "total_tokens": prompt + self.completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": min(self.num_cached_tokens, prompt)}}
 
+    def latencies(self) -> tuple[float | None, float | None]:
+        """The first choice's TTFT and mean inter-token latency, in seconds (None: it had no such thing)."""
+        t = self.times.get(0)
+        if t is None or t.first_token is None:
+            return None, None
+        itl = None
+        if t.last_token is not None and self.completion_tokens > 1:
+            itl = (t.last_token - t.first_token) / (self.completion_tokens - 1)
+        return t.first_token - t.arrival, itl
+
     def metrics(self) -> dict:
         """Server timestamps (unix seconds) of the first choice, plus seconds since arrival now."""
         t = self.times.get(0)

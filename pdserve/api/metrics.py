@@ -150,12 +150,13 @@ class ServerMetrics:
             return
         if t.first_scheduled is not None:
             self.queue.observe(t.first_scheduled - t.arrival)
-        if t.first_token is not None:
-            self.ttft.observe(t.first_token - t.arrival)
         if t.finished is not None:
             self.e2e.observe(t.finished - t.arrival)
-        if t.first_token is not None and t.last_token is not None and gen.completion_tokens > 1:
-            self.tpot.observe((t.last_token - t.first_token) / (gen.completion_tokens - 1))
+        ttft, itl = gen.latencies()
+        if ttft is not None:
+            self.ttft.observe(ttft)
+        if itl is not None:
+            self.tpot.observe(itl)
 
     async def render(self, engine: AsyncEngine | DataParallelEngine) -> Response:
         await self.refresh(engine)

@@ -78,24 +78,11 @@ class ServerState:
     def request_finished(self, gen: Generation, outcome: str | None = None) -> None:
         """Once per request, however it ended: its metrics, and what admission charges or learns from it."""
         self.metrics.request_finished(gen, outcome)
-        self.recent.finished(*latencies(gen))
+        self.recent.finished(*gen.latencies())
         if gen.trace is not None:
             finish_span(gen, outcome, self.model_name)
         if self.admission is not None and gen.admitted is not None:
-            t = gen.times.get(0)
-            ttft = t.first_token - t.arrival if t is not None and t.first_token is not None else None
-            self.admission.finished(gen.admitted, gen.completion_tokens, ttft)
-
-
-def latencies(gen: Generation) -> tuple[float | None, float | None]:
-    """The request's TTFT and mean inter-token latency, in seconds (None: it had no such thing)."""
-    t = gen.times.get(0)
-    if t is None or t.first_token is None:
-        return None, None
-    itl = None
-    if t.last_token is not None and gen.completion_tokens > 1:
-        itl = (t.last_token - t.first_token) / (gen.completion_tokens - 1)
-    return t.first_token - t.arrival, itl
+            self.admission.finished(gen.admitted, gen.completion_tokens, gen.latencies()[0])
 
 
 def finish_span(gen: Generation, outcome: str | None, model: str) -> None:

@@ -75,7 +75,6 @@ class Opened:
     rest: AsyncIterator[bytes]
     leg: Any = None  # router/tracing.RouteSpan of its route, when traced: ends with the exchange
 
-
     async def events(self) -> AsyncIterator[bytes]:
         yield self.first
         async for event in self.rest:
@@ -85,9 +84,13 @@ class Opened:
         self.reader.cancel()
         self.upstream.close()
         self.ex.close()
-        if self.leg is not None:
-            self.leg.failed(error) if error else self.leg.answered(200)
-            self.leg = None
+        if self.leg is None:
+            return
+        if error:
+            self.leg.failed(error)
+        else:
+            self.leg.answered(200)
+        self.leg = None
 
 
 class Forwarder:

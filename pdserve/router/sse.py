@@ -7,6 +7,8 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 
+import aiohttp
+
 from pdserve.http.wire import TOKENS_COMMENT
 from pdserve.router.exchange import drain
 
@@ -14,7 +16,9 @@ DONE = b"data: [DONE]\n\n"
 
 
 async def whole_events(queue: asyncio.Queue) -> AsyncIterator[bytes]:
-    """The events in a relay queue (exchange.pump), each with its blank line; failures raise."""
+    """The events in a relay queue (exchange.pump), each with its blank line; failures raise. A stream that
+    ends inside an event failed there: the partial event is not the client's (SSE clients drop it too, or choke
+    on it), and the failure lets the stream resume elsewhere."""
     buffered = b""
     async for chunk in drain(queue):
         buffered += chunk
@@ -26,8 +30,8 @@ async def whole_events(queue: asyncio.Queue) -> AsyncIterator[bytes]:
         while (cut := complete.find(b"\n\n", start)) != -1:
             yield complete[start:cut + 2]
             start = cut + 2
-    if buffered.strip():  # an answer that ended without its blank line: still the instance's bytes
-        yield buffered
+    if buffered.strip():
+        raise aiohttp.ClientPayloadError(f"the stream ended inside an event: {buffered[:80]!r}")
 
 
 def take_token_ids(event: bytes) -> tuple[bytes, list[int] | None]:
