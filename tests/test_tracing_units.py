@@ -4,6 +4,7 @@ times, a route's attributes, and a router's trace of a stream resumed on another
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import openai
@@ -18,7 +19,14 @@ from pdserve.router.prefill_decider import Decision
 from pdserve.router.registry import Instance
 from pdserve.router.selector import Route
 from pdserve.router.tracing import RouterTracing, route_attributes
-from pdserve.tracing.setup import Tracing, TracingUnavailable, export_protocol, http_traces_url, start_tracing
+from pdserve.tracing.setup import (
+    STOP_FLUSH_S,
+    Tracing,
+    TracingUnavailable,
+    export_protocol,
+    http_traces_url,
+    start_tracing,
+)
 from tests.otlp_receiver import OtlpReceiver
 from tests.servers import Router, wait_for
 from tests.stub_instance import StubInstance
@@ -56,6 +64,19 @@ def test_the_sdk_sampler_variables_decide_which_requests_are_traced(receiver: Ot
     instance.tracing.shutdown()
     (exported,) = receiver.spans
     assert exported.trace_id == "4bf92f3577b34da6a3ce929d0e0e4736" and exported.parent_id == "00f067aa0ba902b7"
+
+
+def test_a_collector_that_is_down_holds_a_stop_at_most_two_seconds(caplog: pytest.LogCaptureFixture,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+    dead = "http://127.0.0.1:9/v1/traces"  # nothing listens on the discard port
+    tracing = start_tracing(dead, "pdserve-test", "x")
+    tracing.tracer.start_span("lost").end()
+    time.sleep(0.2)  # the export is retrying by now
+    began = time.monotonic()
+    tracing.shutdown()
+    assert time.monotonic() - began < STOP_FLUSH_S + 0.5  # the SDK alone waits out its 10 s export timeout
+    assert "were not exported" in caplog.text and dead in caplog.text
 
 
 def test_protocol_and_endpoint_rules(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -40,16 +41,26 @@ def http_traces_url(endpoint: str) -> str:
     return endpoint.rstrip("/") + "/v1/traces" if parts.path in ("", "/") else endpoint
 
 
+STOP_FLUSH_S = 2.0  # at stop, what is batched gets this long to leave: a collector that is down must not hold it
+
+
 class Tracing:
     """The process's tracer and the provider behind it."""
 
-    def __init__(self, provider: Any) -> None:
-        self.provider = provider
+    def __init__(self, provider: Any, endpoint: str = "") -> None:
+        self.provider, self.endpoint = provider, endpoint
         self.tracer = provider.get_tracer("pdserve")
 
     def shutdown(self) -> None:
-        """Export what is still batched (also done at exit; a process stopped by a signal may not get there)."""
-        self.provider.shutdown()
+        """Export what is still batched, for at most STOP_FLUSH_S. The SDK's own shutdown waits out an export's
+        retries (up to the exporter's 10 s timeout, and neither its flush nor its shutdown timeout cuts that
+        short), so it runs in a thread the stop does not wait for longer."""
+        stopper = threading.Thread(target=self.provider.shutdown, name="pdserve-tracing-stop", daemon=True)
+        stopper.start()
+        stopper.join(STOP_FLUSH_S)
+        if stopper.is_alive():
+            log.warning("tracing: spans still batched were not exported within %.0f s of the stop (is the "
+                        "collector at %s up?)", STOP_FLUSH_S, self.endpoint)
 
 
 def start_tracing(endpoint: str, service_name: str, instance_id: str) -> Tracing:
@@ -67,7 +78,7 @@ def start_tracing(endpoint: str, service_name: str, instance_id: str) -> Tracing
     provider = TracerProvider(resource=resource)
     provider.add_span_processor(BatchSpanProcessor(exporter))
     log.info("tracing: spans of %s go to %s over %s", name, endpoint, protocol)
-    return Tracing(provider)
+    return Tracing(provider, endpoint)
 
 
 def _exporter(protocol: str, endpoint: str) -> Any:
