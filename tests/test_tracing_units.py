@@ -23,6 +23,7 @@ from pdserve.tracing.setup import (
     STOP_FLUSH_S,
     Tracing,
     TracingUnavailable,
+    check_endpoint,
     export_protocol,
     http_traces_url,
     start_tracing,
@@ -86,6 +87,10 @@ def test_protocol_and_endpoint_rules(monkeypatch: pytest.MonkeyPatch) -> None:
     assert export_protocol("grpc://collector:4317") == "grpc"  # not contacted
     assert http_traces_url("http://collector:4318") == "http://collector:4318/v1/traces"  # not contacted
     assert http_traces_url("http://collector:4318/custom") == "http://collector:4318/custom"  # not contacted
+    for bad in ("collector:4318", "ftp://collector/x", "http://"):  # not contacted
+        with pytest.raises(TracingUnavailable, match="URL of an OTLP collector"):
+            start_tracing(bad, "pdserve-test", "x")
+    check_endpoint("collector:4317", "grpc")  # gRPC's usual form, host:port; not contacted
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json")
     with pytest.raises(TracingUnavailable, match="http/json"):
         export_protocol("http://collector:4318")  # not contacted

@@ -35,6 +35,16 @@ def export_protocol(endpoint: str) -> str:
     return "grpc" if urlsplit(endpoint).scheme == "grpc" else "http/protobuf"
 
 
+def check_endpoint(endpoint: str, protocol: str) -> None:
+    """A URL with a host: http(s):// for OTLP/HTTP; for gRPC also grpc:// or a bare host:port."""
+    parts = urlsplit(endpoint if "://" in endpoint or protocol != "grpc" else f"grpc://{endpoint}")
+    schemes = ("http", "https", "grpc") if protocol == "grpc" else ("http", "https")
+    if parts.scheme not in schemes or not parts.hostname:
+        example = "grpc://collector:4317" if protocol == "grpc" else "http://collector:4318"
+        raise TracingUnavailable(f"--otlp-traces-endpoint {endpoint!r} is not the URL of an OTLP collector ({protocol}) "
+                                 f"(e.g. {example})")
+
+
 def http_traces_url(endpoint: str) -> str:
     """An endpoint given without a path is a collector's base address: traces go to its /v1/traces."""
     parts = urlsplit(endpoint)
@@ -72,6 +82,7 @@ def start_tracing(endpoint: str, service_name: str, instance_id: str) -> Tracing
     except ImportError as e:
         raise TracingUnavailable(f"{INSTALL_HINT} ({e})") from None
     protocol = export_protocol(endpoint)
+    check_endpoint(endpoint, protocol)
     exporter = _exporter(protocol, endpoint)
     name = os.environ.get("OTEL_SERVICE_NAME") or service_name
     resource = Resource.create({"service.name": name, "service.instance.id": instance_id})
@@ -86,9 +97,8 @@ def _exporter(protocol: str, endpoint: str) -> Any:
         if protocol == "grpc":
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
 
-            parts = urlsplit(endpoint)
-            target = parts.netloc or endpoint
-            return GrpcExporter(endpoint=target, insecure=parts.scheme != "https")
+            parts = urlsplit(endpoint if "://" in endpoint else f"grpc://{endpoint}")
+            return GrpcExporter(endpoint=parts.netloc, insecure=parts.scheme != "https")
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
 
         return HttpExporter(endpoint=http_traces_url(endpoint))
