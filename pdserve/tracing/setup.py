@@ -41,8 +41,8 @@ def check_endpoint(endpoint: str, protocol: str) -> None:
     schemes = ("http", "https", "grpc") if protocol == "grpc" else ("http", "https")
     if parts.scheme not in schemes or not parts.hostname:
         example = "grpc://collector:4317" if protocol == "grpc" else "http://collector:4318"
-        raise TracingUnavailable(f"--otlp-traces-endpoint {endpoint!r} is not the URL of an OTLP collector ({protocol}) "
-                                 f"(e.g. {example})")
+        raise TracingUnavailable(f"--otlp-traces-endpoint {endpoint!r} is not the URL of an OTLP collector "
+                                 f"({protocol}; e.g. {example})")
 
 
 def http_traces_url(endpoint: str) -> str:
