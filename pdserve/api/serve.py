@@ -162,12 +162,13 @@ def serve(args: argparse.Namespace) -> int:
 def instance_tracing(settings: ServerSettings) -> InstanceTracing | None:
     if not settings.otlp_traces_endpoint:
         return None
-    from pdserve.api.tracing import InstanceTracing
     from pdserve.tracing.setup import start_tracing
 
     address = advertised_host(settings.host, settings.advertise_host)
     # One service name whatever the role (it may change in place); each span names its request's part.
     tracing = start_tracing(settings.otlp_traces_endpoint, "pdserve-instance", f"{address}:{settings.port}")
+    from pdserve.api.tracing import InstanceTracing  # after: without the SDK, start_tracing says what to install
+
     return InstanceTracing(tracing, address, settings.port, settings.collect_detailed_traces)
 
 

@@ -104,10 +104,11 @@ def _router_state(settings: RouterSettings, reader: PromptReader) -> RouterState
 
 
 def _tracing(settings: RouterSettings) -> RouterTracing:
-    from pdserve.router.tracing import RouterTracing
     from pdserve.tracing.setup import start_tracing
 
     tracing = start_tracing(settings.otlp_traces_endpoint, "pdserve-router", f"{settings.host}:{settings.port}")
+    from pdserve.router.tracing import RouterTracing  # after: without the SDK, start_tracing says what to install
+
     return RouterTracing(tracing, settings.prefill_policy, settings.decode_policy)
 
 
