@@ -143,7 +143,16 @@ def test_a_pd_request_is_one_trace_router_route_prefill_decode(deployment: Launc
 def test_cluster_json_and_pdserve_top_show_every_member(deployment: Launch) -> None:
     client = openai.OpenAI(base_url=f"{deployment.url}/v1", api_key="x", max_retries=0, timeout=120)
     client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=4)
-    view = httpx.get(f"{deployment.url}/cluster", timeout=10).json()
+
+    def cluster() -> dict:
+        return httpx.get(f"{deployment.url}/cluster", timeout=10).json()
+
+    def idle(view: dict) -> bool:  # P holds a request until D acknowledges its KV, a moment after the answer
+        return all(m["status"]["waiting"] == m["status"]["running"] == m["status"]["in_flight"] == 0
+                   for m in view["members"])
+
+    wait_for(lambda: idle(cluster()), 10, "the deployment did not go idle after its requests")
+    view = cluster()
     assert view["router"]["can_serve"] and view["router"]["last_minute"]["requests"] >= 1
     members = {m["role"]: m for m in view["members"]}
     assert sorted(members) == ["decode", "prefill"]
@@ -152,7 +161,6 @@ def test_cluster_json_and_pdserve_top_show_every_member(deployment: Launch) -> N
         assert m["healthy"] and status["role"] == role and status["engine_answered"]
         assert status["kv"]["device"]["blocks"] == 200 and set(status["kv"]) == {"device"}  # no host or disk tier
         assert status["last_minute"]["requests"] >= 1 and status["last_minute"]["ttft_ms"]["p50"] > 0
-        assert status["waiting"] == status["running"] == status["in_flight"] == 0  # idle between requests
     assert members["decode"]["status"]["last_minute"]["itl_ms"]["p50"] > 0  # decode streams its tokens
 
     top = subprocess.run([sys.executable, "-m", "pdserve.cli", "top", "--url", deployment.url, "--once",
@@ -176,13 +184,15 @@ def test_a_stream_resumed_after_its_decode_instance_failed_shows_both_decode_ins
     client = openai.OpenAI(base_url=f"{deployment.url}/v1", api_key="x", max_retries=0, timeout=120)
     stream = client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=60, temperature=0,
                                        stream=True, extra_body={"ignore_eos": True},
+                                       stream_options={"include_usage": True},
                                        extra_headers={"traceparent": f"00-{trace_id}-{CLIENT_SPAN}-01"})
-    texts = []
+    chunks = []
     for chunk in stream:
-        texts.append(chunk.choices[0].text if chunk.choices else "")
-        if len(texts) == 5:
+        chunks.append(chunk)
+        if len(chunks) == 5:
             worker.kill()
-    assert len([t for t in texts if t]) >= 55  # the answer came whole, across the two decode instances
+    assert chunks[-1].usage.completion_tokens == 60  # the answer came whole, across the two decode instances
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
     def both_routes_done(spans: list[Span]) -> bool:
         mine = [s for s in spans if s.trace_id == trace_id]

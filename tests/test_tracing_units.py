@@ -3,6 +3,7 @@ times, a route's attributes, and a router's trace of a stream resumed on another
 
 from __future__ import annotations
 
+import argparse
 import os
 import time
 from pathlib import Path
@@ -11,8 +12,10 @@ import openai
 import pytest
 import yaml
 
+from pdserve.api.settings import ServerSettings
 from pdserve.api.tracing import InstanceTracing
 from pdserve.balancing.policies import RoutedRequest
+from pdserve.config.flags import add_flags
 from pdserve.engine.messages import RequestTimes, StepTime
 from pdserve.http.wire import Registration
 from pdserve.router.prefill_decider import Decision
@@ -78,6 +81,18 @@ def test_a_collector_that_is_down_holds_a_stop_at_most_two_seconds(caplog: pytes
     tracing.shutdown()
     assert time.monotonic() - began < STOP_FLUSH_S + 0.5  # the SDK alone waits out its 10 s export timeout
     assert "were not exported" in caplog.text and dead in caplog.text
+
+
+def test_collect_detailed_traces_takes_vllms_values_or_none() -> None:
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_flags(parser, ServerSettings)
+    parse = parser.parse_args
+    assert parse([]).collect_detailed_traces is None
+    assert parse(["--collect-detailed-traces"]).collect_detailed_traces == "all"
+    assert parse(["--collect-detailed-traces", "--port", "9"]).collect_detailed_traces == "all"
+    assert parse(["--collect-detailed-traces", "model,worker"]).collect_detailed_traces == "model,worker"
+    with pytest.raises(argparse.ArgumentError, match="give model, worker, all"):
+        parse(["--collect-detailed-traces", "gpu"])
 
 
 def test_protocol_and_endpoint_rules(monkeypatch: pytest.MonkeyPatch) -> None:

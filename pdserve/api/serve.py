@@ -95,7 +95,7 @@ def serve(args: argparse.Namespace) -> int:
     if args.enable_role_switch and settings.data_parallel_size > 1:
         refusals.append("--enable-role-switch with --data-parallel-size above 1 is not served (the router sees each "
                         "rank of a PD server as its own instance; a role is the server's)")
-    if settings.collect_detailed_traces and not settings.otlp_traces_endpoint:
+    if settings.collect_detailed_traces is not None and not settings.otlp_traces_endpoint:
         refusals.append("--collect-detailed-traces needs --otlp-traces-endpoint (where the spans go)")
     if refusals:
         raise ValueError("\n".join(refusals))
@@ -169,7 +169,7 @@ def instance_tracing(settings: ServerSettings) -> InstanceTracing | None:
     tracing = start_tracing(settings.otlp_traces_endpoint, "pdserve-instance", f"{address}:{settings.port}")
     from pdserve.api.tracing import InstanceTracing  # after: without the SDK, start_tracing says what to install
 
-    return InstanceTracing(tracing, address, settings.port, settings.collect_detailed_traces)
+    return InstanceTracing(tracing, address, settings.port, settings.collect_detailed_traces is not None)
 
 
 def start_engines(config: EngineConfig, name: str, ranks: int, pd_ports: list[int]) -> AsyncEngine | DataParallelEngine:

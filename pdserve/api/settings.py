@@ -10,7 +10,7 @@ from pdserve.admission.settings import RATE_LIMIT_HELP, TPOT_HELP, TTFT_HELP
 from pdserve.config.flags import option
 from pdserve.http.members import router_urls
 from pdserve.tool_calling.parsers import PARSERS
-from pdserve.tracing.setup import ENDPOINT_HELP
+from pdserve.tracing.setup import ENDPOINT_HELP, detailed_trace_modules
 from pdserve.utils.cluster_auth import ENV
 
 API_KEY_ENV = "PDSERVE_API_KEY"
@@ -57,6 +57,7 @@ class ServerSettings:
     enable_auto_tool_choice: bool = option(
         False, "accepted for vLLM's command lines: tool_choice auto is always served", switch=True, group=SERVER)
     otlp_traces_endpoint: str | None = option(None, ENDPOINT_HELP, group=SERVER)
-    collect_detailed_traces: bool = option(
-        False, "with --otlp-traces-endpoint: a span per engine step that computed the request", switch=True,
-        group=SERVER)
+    collect_detailed_traces: str | None = option(
+        None, "with --otlp-traces-endpoint: a span per engine step that computed the request (vLLM's values are "
+              "taken: model, worker, all, comma-separated; a pdserve step is all of them)", nargs="?", const="all",
+        type=detailed_trace_modules, group=SERVER)

@@ -32,18 +32,20 @@ _MISSING = dataclasses.MISSING
 def option(default: Any = _MISSING, help: str = "", *, flag: str | None = None,
            type: Callable[[str], Any] | None = None, choices: Iterable[Any] | None = None,
            group: str | None = None, env: str | None = None, switch: bool = False,
-           factory: Callable[[], Any] | None = None, aliases: tuple[str, ...] = (), nargs: str | None = None) -> Any:
+           factory: Callable[[], Any] | None = None, aliases: tuple[str, ...] = (), nargs: str | None = None,
+           const: Any = None) -> Any:
     """A dataclass field that is also a command-line flag.
 
     flag: its name when not `--field-name`; type: the parser of its text
     (default: from the annotation); group: the --help section; env: an environment variable whose value is
     the default when set; switch: a bool given as `--flag` alone (store_true) rather than --flag/--no-flag;
     aliases: other names of the flag (vLLM's short ones, `-tp`); nargs: argparse's, for a tuple field of
-    several values (`--lora-modules a=/x b=/y`), each parsed by `type`.
+    several values (`--lora-modules a=/x b=/y`), each parsed by `type`, or "?" with `const`, the value of the
+    flag given alone.
     """
     meta = {"help": help, "flag": flag, "type": type, "choices": None if choices is None else list(choices),
             "group": group, "env": env, "switch": switch,
-            "aliases": aliases, "nargs": nargs}
+            "aliases": aliases, "nargs": nargs, "const": const}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata={"option": meta})
     return dataclasses.field(default=default, metadata={"option": meta})
@@ -89,6 +91,8 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, *, only: Iterable[str]
                 kwargs["metavar"] = meta["flag"].lstrip("-").replace("-", "_").upper()
             if meta.get("nargs"):
                 kwargs["nargs"] = meta["nargs"]
+            if meta.get("const") is not None:
+                kwargs["const"] = meta["const"]
         groups[meta["group"]].add_argument(flag_name(f), *meta["aliases"], **kwargs)
 
 
@@ -110,7 +114,7 @@ def to_flags(config: Any, only: Iterable[str] | None = None) -> list[str]:
             continue
         if isinstance(value, bool):
             out.append(flag_name(f) if value else "--no-" + flag_name(f).removeprefix("--"))
-        elif f.metadata["option"].get("nargs"):
+        elif f.metadata["option"].get("nargs") and isinstance(value, tuple | list):
             out += [flag_name(f), *(v if isinstance(v, str) else msgspec.json.encode(v).decode() for v in value)]
         else:
             out += [flag_name(f), ",".join(map(str, value)) if isinstance(value, tuple | list) else str(value)]

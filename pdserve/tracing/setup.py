@@ -6,6 +6,7 @@ OTEL_TRACES_SAMPLER_ARG=0.1): a router samples a trace, and the instances follow
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import threading
@@ -23,6 +24,17 @@ INSTALL_HINT = "tracing needs the OpenTelemetry SDK and OTLP exporters: pip inst
 
 class TracingUnavailable(ValueError):
     """--otlp-traces-endpoint was given, but it cannot be served (no SDK, an unknown protocol)."""
+
+
+DETAILED_MODULES = ("model", "worker", "all")  # vLLM's --collect-detailed-traces values
+
+
+def detailed_trace_modules(text: str) -> str:
+    """--collect-detailed-traces MODULES, checked: a comma-separated list of vLLM's module names."""
+    modules = [m.strip() for m in text.split(",") if m.strip()]
+    if not modules or any(m not in DETAILED_MODULES for m in modules):
+        raise argparse.ArgumentTypeError(f"{text!r}: give {', '.join(DETAILED_MODULES)} (comma-separated)")
+    return ",".join(modules)
 
 
 def export_protocol(endpoint: str) -> str:
