@@ -27,7 +27,6 @@ from pdserve.tracing import genai
 from pdserve.tracing.propagation import context_from
 from pdserve.tracing.setup import Tracing
 
-OPERATIONS = {"text_completion": "text_completion"}  # respond()'s kinds; every other one is a chat
 REQUEST_FIELDS = ("model", "temperature", "top_p", "seed", "n", "max_tokens", "max_completion_tokens",
                   "max_output_tokens")
 
@@ -51,7 +50,7 @@ class InstanceTracing:
         `part`: what this instance does for it (prefill, decode, or whole)."""
         fields = {name: getattr(body, name, None) for name in REQUEST_FIELDS}
         attributes = genai.request_attributes("", fields)
-        attributes[genai.OPERATION] = OPERATIONS.get(kind, "chat")
+        attributes[genai.OPERATION] = "text_completion" if kind == "text_completion" else "chat"  # respond()'s kinds
         attributes.update({genai.SERVER_ADDRESS: self.address, genai.SERVER_PORT: self.port,
                            "pdserve.request.part": part, "pdserve.request.id": request_id,
                            "pdserve.request.stream": bool(getattr(body, "stream", False))})

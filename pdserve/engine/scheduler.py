@@ -279,13 +279,14 @@ class Scheduler:
         tokens (finished ones included), with how many (fewer than sampled when a stop came first).
         """
         changed = []
-        now = time.time()
+        ended = None  # read only for a traced request (AddRequest.trace_steps)
         for chunk in out.chunks:
             request = chunk.request
             if request.is_finished:  # aborted while the step ran
                 continue
             if request.times.steps is not None:
-                request.times.steps.append(StepTime(out.scheduled_at, now, chunk.num_new_tokens))
+                ended = ended or time.time()
+                request.times.steps.append(StepTime(out.scheduled_at, ended, chunk.num_new_tokens))
             num_draft = len(chunk.draft_token_ids)
             request.num_computed_tokens += chunk.num_new_tokens - num_draft
             tokens = sampled.get(request.request_id)

@@ -384,7 +384,7 @@ class Forwarder:
                                    outcome.ex.instance.url if isinstance(outcome, Opened) else None)
                 if not isinstance(outcome, Opened):
                     yield error_event(error_body(f"PD error: {failure}; resuming it elsewhere failed: "
-                                                 f"{_message(outcome)}", 502, PD_ERROR))
+                                                 f"{response_message(outcome)}", 502, PD_ERROR))
                     return
                 log.info("resumed a stream after %d tokens on %s in %.3f s", len(answer.token_ids),
                          outcome.ex.instance.url, took)
@@ -408,7 +408,7 @@ def settle(leg: Any, outcome: Response | Opened | Retry) -> None:
     if isinstance(outcome, Opened):
         outcome.leg = leg
     elif isinstance(outcome, Retry):
-        leg.failed(_message(outcome.response))
+        leg.failed(response_message(outcome.response))
     else:
         leg.answered(outcome.status_code)
 
@@ -418,7 +418,8 @@ def _to_compute(route: Route, request: RoutedRequest) -> int:
     return max(request.num_tokens - (route.predicted_cached_tokens or 0), 0)
 
 
-def _message(response: Response) -> str:
+def response_message(response: Response) -> str:
+    """An error answer's message (OpenAI's body), else its status."""
     try:
         return str(json.loads(bytes(response.body))["error"]["message"])
     except (ValueError, KeyError, TypeError, AttributeError):

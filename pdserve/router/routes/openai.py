@@ -18,7 +18,7 @@ from pdserve.admission.predictor import Refusal
 from pdserve.http.disconnect import until_disconnect
 from pdserve.http.errors import REQUEST_ID_HEADER, error_body, explain_error
 from pdserve.router.admission import Admitted
-from pdserve.router.forward import error_response
+from pdserve.router.forward import error_response, response_message
 from pdserve.router.state import RouterDep, RouterState
 
 if TYPE_CHECKING:  # OpenTelemetry is imported only when tracing is on
@@ -71,7 +71,7 @@ async def _forward(raw: Request, state: RouterState, path: str) -> Response:
         if isinstance(response, StreamingResponse):
             response.body_iterator = trace.until_streamed(response.body_iterator)
         else:
-            trace.end(response.status_code, _error_message(response))
+            trace.end(response.status_code, response_message(response)[:300] if response.status_code >= 400 else None)
     state.metrics.requests.labels(str(response.status_code)).inc()
     state.recent.add(response.status_code)
     if response.status_code >= 400:
@@ -85,15 +85,6 @@ class Traced:
     """The request's trace, once its body is read (None: tracing is off or its trace is not sampled)."""
 
     trace: RequestTrace | None = None
-
-
-def _error_message(response: Response) -> str | None:
-    if response.status_code < 400:
-        return None
-    try:
-        return str(json.loads(bytes(response.body))["error"]["message"])[:300]
-    except (ValueError, KeyError, TypeError, AttributeError):
-        return None
 
 
 async def _forward_checked(raw: Request, state: RouterState, path: str, request_id: str, traced: Traced) -> Response:
