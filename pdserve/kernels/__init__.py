@@ -1,5 +1,5 @@
 """pdserve's compiled CPU kernels (paged attention and KV writes; RoPE, SwiGLU and RMSNorm; the tensor-parallel
-ranks' shared-memory all-reduce), built once
+ranks' shared-memory all-reduce; linears on oneDNN's packed and on GGUF's quantized weights), built once
 per CPU, torch version and source.
 
 `make venv` builds them (`python -m pdserve.kernels`); a process that finds no build tries once
@@ -27,7 +27,7 @@ log = logging.getLogger("pdserve.kernels")
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "paged_attention.cpp", CSRC / "fused_ops.cpp", CSRC / "shm_all_reduce.cpp",
-           CSRC / "few_row_linear.cpp"]
+           CSRC / "few_row_linear.cpp", CSRC / "quant_linear.cpp"]
 # -Wno-psabi: on AVX2 the 16-float vector type is passed in two registers; GCC warns about that ABI.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-Wno-psabi"]
 _DISABLE_ENV = "PDSERVE_DISABLE_KERNELS"  # "1": behave as if the build had failed (tests, comparisons)
