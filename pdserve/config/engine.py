@@ -16,6 +16,7 @@ from pdserve.config.fastdeploy_flags import first_port, per_rank_ports
 from pdserve.config.flags import option
 from pdserve.config.kv_events import KVEventsConfig, kv_events_config
 from pdserve.config.lora import LoRAModule, as_lora_module, lora_module
+from pdserve.config.quantization import QUANTIZATION_CHOICES
 from pdserve.config.roles import Role
 from pdserve.config.speculative import SpeculativeConfig, speculative_config
 
@@ -67,8 +68,10 @@ class EngineConfig:
     tensor_parallel_size: int = option(
         1, "worker ranks of one instance, each with its share of the attention heads, KV heads and MLP columns "
         "(CPU: each on its own share of the instance's cores; CUDA: one GPU each)", group=ENGINE, aliases=("-tp",))
-    quantization: str | None = option(  # "w8a8": opt-in int8 weights + dynamic int8 activations (CPU)
-        None, "w8a8: opt-in, not exact: int8 weights and dynamic int8 activations (CPU, fbgemm)", group=ENGINE)
+    quantization: str | None = option(  # default: gguf for a .gguf file, none for a Hugging Face folder
+        None, "weights to compute with: gguf (a .gguf file's own block formats, packed; its default), none (dequantized "
+        "to --dtype, exact; a folder's default), q8_0 / q4_0 (a Hugging Face folder quantized at load), w8a8 (int8 "
+        "weights and dynamic int8 activations, fbgemm)", group=ENGINE)
     swap_space: float = option(  # GB of host memory for the prefix cache's evicted blocks
         0.0, "GB of host memory for KV blocks evicted from the prefix cache; a later prefix hit there is copied "
         "back instead of recomputed (0: off)", group=ENGINE)
@@ -160,8 +163,8 @@ class EngineConfig:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError("--num-gpu-blocks-override must be at least 1")
-        if self.quantization not in (None, "w8a8"):
-            raise ValueError(f"--quantization must be w8a8 (or unset), got {self.quantization!r}")
+        if self.quantization not in (None, *QUANTIZATION_CHOICES):
+            raise ValueError(f"--quantization takes {', '.join(QUANTIZATION_CHOICES)}, got {self.quantization!r}")
         unknown = [p for p in self.cache_transfer_protocol if p not in ("ipc", "tcp", "rdma")]
         if unknown or not self.cache_transfer_protocol:
             raise ValueError(f"--cache-transfer-protocol takes a list of ipc, tcp and rdma, got "

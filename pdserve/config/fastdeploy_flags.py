@@ -18,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.config.quantization import QUANTIZATION_CHOICES
+
 log = logging.getLogger("pdserve.serve")
 
 
@@ -108,9 +110,8 @@ def fastdeploy_refusals(args: argparse.Namespace) -> list[str]:
         elif f.unneeded:
             unneeded.append(f)
     quantization = getattr(args, "quantization", None)
-    if quantization not in (None, "w8a8"):
-        lines.append(f"--quantization {quantization}: not available; pdserve offers w8a8 (int8 weights and "
-                     "activations, CPU) or the model's own dtype (--dtype)")
+    if quantization not in (None, *QUANTIZATION_CHOICES):
+        lines.append(f"--quantization {quantization}: not available; pdserve offers {', '.join(QUANTIZATION_CHOICES)}")
     unknown = [p for p in getattr(args, "cache_transfer_protocol", ()) if p not in ("ipc", "tcp", "rdma")]
     if unknown:
         lines.append(f"--cache-transfer-protocol {','.join(unknown)}: not available; pdserve offers ipc (same host), "

@@ -207,13 +207,16 @@ def layout_without_profile(config: EngineConfig, num_blocks: int) -> KVLayout:
 
 
 def kv_fingerprint(config: EngineConfig, layout: KVLayout) -> str:
-    """What produced this instance's KV bytes: the weights' digest, the KV dtype, the layout and the block size.
-    The disk tier's folder is named by it and prefix pulls match it, so no other producer reads these blocks."""
+    """What produced this instance's KV bytes: the weights' digest and how they are computed on (--quantization),
+    the KV dtype, the layout and the block size. The disk tier's folder is named by it and prefix pulls match it,
+    so no other producer reads these blocks."""
     from pdserve.kv.disk_store import fingerprint
     from pdserve.loader import resolve_model_folder
+    from pdserve.loader.quantization import requested_quantization
     from pdserve.loader.weights_digest import weights_digest
 
-    digest = weights_digest(resolve_model_folder(config.model))
+    quantization = requested_quantization(config.quantization, config.model)
+    digest = f"{weights_digest(resolve_model_folder(config.model))}:{quantization}"
     shape = (layout.num_layers, layout.num_kv_heads, layout.head_dim)
     return fingerprint(digest, layout.dtype, shape, layout.block_size)
 

@@ -8,8 +8,9 @@ from pdserve.config.errors import ModelLoadError
 from pdserve.loader.default_model import DEFAULT_MODEL_NAME, default_model_path
 
 
-def resolve_model_folder(model: str | Path | None) -> Path:
-    """The HF-style folder to load `model` from; a GGUF file is converted (and cached) first."""
+def resolve_model_folder(model: str | Path | None, with_weights: bool = False) -> Path:
+    """The HF-style folder to read `model`'s config and tokenizer from; a GGUF file's is converted (and cached)
+    first, its weights dequantized into it only `with_weights` (the `--quantization none` path)."""
     path = default_model_path() if model is None else Path(model).expanduser()
     if not path.exists():
         raise ModelLoadError(f"model path {str(path)!r} does not exist")
@@ -18,7 +19,7 @@ def resolve_model_folder(model: str | Path | None) -> Path:
             raise ModelLoadError(f"{path} is a file but not a .gguf; pass a .gguf file or a Hugging Face folder")
         from pdserve.loader.gguf_convert import converted_folder
 
-        return converted_folder(path)
+        return converted_folder(path, with_weights)
     return path
 
 

@@ -53,6 +53,13 @@ class QuantizedMatrix:
     def shape(self) -> tuple[int, int]:
         return self.codes.shape  # type: ignore[return-value]
 
+    def __getitem__(self, index: slice | tuple[slice, slice]) -> QuantizedMatrix:
+        """m[rows] or m[:, columns], as a tensor-parallel rank takes its share."""
+        if isinstance(index, tuple):
+            rows, columns = index
+            return self.rows(rows).columns(columns)
+        return self.rows(index)
+
     def rows(self, part: slice) -> QuantizedMatrix:
         return QuantizedMatrix(self.fmt, self.codes[part], self.scales[part],
                                None if self.mins is None else self.mins[part])

@@ -1,10 +1,10 @@
 """Turn a GGUF file into a Hugging Face style folder, once, and cache it.
 
-Reading a GGUF costs seconds (parsing ~50k tokenizer strings, dequantizing every tensor), so the
-result -- `config.json`, `model.safetensors` (fp32, HF tensor names and layout),
-`tokenizer.json`, `tokenizer_config.json` -- is written under the user cache folder keyed by the
-file's hash. Every later start loads that folder through the ordinary HF-folder path, so there
-is exactly one runtime loader.
+Reading a GGUF's metadata costs seconds (parsing ~50k tokenizer strings), so `config.json`,
+`tokenizer.json`, `tokenizer_config.json` and `gguf-source.json` (the file's digest) are written under the
+user cache folder keyed by the file's hash; every process reads the model's shape and tokenizer from there.
+The weights stay in the GGUF file (loader/gguf_tensors.py reads them packed) unless the dequantized path is
+asked for (`--quantization none`): only then is `model.safetensors` (fp32, HF names and layout) written too.
 """
 
 from __future__ import annotations
@@ -60,49 +60,78 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def converted_folder(gguf_path: Path) -> Path:
-    """The cached HF-style folder for `gguf_path`, converting it first if needed."""
-    target = cache_root() / f"gguf-{file_digest(gguf_path)[:24]}"
-    if (target / "model.safetensors").is_file() and (target / "config.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
-    tmp.chmod(0o755)
-    try:
-        convert_gguf(gguf_path, tmp)
+METADATA_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "gguf-source.json")
+
+
+def converted_folder(gguf_path: Path, with_weights: bool = False) -> Path:
+    """The cached HF-style folder for `gguf_path` (config and tokenizer), converting it first if needed;
+    `with_weights`: with the dequantized fp32 weights too."""
+    digest = file_digest(gguf_path)
+    target = cache_root() / f"gguf-{digest[:24]}"
+    if not all((target / name).is_file() for name in METADATA_FILES):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+        tmp.chmod(0o755)
         try:
-            tmp.rename(target)
-        except OSError:  # another process converted it meanwhile
-            pass
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+            convert_gguf(gguf_path, tmp, digest)
+            if target.is_dir():  # an older cache (or another process) left a folder there: refresh its files
+                for name in METADATA_FILES:
+                    os.replace(tmp / name, target / name)
+            else:
+                try:
+                    tmp.rename(target)
+                except OSError:  # another process converted it meanwhile
+                    pass
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    if with_weights and not (target / "model.safetensors").is_file():
+        _write_dequantized(gguf_path, target)
     return target
 
 
-def convert_gguf(gguf_path: Path, out: Path) -> None:
+def open_gguf(gguf_path: Path) -> Any:
     from gguf import GGUFReader
 
     try:
-        reader = GGUFReader(gguf_path)
+        return GGUFReader(gguf_path)
     except Exception as e:  # the gguf package raises assorted errors on a bad file
         raise ModelLoadError(f"{gguf_path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
-    meta = _Metadata(reader)
-    arch = meta.get("general.architecture")
+
+
+def architecture(reader: Any, gguf_path: Path) -> str:
+    arch = _Metadata(reader).get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ModelLoadError(
             f"unsupported GGUF architecture {arch!r} in {gguf_path.name}; "
             f"supported: {', '.join(GGUF_ARCHITECTURES)}"
         )
+    return arch
+
+
+def convert_gguf(gguf_path: Path, out: Path, digest: str) -> None:
+    reader = open_gguf(gguf_path)
+    meta = _Metadata(reader)
+    arch = architecture(reader, gguf_path)
     config = _hf_config(meta, arch, {t.name for t in reader.tensors})
-    tensors = _hf_tensors(reader, arch, config)
     tokenizer, tokenizer_config = _tokenizer_files(meta)
-
-    from safetensors.numpy import save_file
-
-    save_file(tensors, str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(config, indent=2))
     tokenizer.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+    (out / "gguf-source.json").write_text(json.dumps({"file": gguf_path.name, "sha256": digest}))
+
+
+def _write_dequantized(gguf_path: Path, folder: Path) -> None:
+    from safetensors.numpy import save_file
+
+    reader = open_gguf(gguf_path)
+    config = json.loads((folder / "config.json").read_text())
+    tensors = _hf_tensors(reader, architecture(reader, gguf_path), config)
+    tmp = folder / f".model.safetensors.{os.getpid()}.tmp"
+    try:
+        save_file(tensors, str(tmp))
+        os.replace(tmp, folder / "model.safetensors")
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 class _Metadata:
@@ -167,7 +196,7 @@ _LAYER_NAMES = {
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
-def _hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str) -> str:
     base, _, suffix = gguf_name.rpartition(".")
     parts = base.split(".")
     if parts[0] == "blk" and len(parts) == 3 and parts[2] in _LAYER_NAMES:
@@ -177,7 +206,11 @@ def _hf_name(gguf_name: str) -> str:
     raise ModelLoadError(f"unexpected tensor {gguf_name!r} in GGUF file")
 
 
-def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+def needs_unpermute(arch: str, name: str) -> bool:
+    return arch in PERMUTED_QK_ARCHITECTURES and (".q_proj." in name or ".k_proj." in name)
+
+
+def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     # Undo llama.cpp's per-head row interleave so HF's rotate_half RoPE applies.
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
@@ -189,15 +222,15 @@ def _hf_tensors(reader: Any, arch: str, config: dict[str, Any]) -> dict[str, np.
 
     out: dict[str, np.ndarray] = {}
     for t in tqdm(reader.tensors, desc="dequantizing GGUF (first start only)", unit="tensor", leave=False):
-        name = _hf_name(t.name)
+        name = hf_name(t.name)
         try:
             w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
         except NotImplementedError:
             raise ModelLoadError(f"GGUF tensor type {t.tensor_type.name} ({t.name}) is not supported") from None
         # GGUF lists dims innermost first; dequantize returns numpy (row-major) order already.
-        if arch in PERMUTED_QK_ARCHITECTURES and (".q_proj." in name or ".k_proj." in name):
+        if needs_unpermute(arch, name):
             n = config["num_attention_heads"] if ".q_proj." in name else config["num_key_value_heads"]
-            w = _unpermute(w, n)
+            w = unpermute(w, n)
         out[name] = np.ascontiguousarray(w)
     return out
 

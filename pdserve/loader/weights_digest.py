@@ -1,4 +1,5 @@
-"""A digest of what a model folder computes KV with: its config.json and every weight file, by content.
+"""A digest of what a model folder computes KV with: its config.json and every weight file (for a converted GGUF,
+the file's digest), by content.
 
 The disk KV tier keys its folder by it (kv/disk_store.py), so KV written under one set of weights is never read
 under another, whatever the model is called. Hashing gigabytes on every start would cost seconds, so each file's
@@ -15,10 +16,14 @@ from pathlib import Path
 from pdserve.loader.gguf_convert import cache_root, file_digest
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+NAMED_FILES = ("config.json", "gguf-source.json")  # a GGUF's folder: the file's own digest (its weights stay there)
 
 
 def weights_digest(folder: Path) -> str:
-    files = sorted(p for p in Path(folder).iterdir() if p.name == "config.json" or p.suffix in WEIGHT_SUFFIXES)
+    if (Path(folder) / "gguf-source.json").is_file():  # the file's digest stands for its weights (dequantized or not)
+        files = [Path(folder) / name for name in NAMED_FILES]
+    else:
+        files = sorted(p for p in Path(folder).iterdir() if p.name in NAMED_FILES or p.suffix in WEIGHT_SUFFIXES)
     if not files:
         raise FileNotFoundError(f"{folder} has no config.json or weight files to digest")
     h = hashlib.sha256()

@@ -15,11 +15,13 @@ from torch import nn
 
 from pdserve.config.errors import ModelLoadError
 from pdserve.config.model import ModelConfig
+from pdserve.loader.gguf_blocks import QuantizedMatrix
 from pdserve.kernels import kernels_for
 from pdserve.kv.cache import KVCache
 from pdserve.model import few_row_linear
 from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.linear import DenseLinear, Linear, PackedLinear, make_linear
+from pdserve.model.quantized_linear import ConcatLinear, QuantLinear, kernel_refusal, quantized_linear
 from pdserve.model.paged_attention import GatherBuffers, paged_attention
 from pdserve.model.rope import RotaryEmbedding
 from pdserve.model.tensor_parallel import TensorParallel
@@ -48,20 +50,35 @@ class DecoderLayer(nn.Module):
         self.gate_up_bias = _param(2 * c.intermediate_size, **kw) if c.mlp_bias else None
         self.down = _param(c.hidden_size, c.intermediate_size, **kw)
         self.down_bias = _param(c.hidden_size, **kw) if c.mlp_bias else None
+        # GGUF block-format parts of a matrix, by parameter name: (first row, codes) as the file gave them
+        self.quantized: dict[str, list[tuple[int, QuantizedMatrix]]] = {}
 
     def build_linears(self, quantization: str | None) -> None:
         """The callables the forward pass uses, built once the weights are loaded.
 
-        A packed or int8 copy replaces its matrix, so the matrix itself is freed."""
-        self.qkv_proj = make_linear(self.qkv, self.qkv_bias, quantization)
-        self.o_proj = make_linear(self.o, self.o_bias, quantization)
-        self.gate_up_proj = make_linear(self.gate_up, self.gate_up_bias, quantization)
-        # down_proj is never int8: its input (after SwiGLU) has the outliers that per-tensor int8
+        A packed, quantized or int8 copy replaces its matrix, so the matrix itself is freed."""
+        self.qkv_proj = self._linear("qkv", quantization)
+        self.o_proj = self._linear("o", quantization)
+        self.gate_up_proj = self._linear("gate_up", quantization)
+        # w8a8 never takes down_proj: its input (after SwiGLU) has the outliers that per-tensor int8
         # activations cannot hold; quantizing it changed the embedded model's greedy text by token 4.
-        self.down_proj = make_linear(self.down, self.down_bias, None)
+        # (GGUF's block formats scale activations per 32 inputs, which holds them.)
+        self.down_proj = self._linear("down", None)
+        self.quantized.clear()
         for name in ("qkv", "o", "gate_up", "down"):
             if not isinstance(getattr(self, f"{name}_proj"), DenseLinear):
                 getattr(self, name).data = torch.empty(0, dtype=self.qkv.dtype, device=self.qkv.device)
+
+    def _linear(self, name: str, quantization: str | None) -> Linear:
+        weight, bias = getattr(self, name), getattr(self, f"{name}_bias")
+        parts = sorted(self.quantized.get(name, []), key=lambda part: part[0])
+        if parts and sum(p.shape[0] for _, p in parts) == weight.shape[0]:
+            matrices = [p for _, p in parts]
+            if not any(kernel_refusal(p, weight.device) for p in matrices):
+                return quantized_linear(matrices, bias)
+        for start, part in parts:  # dequantized: no kernel here, or the matrix came partly dense
+            weight.data[start:start + part.shape[0]].copy_(torch.from_numpy(part.dequantize()))
+        return make_linear(weight, bias, quantization)
 
     def linears(self) -> list[Linear]:
         return [self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj]
@@ -91,6 +108,8 @@ class DecoderModel(nn.Module):
         self.kernels = kernels_for(config, device)
         self.quantization = quantization
         self.lm_head_part: Linear | None = None
+        self.embed_quantized: QuantLinear | None = None  # a GGUF token table kept in its block format
+        self._quantized_top: dict[str, QuantizedMatrix] = {}
 
     @property
     def uses_paged_kernel(self) -> bool:
@@ -112,7 +131,8 @@ class DecoderModel(nn.Module):
 
         cos_sin = self.rope.lookup(batch.positions) if ops is None else None
         heads, kv_heads, head_dim = c.num_heads, c.num_kv_heads, c.head_dim
-        h = F.embedding(batch.input_ids, self.embed)
+        h = (F.embedding(batch.input_ids, self.embed) if self.embed_quantized is None
+             else self.embed_quantized.rows(batch.input_ids, self.dtype))
         lora = batch.lora
         layers = self.layers if batch.num_layers is None else self.layers[:batch.num_layers]
         for i, layer in enumerate(layers):
@@ -183,35 +203,81 @@ class DecoderModel(nn.Module):
         for name, tensor in tensors:
             if "rotary_emb" in name or (name == "lm_head.weight" and c.tie_word_embeddings):
                 continue
-            target, rows = self._target(name, parts)
+            owner, attr, rows = self._target(name, parts)
+            target = getattr(owner, attr, None) if owner is not None else None
             if target is None:
                 raise ModelLoadError(f"unexpected weight {name!r} for a {c.model_type} model")
             pieces = name.split(".")
             tensor = self.tp.shard(pieces[-2] + (".bias" if pieces[-1] == "bias" else ""), tensor, self.full_config)
-            dest = target[rows]
+            dest = target.data[rows]
             if tuple(dest.shape) != tuple(tensor.shape):
                 raise ModelLoadError(f"weight {name!r} has shape {tuple(tensor.shape)}, "
                                      f"expected {tuple(dest.shape)} from config.json")
-            dest.copy_(tensor)
+            if isinstance(tensor, QuantizedMatrix):
+                self._keep_quantized(owner, attr, rows, tensor)
+            else:
+                dest.copy_(tensor)
             seen.add(name)
         missing = sorted(expected - seen)
         if missing:
             more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
             raise ModelLoadError(f"checkpoint is missing weights: {', '.join(missing[:3])}{more}")
+        dense_quantization = self.quantization if self.quantization == "w8a8" else None
         for layer in self.layers:
-            layer.build_linears(self.quantization)
-        # The lm_head is usually the embedding too (tied), so its matrix stays.
-        self.lm_head_proj = make_linear(self.lm_head, None, self.quantization)
+            layer.build_linears(dense_quantization)
+        self._build_head(dense_quantization)
         self._log_linears()
-        self.lm_head_part = None  # tensor parallel: this rank's vocabulary share, for the sampled logits
-        if self.tp.size > 1 and c.vocab_size % self.tp.size == 0:
-            self.lm_head_part = make_linear(self.lm_head[self.tp.part(c.vocab_size)], None, self.quantization)
+
+    def _keep_quantized(self, owner: nn.Module, attr: str, rows: slice, matrix: QuantizedMatrix) -> None:
+        if isinstance(owner, DecoderLayer):
+            owner.quantized.setdefault(attr, []).append((rows.start or 0, matrix))
+        else:
+            self._quantized_top[attr] = matrix
+
+    def _build_head(self, quantization: str | None) -> None:
+        """The token table and the LM head (usually one matrix, tied), packed where they came quantized."""
+        c = self.config
+        device = self.embed.device
+        top = self._quantized_top
+        for attr, matrix in list(top.items()):
+            if refusal := kernel_refusal(matrix, device):
+                log.warning("%s stays dequantized: %s", attr, refusal)
+                getattr(self, attr).data.copy_(torch.from_numpy(matrix.dequantize()))
+                del top[attr]
+        part = self.tp.part(c.vocab_size)
+        split = self.tp.size > 1 and c.vocab_size % self.tp.size == 0
+        if "embed" in top:
+            self.embed_quantized = QuantLinear(top["embed"], None)
+        head = top.get("embed" if c.tie_word_embeddings else "lm_head")
+        if head is not None:
+            self.lm_head_proj = self.embed_quantized if c.tie_word_embeddings else QuantLinear(head, None)
+            self.lm_head_part = self._head_part(head.rows(part), quantization) if split else None
+        else:
+            # The lm_head is usually the embedding too (tied), so its matrix stays.
+            self.lm_head_proj = make_linear(self.lm_head, None, quantization)
+            self.lm_head_part = None  # tensor parallel: this rank's vocabulary share, for the sampled logits
+            if split:
+                self.lm_head_part = make_linear(self.lm_head[part], None, quantization)
+        for attr in top:
+            getattr(self, attr).data = torch.empty(0, dtype=self.dtype, device=device)
+        top.clear()
+
+    def _head_part(self, part: QuantizedMatrix, quantization: str | None) -> Linear:
+        if kernel_refusal(part, self.embed.device) is None:
+            return QuantLinear(part, None)
+        return make_linear(torch.from_numpy(part.dequantize()).to(self.embed.device, self.dtype), None, quantization)
 
     def _log_linears(self) -> None:
-        packed = [lin for layer in self.layers for lin in layer.linears()] + [self.lm_head_proj]
-        packed = [lin for lin in packed if isinstance(lin, PackedLinear)]
+        every = [lin for layer in self.layers for lin in layer.linears()] + [self.lm_head_proj]
+        packed = [lin for lin in every if isinstance(lin, PackedLinear)]
         if packed:
             log.info("linears: %s", few_row_linear.describe(self.dtype, [lin.few_rows for lin in packed]))
+        quantized = [lin.describe() for lin in every if isinstance(lin, QuantLinear | ConcatLinear)]
+        if quantized:
+            kinds = ", ".join(f"{quantized.count(k)} {k}" for k in sorted(set(quantized)))
+            log.info("linears: %d of %d on pdserve's GGUF block-format kernel (%s; int8 activations)%s",
+                     len(quantized), len(every), kinds,
+                     "; the token table looked up from its packed rows" if self.embed_quantized else "")
 
     @property
     def vocab_parallel(self) -> bool:
@@ -224,31 +290,32 @@ class DecoderModel(nn.Module):
             return self.tp.gather_to_first(self.lm_head_part(hidden).float().contiguous())
 
     def weight_bytes(self) -> int:
-        """Parameters plus the packed or int8 copies that replaced some of them."""
+        """Parameters plus the packed, quantized or int8 copies that replaced some of them (each counted once)."""
         dense = sum(p.numel() * p.element_size() for p in self.parameters())
         copies = [lin for layer in self.layers for lin in layer.linears()] + [self.lm_head_proj]
         copies += [self.lm_head_part] if self.lm_head_part is not None else []
-        return dense + sum(lin.nbytes for lin in copies if not isinstance(lin, DenseLinear))
+        copies += [self.embed_quantized] if self.embed_quantized is not None else []
+        unique = {id(lin): lin for lin in copies if not isinstance(lin, DenseLinear)}
+        return dense + sum(lin.nbytes for lin in unique.values())
 
-    def _target(self, name: str, parts: dict[str, tuple[str, slice]]) -> tuple[torch.Tensor | None, slice]:
-        top = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.norm,
-               "lm_head.weight": self.lm_head}
+    def _target(self, name: str, parts: dict[str, tuple[str, slice]]) -> tuple[nn.Module | None, str, slice]:
+        """(the module holding `name`'s parameter, its attribute, the rows `name` fills), or (None, "", ...)."""
+        top = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm", "lm_head.weight": "lm_head"}
         if name in top:
-            return top[name].data, slice(None)
+            return self, top[name], slice(None)
         pieces = name.split(".")
         if len(pieces) < 5 or pieces[:2] != ["model", "layers"] or not pieces[2].isdigit():
-            return None, slice(None)
+            return None, "", slice(None)
         index = int(pieces[2])
         if index >= len(self.layers):
-            return None, slice(None)
+            return None, "", slice(None)
         module, kind = ".".join(pieces[3:-1]), pieces[-1]
         if module not in parts:
-            return None, slice(None)
+            return None, "", slice(None)
         param_name, rows = parts[module]
         if kind == "bias":
             param_name += "_bias"
-        param = getattr(self.layers[index], param_name, None)
-        return (param.data if param is not None else None), rows
+        return self.layers[index], param_name, rows
 
     def _expected_weight_names(self) -> set[str]:
         c = self.config

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from pdserve.config.errors import ModelLoadError
 from pdserve.config.model import ModelConfig
+from pdserve.loader.gguf_blocks import quantize
+from pdserve.loader.gguf_tensors import iter_gguf_tensors
 from pdserve.loader.hf_folder import iter_tensors, read_config
+from pdserve.loader.quantization import QUANTIZE_AT_LOAD
 from pdserve.model.decoder import DecoderModel
 from pdserve.model.tensor_parallel import TensorParallel
 from pdserve.utils.dtype_names import cpu_has_native_bf16
@@ -46,13 +51,34 @@ def load_config(folder: Path) -> ModelConfig:
 
 def load_decoder(folder: Path, dtype: torch.dtype, device: torch.device,
                  max_positions: int | None = None, quantization: str | None = None,
-                 tp: TensorParallel | None = None) -> DecoderModel:
-    """The model, or with `tp` this rank's part of it (only its slices are kept)."""
+                 tp: TensorParallel | None = None, gguf_file: Path | None = None) -> DecoderModel:
+    """The model, or with `tp` this rank's part of it (only its slices are kept). `quantization` as
+    loader/quantization.py resolves it; "gguf" reads `gguf_file`'s tensors in their block formats."""
     config = load_config(folder)
     try:
         model = DecoderModel(config, dtype=dtype, device=device, max_positions=max_positions,
                              quantization=quantization, tp=tp)
     except RuntimeError as e:  # typically out of memory
         raise ModelLoadError(f"cannot allocate the model on {device}: {e}") from None
-    model.load_weights(iter_tensors(folder, sliced=tp is not None and tp.size > 1))
+    model.load_weights(_tensors(folder, quantization, tp, gguf_file))
     return model
+
+
+def _tensors(folder: Path, quantization: str | None, tp: TensorParallel | None,
+             gguf_file: Path | None) -> Iterator[tuple[str, Any]]:
+    if quantization == "gguf":
+        if gguf_file is None:
+            raise ModelLoadError("--quantization gguf needs the .gguf file")
+        return iter_gguf_tensors(gguf_file, folder)
+    if quantization in QUANTIZE_AT_LOAD:
+        return _quantized_at_load(iter_tensors(folder), QUANTIZE_AT_LOAD[quantization])
+    return iter_tensors(folder, sliced=tp is not None and tp.size > 1)
+
+
+def _quantized_at_load(tensors: Iterator[tuple[str, torch.Tensor]], fmt: str) -> Iterator[tuple[str, Any]]:
+    """Every projection and token table in `fmt` (norms and biases as they are)."""
+    for name, tensor in tensors:
+        if name.endswith(".weight") and tensor.dim() == 2 and tensor.shape[1] % 32 == 0:
+            yield name, quantize(tensor.float().numpy(), fmt)
+        else:
+            yield name, tensor

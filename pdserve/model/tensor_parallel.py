@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from pdserve.config.model import ModelConfig
+from pdserve.loader.gguf_blocks import QuantizedMatrix
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,8 @@ class TensorParallel:
 
     def shard(self, kind: str, tensor: Any, full: ModelConfig) -> torch.Tensor:
         """This rank's slice of a checkpoint tensor of a projection (`q_proj`, `down_proj`, ...) or a bias.
-        `tensor` may be a safetensors slice (the file's tensor not yet read): then only this rank's part is read."""
+        `tensor` may be a safetensors slice (the file's tensor not yet read): then only this rank's part is read; or a
+        GGUF block-format matrix, split at whole blocks."""
         if self.size == 1:
             return _read(tensor)
         head_dim = full.head_dim
@@ -91,9 +93,9 @@ class TensorParallel:
 
 
 def _read(tensor: Any) -> torch.Tensor:
-    """A tensor, or the whole of a safetensors slice."""
-    return tensor if isinstance(tensor, torch.Tensor) else tensor[:]
+    """A tensor (or block-format matrix), or the whole of a safetensors slice."""
+    return tensor if isinstance(tensor, torch.Tensor | QuantizedMatrix) else tensor[:]
 
 
 def _shape(tensor: Any) -> tuple[int, ...]:
-    return tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else tuple(tensor.get_shape())
+    return tuple(tensor.shape) if isinstance(tensor, torch.Tensor | QuantizedMatrix) else tuple(tensor.get_shape())

@@ -16,6 +16,7 @@ import torch
 from pdserve.kv.cache import KVCache
 from pdserve.kv.layout import KVLayout
 from pdserve.loader import resolve_model_folder
+from pdserve.loader.quantization import is_gguf, model_source, resolve_quantization
 from pdserve.lora.adapter import AdapterError, LoRAAdapter, load_adapter
 from pdserve.lora.slots import LoRABatch, LoRASlots
 from pdserve.model import DecoderModel, ForwardBatch, SequenceChunk, default_device, load_decoder, resolve_dtype
@@ -44,9 +45,12 @@ class ModelRunner:
         self.device = torch.device(device) if device else default_device()
         self.dtype = resolve_dtype(dtype, self.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
-        self.folder = resolve_model_folder(model)
+        self.quantization = resolve_quantization(quantization, model, self.device.type)
+        gguf = is_gguf(model)
+        self.folder = resolve_model_folder(model, with_weights=gguf and self.quantization != "gguf")
+        self._gguf_file = model_source(model) if self.quantization == "gguf" else None
         self.block_size = block_size
-        self._max_positions, self._quantization = max_model_len, quantization
+        self._max_positions = max_model_len
         self.tp = tp or TensorParallel()
         self.model: DecoderModel | None = None
         self.load_model()
@@ -93,7 +97,7 @@ class ModelRunner:
 
     def load_model(self) -> None:
         self.model = load_decoder(self.folder, self.dtype, self.device, max_positions=self._max_positions,
-                                  quantization=self._quantization, tp=self.tp)
+                                  quantization=self.quantization, tp=self.tp, gguf_file=self._gguf_file)
 
     def release(self) -> None:
         """Free the weights and the KV cache (POST /clear_load_weight); load_model() brings weights back."""
