@@ -22,7 +22,6 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from tests.greedy import (
-    DEFAULT_IS_BF16,
     NEAR_TIE,  # batch shapes may flip a genuine near-tie, nothing else
     assert_same_greedy_completion,
     compare_greedy,
@@ -53,13 +52,11 @@ def server(tmp_path_factory) -> Iterator[Server]:
 
 @pytest.fixture(scope="module")
 def fp32_server(tmp_path_factory, server: Server) -> Iterator[Server]:
-    """The server, in fp32 where the default is bf16: a resumed answer computes its tokens as prompt, and
-    bf16 rounds that differently from decoding them one by one (a near tie may then fall the other way)."""
-    if not DEFAULT_IS_BF16:
-        yield server
-        return
-    s = _start(tmp_path_factory, "fp32-server", "--dtype", "float32", "--kv-cache-memory", "1G", "--max-model-len",
-               str(MAX_LEN))
+    """The server on the exact path (fp32, dequantized weights): a resumed answer computes its tokens as prompt, and
+    bf16 or int8 activations round that differently from decoding them one by one (a near tie may then fall the
+    other way)."""
+    s = _start(tmp_path_factory, "fp32-server", "--dtype", "float32", "--quantization", "none", "--kv-cache-memory",
+               "1G", "--max-model-len", str(MAX_LEN))
     try:
         yield s
     finally:

@@ -53,7 +53,7 @@ ASK_WEATHER = [{"role": "user", "content": "What is the weather like in Paris to
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[Server]:
     s = Server(tmp_path_factory.mktemp("apps"), "--num-gpu-blocks-override", "400", "--max-model-len", "2048",
-               "--dtype", "float32")
+               "--dtype", "float32", "--quantization", "none")
     try:
         yield s
     finally:

@@ -134,7 +134,7 @@ from pdserve.model import SequenceChunk
 from pdserve.model import SequenceChunk
 from pdserve.worker.model_runner import ModelRunner
 assert cpu_ops() is None and cpu_ops() is None  # asked twice, said once
-runner = ModelRunner(None, dtype="float32", device="cpu")
+runner = ModelRunner(None, dtype="float32", device="cpu", quantization="none")
 assert not runner.model.uses_paged_kernel
 runner.allocate_kv_cache(4)
 ids = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308]

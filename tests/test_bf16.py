@@ -25,7 +25,7 @@ BF16_TIE = 0.5
 
 @pytest.fixture(scope="module")
 def bf16_runner():
-    return ModelRunner(None, dtype="bfloat16", device="cpu")
+    return ModelRunner(None, dtype="bfloat16", device="cpu", quantization="none")
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""A synthetic Llama GGUF using every tensor type we promise, against transformers loading the same file."""
+"""A synthetic Llama GGUF using every tensor type we promise, against transformers loading the same file: exactly on
+the dequantized path (--quantization none), closely on the packed one (gguf: int8 activations)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import torch
 from pdserve.loader import resolve_model_folder
 from pdserve.model import ForwardBatch, SequenceChunk, load_decoder
 
-HIDDEN, INTER, HEADS, KV_HEADS, LAYERS, VOCAB = 256, 256, 4, 2, 2, 97  # K-quants need rows of 256
+# K-quants need rows of 256. Five layers: the types rotate through the tensors, so layer 4's q, k and v are all
+# block formats, each a different one (the packed path runs them side by side).
+HIDDEN, INTER, HEADS, KV_HEADS, LAYERS, VOCAB = 256, 256, 4, 2, 5, 97
 
 
 def _k_quant_bytes(qtype, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
@@ -92,17 +95,48 @@ def gguf_file(tmp_path_factory):
     return path
 
 
-def test_all_tensor_types_match_transformers(gguf_file, tmp_path, monkeypatch):
+TOKENS = [(i * 13 + 5) % VOCAB for i in range(40)]
+
+
+@pytest.fixture(scope="module")
+def expected(gguf_file) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
-    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
-    ours = load_decoder(resolve_model_folder(gguf_file), torch.float32, torch.device("cpu"))
-    assert not ours.config.tie_word_embeddings
     hf = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name,
                                               dtype=torch.float32).eval()
-    tokens = [(i * 13 + 5) % VOCAB for i in range(40)]
     with torch.no_grad():
-        expected = hf(torch.tensor([tokens])).logits[0, -1]
-    logits = ours(ForwardBatch.build([SequenceChunk(tokens, 0, [0])], 64, is_dummy_or_profile_run=True), None)
-    assert expected.abs().max() > 1.0  # the weights are not degenerate
-    torch.testing.assert_close(logits[0], expected, atol=1e-4, rtol=1e-4)
+        logits = hf(torch.tensor([TOKENS])).logits[0, -1]
+    assert logits.abs().max() > 1.0  # the weights are not degenerate
+    return logits
+
+
+def _logits(model) -> torch.Tensor:
+    return model(ForwardBatch.build([SequenceChunk(TOKENS, 0, [0])], 64, is_dummy_or_profile_run=True), None)[0]
+
+
+def test_all_tensor_types_match_transformers(gguf_file, expected, tmp_path, monkeypatch):
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    ours = load_decoder(resolve_model_folder(gguf_file, with_weights=True), torch.float32, torch.device("cpu"))
+    assert not ours.config.tie_word_embeddings
+    torch.testing.assert_close(_logits(ours), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_packed_tensor_types_stay_close_to_transformers(gguf_file, expected, tmp_path, monkeypatch, caplog):
+    """Every block format on its kernel (mixed q/k/v formats side by side); what cannot be packed (a 97-row
+    vocabulary, q|k|v partly F16) is dequantized at load, with a warning where a table stays dequantized."""
+    from pdserve.model.quantized_linear import ConcatLinear, QuantLinear
+
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    with caplog.at_level("INFO"):
+        ours = load_decoder(resolve_model_folder(gguf_file), torch.float32, torch.device("cpu"), quantization="gguf",
+                            gguf_file=gguf_file)
+    if ours.kernels is None:
+        pytest.skip("pdserve's kernels are not built here")
+    kinds = {type(lin) for layer in ours.layers for lin in layer.linears()}
+    assert QuantLinear in kinds and ConcatLinear in kinds, kinds
+    assert isinstance(ours.layers[4].qkv_proj, ConcatLinear)  # Q4_K | Q6_K | Q8_0
+    assert "lm_head stays dequantized: 97 outputs" in caplog.text
+    assert "on pdserve's GGUF block-format kernel" in caplog.text
+    got = _logits(ours)
+    assert (got - expected).abs().max() <= 0.03 * expected.abs().max(), (got - expected).abs().max()
+    assert int(got.argmax()) == int(expected.argmax())

@@ -51,7 +51,8 @@ def peft_model(hf_gguf_model, tmp_path_factory: pytest.TempPathFactory):
 def lora_runner(peft_model):
     from pdserve.worker.model_runner import ModelRunner
 
-    runner = ModelRunner(None, dtype="float32", device="cpu", block_size=16, max_loras=4, max_lora_rank=16)
+    runner = ModelRunner(None, dtype="float32", device="cpu", quantization="none", block_size=16, max_loras=4,
+                         max_lora_rank=16)
     runner.allocate_kv_cache(64)
     for name, folder in peft_model[1].items():
         runner.add_adapter(name, folder)
@@ -137,7 +138,7 @@ def test_the_engine_serves_adapters_in_rotation_and_keys_its_prefix_cache_by_ada
     names = [*ADAPTERS, None]
     prompts = [embedded_tokenizer.encode(p) for p in PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=6)
-    with LLM(dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16, block_size=16,
+    with LLM(dtype="float32", quantization="none", enable_lora=True, max_loras=2, max_lora_rank=16, block_size=16,
              lora_modules=[f"qv={folders['qv']}"], num_gpu_blocks_override=256, max_model_len=1024) as llm:
         requests = [None if n is None else LoRARequest(n, i + 1, str(folders[n])) for i, n in enumerate(names)]
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
@@ -168,7 +169,8 @@ def test_serve_answers_adapters_by_model_name_and_loads_them_at_run_time(peft_mo
 
     model, folders = peft_model
     every = json.dumps({"name": "every", "path": str(folders["every"])})  # vLLM's JSON form
-    server = Server(tmp_path / "serve", "--dtype", "float32", "--enable-lora", "--max-loras", "2",
+    server = Server(tmp_path / "serve", "--dtype", "float32", "--quantization", "none", "--enable-lora",
+                    "--max-loras", "2",
                     "--lora-modules", f"qv={folders['qv']}", every,
                     "--enable-lora-runtime-loading", "--num-gpu-blocks-override", "256", "--max-model-len", "1024")
     try:
@@ -221,7 +223,8 @@ def test_a_pd_pair_serves_adapters_like_peft_and_keeps_their_prefixes_apart(peft
     model, folders = peft_model
     before = segments()
     launch = Launch(tmp_path, "--prefill", "1", "--decode", "1", "--routers", "1", "--pd-policy", "always",
-                    "--ttft-slo-ms", "0", "--tpot-slo-ms", "0", "--dtype", "float32", "--max-model-len", "1024",
+                    "--ttft-slo-ms", "0", "--tpot-slo-ms", "0", "--dtype", "float32", "--quantization", "none",
+                    "--max-model-len", "1024",
                     "--num-gpu-blocks-override", "256", "--enable-lora", "--max-loras", "2",
                     "--lora-modules", f"qv={folders['qv']}", f"every={folders['every']}")
     try:

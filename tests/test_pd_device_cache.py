@@ -33,7 +33,7 @@ pytestmark = pytest.mark.e2e  # starts pdserve processes
 NIXL = rdma_available()
 # 8 blocks of 16 tokens: a 96-token prompt + 8 new tokens takes 7, so each new prompt evicts the last
 SMALL = ["--num-gpu-blocks-override", "8", "--max-model-len", "128", "--max-num-batched-tokens", "128"]
-COMMON = ["--dtype", "float32", "--pd-transfer-timeout", "10"]
+COMMON = ["--dtype", "float32", "--quantization", "none", "--pd-transfer-timeout", "10"]
 PRIVATE = {PRIVATE_CACHE_ENV: "1"}
 NEW_TOKENS = 8
 MIN_MARGIN = 0.01  # the oracle's top two must differ by more than this at every position (no near ties)

@@ -69,9 +69,9 @@ class EngineConfig:
         1, "worker ranks of one instance, each with its share of the attention heads, KV heads and MLP columns "
         "(CPU: each on its own share of the instance's cores; CUDA: one GPU each)", group=ENGINE, aliases=("-tp",))
     quantization: str | None = option(  # default: gguf for a .gguf file, none for a Hugging Face folder
-        None, "weights to compute with: gguf (a .gguf file's own block formats, packed; its default), none (dequantized "
-        "to --dtype, exact; a folder's default), q8_0 / q4_0 (a Hugging Face folder quantized at load), w8a8 (int8 "
-        "weights and dynamic int8 activations, fbgemm)", group=ENGINE)
+        None, "weights to compute with: gguf (a .gguf file's own block formats, packed; its default), none "
+        "(dequantized to --dtype, exact; a folder's default), q8_0 / q4_0 (a Hugging Face folder quantized at load), "
+        "w8a8 (int8 weights and dynamic int8 activations, fbgemm)", group=ENGINE)
     swap_space: float = option(  # GB of host memory for the prefix cache's evicted blocks
         0.0, "GB of host memory for KV blocks evicted from the prefix cache; a later prefix hit there is copied "
         "back instead of recomputed (0: off)", group=ENGINE)

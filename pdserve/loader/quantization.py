@@ -13,8 +13,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from pdserve.config.quantization import QUANTIZATION_CHOICES
 from pdserve.config.errors import ModelLoadError
+from pdserve.config.quantization import QUANTIZATION_CHOICES
 from pdserve.loader.default_model import default_model_path
 
 log = logging.getLogger("pdserve.loader")

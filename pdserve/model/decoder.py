@@ -15,14 +15,14 @@ from torch import nn
 
 from pdserve.config.errors import ModelLoadError
 from pdserve.config.model import ModelConfig
-from pdserve.loader.gguf_blocks import QuantizedMatrix
 from pdserve.kernels import kernels_for
 from pdserve.kv.cache import KVCache
+from pdserve.loader.gguf_blocks import QuantizedMatrix
 from pdserve.model import few_row_linear
 from pdserve.model.forward_batch import ForwardBatch
 from pdserve.model.linear import DenseLinear, Linear, PackedLinear, make_linear
-from pdserve.model.quantized_linear import ConcatLinear, QuantLinear, kernel_refusal, quantized_linear
 from pdserve.model.paged_attention import GatherBuffers, paged_attention
+from pdserve.model.quantized_linear import ConcatLinear, QuantLinear, kernel_refusal, quantized_linear
 from pdserve.model.rope import RotaryEmbedding
 from pdserve.model.tensor_parallel import TensorParallel
 
