@@ -71,19 +71,27 @@ def test_greedy_matches_transformers(prompt, embedded_runner, embedded_tokenizer
     assert (our_logits - hf_logits).abs().max().item() < LOGIT_TOL
 
 
-def test_weights_equal_transformers_gguf_load(embedded_folder, hf_gguf_model):
-    """Our dequantize + Q/K un-permute gives exactly the tensors transformers builds from the GGUF.
+def test_weights_equal_transformers_gguf_load(hf_gguf_model):
+    """Our dequantize + Q/K un-permute gives exactly the tensors transformers builds from the GGUF: the fp32 folder
+    of --quantization none, and the codes, scales and mins the packed path keeps (Q4_1 and Q8_0 here).
 
-    (Read from the loader: the model itself keeps only oneDNN-packed copies of its projections.)"""
+    (Read from the loaders: the model itself keeps only packed copies of its projections.)"""
+    from pdserve.loader import resolve_model_folder
+    from pdserve.loader.default_model import default_model_path
+    from pdserve.loader.gguf_tensors import iter_gguf_tensors
     from pdserve.loader.hf_folder import iter_tensors
 
     hf = hf_gguf_model.state_dict()
     names = {f"model.layers.7.self_attn.{p}.weight" for p in ("q_proj", "k_proj")}
     names |= {"model.layers.7.mlp.down_proj.weight", "model.embed_tokens.weight"}
-    ours = {name: t for name, t in iter_tensors(embedded_folder) if name in names}
-    assert ours.keys() == names
+    folder = resolve_model_folder(None, with_weights=True)
+    dequantized = {name: t for name, t in iter_tensors(folder) if name in names}
+    packed = {name: torch.from_numpy(m.dequantize()) for name, m in iter_gguf_tensors(default_model_path(), folder)
+              if name in names}
+    assert dequantized.keys() == packed.keys() == names
     for name in names:
-        assert torch.equal(ours[name], hf[name]), name
+        assert torch.equal(dequantized[name], hf[name]), name
+        assert torch.equal(packed[name], hf[name]), name
 
 
 TOKENIZER_TEXTS = [
