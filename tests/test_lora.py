@@ -103,6 +103,33 @@ def test_four_adapters_and_the_base_in_one_batch_each_equal_their_peft_oracle(pe
 
 
 @pytest.mark.e2e
+def test_adapters_over_a_packed_quantized_base_add_what_peft_adds(peft_model, lora_runner, embedded_tokenizer) -> None:
+    """The embedded Q4_1 file served packed (its default), adapters in fp32 over it: each adapter moves the logits
+    as it does over the exact base (the packed base itself is int8-activation close, not equal)."""
+    from pdserve.worker.model_runner import ModelRunner
+
+    packed = ModelRunner(None, dtype="float32", device="cpu", block_size=16, max_loras=4, max_lora_rank=16)
+    assert packed.quantization == "gguf"
+    packed.allocate_kv_cache(64)
+    for name, folder in peft_model[1].items():
+        packed.add_adapter(name, folder)
+    ids = embedded_tokenizer.encode(PROMPTS[0])
+    table = list(range(8))
+
+    def logits(runner, name: str | None) -> torch.Tensor:  # noqa: ANN001
+        slot = runner.lora_slots_for([name])[0]
+        return runner.logits([SequenceChunk(ids, 0, table, slot)])[0]
+
+    exact_base, packed_base = logits(lora_runner, None), logits(packed, None)
+    for name in ADAPTERS:
+        exact_delta = logits(lora_runner, name) - exact_base
+        packed_delta = logits(packed, name) - packed_base
+        assert exact_delta.abs().max() > 0.1
+        error = float((packed_delta - exact_delta).abs().max())
+        assert error <= 0.15 * float(exact_delta.abs().max()), f"{name}: {error:.3f}"
+
+
+@pytest.mark.e2e
 def test_more_adapters_than_slots_rotate_through_them(peft_model, lora_runner, embedded_tokenizer) -> None:
     """Five adapters on four slots: each step places the ones it needs, least recently used out."""
     model, folders = peft_model
