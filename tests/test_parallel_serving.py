@@ -174,7 +174,8 @@ def test_a_rank_holds_only_its_share_of_the_weights(tmp_path: Path) -> None:
     grown = {}
     for tp in ("1", "3"):
         log = tmp_path / f"startup-{tp}.jsonl"
-        server = Server(tmp_path / tp, "--dtype", "float32", "-tp", tp, "--num-gpu-blocks-override", "32",
+        server = Server(tmp_path / tp, "--dtype", "float32", "--quantization", "none", "-tp", tp,
+                        "--num-gpu-blocks-override", "32",
                         "--max-model-len", "512", "--startup-log", str(log))
         try:
             (loaded,) = [e for e in map(json.loads, log.read_text().splitlines()) if e["event"] == "loaded"]

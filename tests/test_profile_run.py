@@ -16,7 +16,8 @@ GiB = 1 << 30
 
 
 def _ready(**flags):
-    flags.setdefault("dtype", "float32")  # the sizes below are fp32's
+    flags.setdefault("dtype", "float32")  # the sizes below are fp32's, of dequantized weights
+    flags.setdefault("quantization", "none")
     with LLM(max_model_len=1024, block_size=16, **flags) as llm:
         return llm.engine.ready
 
@@ -48,7 +49,7 @@ def test_impossible_config_fails_with_a_message():
 
 def test_impossible_config_exits_the_cli_non_zero():
     proc = subprocess.run([sys.executable, "-m", "pdserve.cli", "generate", "--prompt", "hi",
-                           "--kv-cache-memory", "600M", "--dtype", "float32"],
+                           "--kv-cache-memory", "600M", "--dtype", "float32", "--quantization", "none"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     assert "pdserve: error:" in proc.stderr and "--max-model-len" in proc.stderr

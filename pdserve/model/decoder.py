@@ -29,6 +29,15 @@ from pdserve.model.tensor_parallel import TensorParallel
 log = logging.getLogger("pdserve.model")
 
 
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        log.warning("%s", message)
+
+
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
@@ -74,8 +83,12 @@ class DecoderLayer(nn.Module):
         parts = sorted(self.quantized.get(name, []), key=lambda part: part[0])
         if parts and sum(p.shape[0] for _, p in parts) == weight.shape[0]:
             matrices = [p for _, p in parts]
-            if not any(kernel_refusal(p, weight.device) for p in matrices):
+            refusals = [r for p in matrices if (r := kernel_refusal(p, weight.device))]
+            if not refusals:
                 return quantized_linear(matrices, bias)
+            _warn_once(f"a {name} matrix stays dequantized: {refusals[0]}")
+        elif parts:
+            _warn_once(f"a {name} matrix came partly unquantized: its block-format parts are dequantized")
         for start, part in parts:  # dequantized: no kernel here, or the matrix came partly dense
             weight.data[start:start + part.shape[0]].copy_(torch.from_numpy(part.dequantize()))
         return make_linear(weight, bias, quantization)
