@@ -104,8 +104,9 @@ def test_four_adapters_and_the_base_in_one_batch_each_equal_their_peft_oracle(pe
 
 @pytest.mark.e2e
 def test_adapters_over_a_packed_quantized_base_add_what_peft_adds(peft_model, lora_runner, embedded_tokenizer) -> None:
-    """The embedded Q4_1 file served packed (its default), adapters in fp32 over it: each adapter moves the logits
-    as it does over the exact base (the packed base itself is int8-activation close, not equal)."""
+    """The embedded Q4_1 file served packed (its default), adapters in fp32 over it: each adapter changes the
+    packed model's logits, and leaves them as close to the exact model-with-adapter as the packed base is to the
+    exact base."""
     from pdserve.worker.model_runner import ModelRunner
 
     packed = ModelRunner(None, dtype="float32", device="cpu", block_size=16, max_loras=4, max_lora_rank=16)
@@ -113,20 +114,25 @@ def test_adapters_over_a_packed_quantized_base_add_what_peft_adds(peft_model, lo
     packed.allocate_kv_cache(64)
     for name, folder in peft_model[1].items():
         packed.add_adapter(name, folder)
-    ids = embedded_tokenizer.encode(PROMPTS[0])
     table = list(range(8))
 
-    def logits(runner, name: str | None) -> torch.Tensor:  # noqa: ANN001
+    def logits(runner, name: str | None) -> torch.Tensor:  # noqa: ANN001  (every prompt's last logits)
         slot = runner.lora_slots_for([name])[0]
-        return runner.logits([SequenceChunk(ids, 0, table, slot)])[0]
+        return torch.stack([runner.logits([SequenceChunk(embedded_tokenizer.encode(p), 0, table, slot)])[0]
+                            for p in PROMPTS])
 
     exact_base, packed_base = logits(lora_runner, None), logits(packed, None)
+    base_error = float((packed_base - exact_base).norm())
     for name in ADAPTERS:
-        exact_delta = logits(lora_runner, name) - exact_base
-        packed_delta = logits(packed, name) - packed_base
-        assert exact_delta.abs().max() > 0.1
-        error = float((packed_delta - exact_delta).abs().max())
-        assert error <= 0.15 * float(exact_delta.abs().max()), f"{name}: {error:.3f}"
+        exact, ours = logits(lora_runner, name), logits(packed, name)
+        exact_delta, packed_delta = (exact - exact_base).flatten(), (ours - packed_base).flatten()
+        assert exact_delta.abs().max() > 0.1 and packed_delta.abs().max() > 0.1  # the adapter acts on both
+        # int8 activations move single logits by about an adapter's own update (the two do not line up logit by
+        # logit), so what must hold is that with the adapter the packed model stays as close to the exact one as
+        # without it
+        error = float((ours - exact).norm())
+        print(f"{name}: error {error:.2f} (the base's {base_error:.2f})")
+        assert error <= 1.5 * base_error, (name, error, base_error)
 
 
 @pytest.mark.e2e
