@@ -38,7 +38,7 @@ namespace {
 
 constexpr int64_t kGroupRows = 16;
 constexpr int64_t kMaxRows = 1 << 20;
-constexpr int64_t kPrefetchBytes = 2048;  // how far ahead of the block in use the weight stream is prefetched
+constexpr int64_t kPrefetchBytes = 8192;  // how far ahead the weight stream is prefetched (3B shapes: ~+15% over 2 KB)
 
 struct Format {
   int64_t bits, group, offset;
