@@ -5,8 +5,8 @@ torch tensors (the model copies them into its dtype); any other block format (Q2
 dequantized here to float32, said once per format in the log.
 
 The tensor table is read by `tensor_index`, which skips the metadata instead of decoding it: gguf-py's reader
-builds a numpy view per tokenizer string, 3-4 s for a 49k vocabulary at every worker start (the converted folder
-already holds what the metadata says).
+builds a numpy view per tokenizer string: 6.7 s of the embedded model's 8.8 s load under cProfile, 0.9 s in all
+without it (the converted folder already holds what the metadata says).
 """
 
 from __future__ import annotations

@@ -68,6 +68,16 @@ inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 
+// Input i's code for row `row` of a block record's codes (the layout above), one at a time: the plain-C++ kernel
+// and the dequantizer read it so.
+inline int code_at(const uint8_t* q, int bits, int group, int row, int i) {
+  if (bits == 8) return q[64 * (i / 4) + 4 * row + i % 4];
+  const int half = i >= group / 2;
+  const int j = (i % (group / 2)) / 4;
+  const uint8_t byte = q[64 * j + 4 * row + i % 4];
+  return half ? byte >> 4 : byte & 0x0F;
+}
+
 // x [rows, k] -> int8 codes per block of `group`, with each block's scale and code sum.
 template <typename T>
 void quantize_rows(const T* x, int64_t rows, int64_t k, int64_t group, int8_t* q, float* scale, int32_t* sum) {
@@ -238,14 +248,6 @@ void group_dot(const Job& job, int64_t g, int64_t row0, float (*acc)[kGroupRows]
 #else
 constexpr int kRowChunk = 4;
 
-inline int code_at(const uint8_t* q, int bits, int group, int row, int i) {
-  if (bits == 8) return q[64 * (i / 4) + 4 * row + i % 4];
-  const int half = i >= group / 2;
-  const int j = (i % (group / 2)) / 4;
-  const uint8_t byte = q[64 * j + 4 * row + i % 4];
-  return half ? byte >> 4 : byte & 0x0F;
-}
-
 // Plain C++ for CPUs without AVX2: the same arithmetic, one product at a time.
 template <int Bits, int G, bool HasMin, int MR>
 void group_dot(const Job& job, int64_t g, int64_t row0, float (*acc)[kGroupRows]) {
@@ -392,14 +394,7 @@ at::Tensor quant_dequantize(const at::Tensor& packed, int64_t n, int64_t k, int6
         const uint8_t* q = blk + f.scale_bytes();
         float* ob = o + i * k + b * group;
         for (int64_t t = 0; t < group; ++t) {
-          int code;
-          if (bits == 8) {
-            code = q[64 * (t / 4) + 4 * r + t % 4];
-          } else {
-            const uint8_t byte = q[64 * ((t % (group / 2)) / 4) + 4 * r + t % 4];
-            code = t >= group / 2 ? byte >> 4 : byte & 0x0F;
-          }
-          ob[t] = s * static_cast<float>(code) + mn;
+          ob[t] = s * static_cast<float>(code_at(q, bits, group, r, t)) + mn;
         }
       }
     }
