@@ -12,15 +12,12 @@ to the model's dtype at load and the layer runs as a dense one; the log says whi
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import numpy as np
 import torch
 
 from pdserve.loader.gguf_blocks import QuantizedMatrix, concat_rows
-
-log = logging.getLogger("pdserve.model")
 
 GROUP_ROWS = 16
 
