@@ -19,6 +19,7 @@ from pdserve.config.lora import LoRAModule, as_lora_module, lora_module
 from pdserve.config.quantization import QUANTIZATION_CHOICES
 from pdserve.config.roles import Role
 from pdserve.config.speculative import SpeculativeConfig, speculative_config
+from pdserve.utils.dtype_names import KV_CACHE_DTYPE_CHOICES
 
 ENGINE, PD, LORA = "engine", "prefill/decode disaggregation", "LoRA adapters"
 
@@ -42,8 +43,9 @@ class EngineConfig:
         None, "Hugging Face folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)", group=ENGINE)
     dtype: str = option("auto", "auto (bf16 on CUDA and on CPUs with AVX512_BF16 or AMX, else fp32), float32 (exact), "
                         "bfloat16, float16", group=ENGINE)
-    kv_cache_dtype: str = option("auto", "dtype of the KV cache (auto: the model's)",
-                                 choices=["auto", "float32", "bfloat16", "float16"], group=ENGINE)
+    kv_cache_dtype: str = option("auto", "dtype of the KV cache (auto: the model's); fp8 (= fp8_e4m3), fp8_e5m2 and "
+                                 "int8 store K/V in 8 bits with a bf16 scale per token and KV head",
+                                 choices=KV_CACHE_DTYPE_CHOICES, group=ENGINE)
     device: str | None = option(None, "cpu or cuda[:N] (default: cuda when present)", group=ENGINE)
     block_size: int = option(64, "tokens per KV cache block", group=ENGINE)
     max_model_len: int | None = option(None, "longest prompt + output (default: the model's)", group=ENGINE)

@@ -201,8 +201,7 @@ def layout_without_profile(config: EngineConfig, num_blocks: int) -> KVLayout:
         from pdserve.model.load import default_device, resolve_dtype, resolve_kv_cache_dtype
 
         device = torch.device(config.device) if config.device else default_device()
-        dtype = str(resolve_kv_cache_dtype(config.kv_cache_dtype, resolve_dtype(config.dtype, device)))
-        dtype = dtype.removeprefix("torch.")
+        dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, resolve_dtype(config.dtype, device))
     return KVLayout(num_blocks, model.num_layers, config.block_size, model.num_kv_heads, model.head_dim, dtype)
 
 

@@ -1,11 +1,13 @@
 """The paged KV cache: one tensor per instance holding every layer's K and V in fixed-size blocks,
 laid out as its KVLayout says (kv/layout.py): on the device, or in a named shared-memory segment that
-the cache service attaches too.
+the cache service attaches too. An 8-bit cache is a byte tensor seen through two views, its codes and its
+scales (`QuantizedKV`).
 """
 
 from __future__ import annotations
 
 from multiprocessing import shared_memory
+from typing import NamedTuple
 
 import torch
 
@@ -13,19 +15,35 @@ from pdserve.kv.layout import KVLayout
 from pdserve.utils.shm_segment import attach_segment, create_segment, release_segment
 
 
+class QuantizedKV(NamedTuple):
+    """One layer of an 8-bit cache: codes `[blocks, 2 (K, V), block_size, kv_heads, head_dim]` (int8 or float8)
+    and their bf16 scales `[blocks, 2, block_size, kv_heads]`; an element is code * scale."""
+    codes: torch.Tensor
+    scales: torch.Tensor
+
+
 class KVCache:
-    """Wraps the cache tensor (however it was allocated) with per-layer K/V views."""
+    """Wraps the cache tensor (however it was allocated) with per-layer K/V views.
+
+    `parts` are the tensors a block copy moves, each indexed [block, layer, ...]: the cache tensor itself, or
+    an 8-bit cache's codes and scales (a tensor-parallel rank's view of its heads is strided in both)."""
 
     def __init__(self, layout: KVLayout, tensor: torch.Tensor,
-                 shm: shared_memory.SharedMemory | None = None, owner: bool = False) -> None:
-        if tuple(tensor.shape) != layout.shape or tensor.dtype != layout.torch_dtype:
-            raise ValueError(f"KV cache tensor {tuple(tensor.shape)} {tensor.dtype} does not match {layout}")
+                 shm: shared_memory.SharedMemory | None = None, owner: bool = False,
+                 parts: tuple[torch.Tensor, ...] | None = None) -> None:
+        if parts is None:
+            if tuple(tensor.shape) != layout.shape or tensor.dtype != layout.torch_dtype:
+                raise ValueError(f"KV cache tensor {tuple(tensor.shape)} {tensor.dtype} does not match {layout}")
+            parts = _quantized_parts(layout, tensor) if layout.quantized else (tensor,)
         self.layout = layout
-        self.tensor = tensor
+        self.tensor = tensor  # the whole allocation (for a rank's view too)
+        self.parts = parts
         self.shm = shm
         self._owns_shm = owner
-        # Per layer a [num_blocks, 2 (K, V), block_size, kv_heads, head_dim] strided view.
-        self.layers = [tensor[:, layer] for layer in range(layout.num_layers)]
+        # Per layer a [num_blocks, 2 (K, V), block_size, kv_heads, head_dim] strided view, or its codes and scales.
+        self.layers: list[torch.Tensor | QuantizedKV] = (
+            [QuantizedKV(parts[0][:, layer], parts[1][:, layer]) for layer in range(layout.num_layers)]
+            if layout.quantized else [parts[0][:, layer] for layer in range(layout.num_layers)])
 
     @classmethod
     def allocate(cls, layout: KVLayout, device: torch.device | str) -> KVCache:
@@ -57,12 +75,14 @@ class KVCache:
             return self
         share = self.layout.rank_share(ranks)
         heads = slice(rank * share.num_kv_heads, (rank + 1) * share.num_kv_heads)
-        return KVCache(share, self.tensor[:, :, :, :, heads])
+        # dim 4 is the KV head in every part: [blocks, layers, 2, block_size, kv_heads, ...]
+        return KVCache(share, self.tensor, parts=tuple(part[:, :, :, :, heads] for part in self.parts))
 
     def close(self) -> None:
         """Drop this process's mapping; the creating process also removes the segment."""
         self.layers = []
         self.tensor = None  # type: ignore[assignment]
+        self.parts = ()
         if self.shm is not None:
             release_segment(self.shm, self._owns_shm)
             self.shm = None
@@ -71,3 +91,12 @@ class KVCache:
 def _tensor_over(shm: shared_memory.SharedMemory, layout: KVLayout) -> torch.Tensor:
     flat = torch.frombuffer(shm.buf, dtype=torch.uint8, count=layout.nbytes)
     return flat.view(layout.torch_dtype).view(layout.shape)
+
+
+def _quantized_parts(layout: KVLayout, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An 8-bit cache's bytes `[blocks, layers, layer_block_bytes]` as codes `[blocks, layers, 2, block_size,
+    kv_heads, head_dim]` and bf16 scales `[blocks, layers, 2, block_size, kv_heads]`: views of the same memory."""
+    lead = (layout.num_blocks, layout.num_layers)
+    codes = tensor[:, :, :layout.code_bytes].view(layout.code_dtype).view(*lead, *layout.code_shape)
+    scales = tensor[:, :, layout.code_bytes:].view(torch.bfloat16).view(*lead, *layout.code_shape[:-1])
+    return codes, scales

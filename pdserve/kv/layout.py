@@ -1,13 +1,16 @@
 """The KV cache's layout, and where a block's KV lives in it as byte ranges: the only module that knows it.
 
-`[num_blocks, num_layers, 2 (K, V), block_size, kv_heads, head_dim]`, block-major: one layer of one
-block is one contiguous region, and a whole block is too. It is the instance's layout, every KV head of the
-model, whatever the tensor-parallel size: a rank computes with its heads' share (`rank_share`), a strided view
-of the same memory (or, in device memory, a cache of its own copied through host memory of this layout), so
-a P and a D of different TP sizes exchange the same byte ranges. The cache (kv/cache.py) is allocated from
-this description, the engine and the cache service pass it around (it is torch-free msgspec), and the
-transfers turn it into byte ranges. The transports move byte ranges between two cache buffers and
-know nothing of layers or blocks (SGLang's transfer arguments grew model-specific fields; ours stay
+`[num_blocks, num_layers, 2 (K, V), block_size, kv_heads, head_dim]`, block-major: one layer of one block is one
+contiguous region, and a whole block is too. An 8-bit cache (`--kv-cache-dtype fp8|fp8_e5m2|int8`) keeps the
+same order in bytes: a layer of a block is its K and V codes (one byte per element, in the order above) followed
+by their scales, one bf16 per (K or V, token, KV head), `[2, block_size, kv_heads]`; so a layer of a block is
+still one region and every path that moves blocks moves the 8-bit bytes as they are. It is the instance's
+layout, every KV head of the model, whatever the tensor-parallel size: a rank computes with its heads' share
+(`rank_share`), a strided view of the same memory (or, in device memory, a cache of its own copied through host
+memory of this layout), so a P and a D of different TP sizes exchange the same byte ranges. The cache
+(kv/cache.py) is allocated from this description, the engine and the cache service pass it around (it is
+torch-free msgspec), and the transfers turn it into byte ranges. The transports move byte ranges between two cache
+buffers and know nothing of layers or blocks (SGLang's transfer arguments grew model-specific fields; ours stay
 `(src, dst, nbytes)`).
 """
 
@@ -19,13 +22,15 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from pdserve.transport.base import ByteRange
+from pdserve.utils.dtype_names import KV_CODE_DTYPES
 
 if TYPE_CHECKING:  # torch stays out of the processes that only pass layouts around (API server, engine)
     import torch
 
     from pdserve.config.model import ModelConfig
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # the cache dtypes (--kv-cache-dtype)
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # the full-width cache dtypes (--kv-cache-dtype)
+SCALE_BYTES = 2  # a bf16 scale: fp32's range, and half of fp32's bytes where a head_dim of 64 needs them
 
 
 class KVLayout(msgspec.Struct, frozen=True):
@@ -45,14 +50,41 @@ class KVLayout(msgspec.Struct, frozen=True):
         return msgspec.structs.replace(self, num_blocks=num_blocks)
 
     @property
+    def quantized(self) -> bool:
+        """K/V stored as 8-bit codes with a scale per token and head."""
+        return self.dtype in KV_CODE_DTYPES
+
+    @property
     def shape(self) -> tuple[int, ...]:
+        """The cache tensor's shape: elements of the dtype, or for an 8-bit cache each layer of a block in bytes."""
+        if self.quantized:
+            return (self.num_blocks, self.num_layers, self.layer_block_bytes)
         return (self.num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
 
     @property
+    def code_shape(self) -> tuple[int, ...]:
+        """Per block and layer, the K/V elements: `[2, block_size, kv_heads, head_dim]`."""
+        return (2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def code_bytes(self) -> int:
+        """The bytes of one layer of one block's K/V elements (an 8-bit cache's scales follow them)."""
+        per_element = 1 if self.quantized else DTYPE_BYTES[self.dtype]
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * per_element
+
+    @property
     def torch_dtype(self) -> Any:  # torch.dtype; torch is imported only by the processes that hold a cache
+        """The cache tensor's dtype (bytes for an 8-bit cache)."""
         import torch
 
-        return getattr(torch, self.dtype)
+        return torch.uint8 if self.quantized else getattr(torch, self.dtype)
+
+    @property
+    def code_dtype(self) -> Any:
+        """The dtype of one K/V element as stored: the cache dtype, or an 8-bit cache's codes."""
+        import torch
+
+        return getattr(torch, KV_CODE_DTYPES.get(self.dtype, self.dtype))
 
     def rank_share(self, ranks: int) -> KVLayout:
         """The layout of one tensor-parallel rank's part: its kv_heads / ranks heads of every block."""
@@ -71,7 +103,8 @@ class KVLayout(msgspec.Struct, frozen=True):
 
     @property
     def layer_block_bytes(self) -> int:
-        return 2 * self.block_size * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
+        scales = 2 * self.block_size * self.num_kv_heads * SCALE_BYTES if self.quantized else 0
+        return self.code_bytes + scales
 
     @property
     def block_bytes(self) -> int:

@@ -16,7 +16,7 @@ from pdserve.loader.hf_folder import iter_tensors, read_config
 from pdserve.loader.quantization import QUANTIZE_AT_LOAD
 from pdserve.model.decoder import DecoderModel
 from pdserve.model.tensor_parallel import TensorParallel
-from pdserve.utils.dtype_names import cpu_has_native_bf16
+from pdserve.utils.dtype_names import cpu_has_native_bf16, kv_cache_dtype_name
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -30,9 +30,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _named_dtype(name, "dtype")
 
 
-def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    """`auto`: the model's dtype."""
-    return model_dtype if name == "auto" else _named_dtype(name, "KV cache dtype")
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> str:
+    """The cache dtype's name (kv/layout.py): `auto` is the model's dtype; fp8 / fp8_e5m2 / int8 are 8-bit codes."""
+    return kv_cache_dtype_name(name, str(model_dtype).removeprefix("torch."))
 
 
 def _named_dtype(name: str, what: str) -> torch.dtype:

@@ -12,6 +12,19 @@ import os
 from pdserve.utils.cpu_features import cpu_flags
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
+# The 8-bit KV cache dtypes (vLLM's names) and the torch dtype of their codes: each code is widened and
+# multiplied by its (token, KV head)'s scale. `fp8` is e4m3.
+KV_CODE_DTYPES = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2", "int8": "int8"}
+KV_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
+KV_CACHE_DTYPE_CHOICES = ["auto", *DTYPE_NAMES, "fp8", *KV_CODE_DTYPES]
+
+
+def kv_cache_dtype_name(kv_cache_dtype: str, model_dtype: str) -> str:
+    """The cache dtype's one name: `auto` is the model's dtype, an alias its full name."""
+    name = model_dtype if kv_cache_dtype == "auto" else KV_DTYPE_ALIASES.get(kv_cache_dtype, kv_cache_dtype)
+    if name not in DTYPE_NAMES and name not in KV_CODE_DTYPES:
+        raise ValueError(f"unknown KV cache dtype {kv_cache_dtype!r}; choose {', '.join(KV_CACHE_DTYPE_CHOICES)}")
+    return name
 
 
 GPU_PRESENT_ENV = "PDSERVE_GPU_PRESENT"  # "1" / "0": say so instead of looking (tests; odd device setups)
@@ -40,5 +53,6 @@ def cpu_kv_cache_dtype(device: str | None, dtype: str, kv_cache_dtype: str) -> s
     if (device or ("cuda" if gpu_present() else "cpu")).split(":")[0] != "cpu":
         return None
     model = cpu_auto_dtype() if dtype == "auto" else dtype
-    name = model if kv_cache_dtype == "auto" else kv_cache_dtype
-    return name if name in DTYPE_NAMES else None
+    if model not in DTYPE_NAMES:
+        return None
+    return kv_cache_dtype_name(kv_cache_dtype, model)

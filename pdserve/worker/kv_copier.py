@@ -92,11 +92,12 @@ class KVCopier:
             runs = [(s + i, d + i, 1) for s, d, n in runs for i in range(n)]
 
         def run() -> None:
-            for s, d, n in runs:
-                if layer is None:
-                    target.tensor[d:d + n].copy_(source.tensor[s:s + n], non_blocking=True)
-                else:
-                    target.tensor[d:d + n, layer].copy_(source.tensor[s:s + n, layer], non_blocking=True)
+            for dst_part, src_part in zip(target.parts, source.parts, strict=True):  # an 8-bit cache: codes, scales
+                for s, d, n in runs:
+                    if layer is None:
+                        dst_part[d:d + n].copy_(src_part[s:s + n], non_blocking=True)
+                    else:
+                        dst_part[d:d + n, layer].copy_(src_part[s:s + n, layer], non_blocking=True)
 
         event = self._launch(run)
         self._pending.append(event)

@@ -12,6 +12,7 @@
 #endif
 
 #include "attention_common.h"
+#include "kv_codes.h"
 #include "vec.h"
 
 namespace pdserve {
@@ -24,13 +25,28 @@ namespace pdserve {
 // (reading one head's 128-byte slices of a scattered block ran at a third of the bandwidth).
 // Row (h * ROWS + r) is head h's row r in s.q, s.scores, s.acc and s.row_sum.
 
-// The cache offset of each of the first n tokens (first head): no division in the token loops.
-inline void token_offsets(Scratch& s, const Geometry& g, const int32_t* block_table, int64_t kv_head, int64_t n) {
+// The cache offset of each of the first n tokens (first head), and of its scales over 8-bit codes: no
+// division in the token loops.
+inline void token_offsets(Scratch& s, const Geometry& g, const int32_t* block_table, int64_t kv_head, int64_t n,
+                          bool scales) {
   s.offsets.resize(n);
+  s.scale_offsets.resize(scales ? n : 0);
   for (int64_t t0 = 0, j = 0; t0 < n; t0 += g.block_size, ++j) {
-    const int64_t base = static_cast<int64_t>(block_table[j]) * g.kv_block_stride + kv_head * g.kv_head_stride;
+    const int64_t block = block_table[j];
+    const int64_t base = block * g.kv_block_stride + kv_head * g.kv_head_stride;
     for (int64_t t = t0; t < std::min(n, t0 + g.block_size); ++t) s.offsets[t] = base + (t - t0) * g.kv_tok_stride;
+    if (!scales) continue;
+    const int64_t sbase = block * g.sc_block_stride + kv_head * g.sc_head_stride;
+    for (int64_t t = t0; t < std::min(n, t0 + g.block_size); ++t)
+      s.scale_offsets[t] = sbase + (t - t0) * g.sc_tok_stride;
   }
+}
+
+// Head h's scale of token t (8-bit codes), or 1.
+template <typename C>
+inline float token_scale(const Scratch& s, const Geometry& g, const c10::BFloat16* scales, int64_t h, int64_t t) {
+  if constexpr (is_code<C>()) return widen(scales[s.scale_offsets[t] + h * g.sc_head_stride]);
+  return 1.f;
 }
 
 // The cache lies in DRAM during a decode step (each layer's K/V is read once per step) and a sequence's
@@ -69,7 +85,8 @@ inline void dot_rows_bf16(const Scratch& s, const Geometry& g, const c10::BFloat
 #endif
 
 template <typename T, int ROWS>
-void few_scores(Scratch& s, const Geometry& g, const T* k, int64_t heads, int64_t n, int64_t stride) {
+void few_scores(Scratch& s, const Geometry& g, const T* k, const c10::BFloat16* k_scale, int64_t heads, int64_t n,
+                int64_t stride) {
   const int64_t rows = heads * ROWS;
   s.dots.resize(rows * kLanes);
   for (int64_t t0 = 0; t0 < n; t0 += kLanes) {
@@ -91,6 +108,10 @@ void few_scores(Scratch& s, const Geometry& g, const T* k, int64_t heads, int64_
 #else
           dot_rows<T, ROWS>(s, g, kr, h, d);
 #endif
+          if constexpr (is_code<T>()) {
+            const float sk = token_scale<T>(s, g, k_scale, h, t0 + i);
+            for (int r = 0; r < ROWS; ++r) d[r] *= sk;
+          }
         }
         for (int r = 0; r < ROWS; ++r) s.dots[(h * ROWS + r) * kLanes + i] = d[r];
       }
@@ -112,7 +133,8 @@ inline float exact_softmax(float* sc, int64_t n, int64_t padded) {
 }
 
 template <typename T, int ROWS>
-void few_values(Scratch& s, const Geometry& g, const T* v, int64_t heads, int64_t n, int64_t stride) {
+void few_values(Scratch& s, const Geometry& g, const T* v, const c10::BFloat16* v_scale, int64_t heads, int64_t n,
+                int64_t stride) {
   constexpr int64_t kTile = 32;  // tokens whose V rows stay in L1 across heads and head_dim chunks
   for (int64_t t0 = 0; t0 < n; t0 += kTile) {
     const int64_t t1 = std::min(n, t0 + kTile);
@@ -125,7 +147,7 @@ void few_values(Scratch& s, const Geometry& g, const T* v, int64_t heads, int64_
         fvec a[ROWS];
         for (int r = 0; r < ROWS; ++r) a[r] = vload(acc + r * g.head_dim);
         for (int64_t t = t0; t < t1; ++t) {
-          const fvec vc = vload(vh + s.offsets[t] + c);
+          const fvec vc = vload(vh + s.offsets[t] + c) * token_scale<T>(s, g, v_scale, h, t);
           for (int r = 0; r < ROWS; ++r) a[r] += p[r * stride + t] * vc;
         }
         for (int r = 0; r < ROWS; ++r) vstore(acc + r * g.head_dim, a[r]);
@@ -135,36 +157,37 @@ void few_values(Scratch& s, const Geometry& g, const T* v, int64_t heads, int64_
 }
 
 // Fills s.acc (unnormalised) and s.row_sum; row r of every head sees row_len[r] of the first n keys.
-template <typename T, int ROWS>
-void attend_few_rows(Scratch& s, const Geometry& g, const T* k, const T* v, int64_t heads, int64_t n,
+template <typename C, int ROWS>
+void attend_few_rows(Scratch& s, const Geometry& g, const KVRefs<C>& kv, int64_t heads, int64_t n,
                      const int64_t* row_len) {
   const int64_t stride = (n + kLanes - 1) / kLanes * kLanes;
   if (static_cast<int64_t>(s.scores.size()) < heads * ROWS * stride) s.scores.resize(heads * ROWS * stride);
-  few_scores<T, ROWS>(s, g, k, heads, n, stride);
+  few_scores<C, ROWS>(s, g, kv.k, kv.k_scale, heads, n, stride);
   for (int64_t r = 0; r < heads * ROWS; ++r)
     s.row_sum[r] = exact_softmax(s.scores.data() + r * stride, row_len[r % ROWS], stride);
-  few_values<T, ROWS>(s, g, v, heads, n, stride);
+  few_values<C, ROWS>(s, g, kv.v, kv.v_scale, heads, n, stride);
 }
 
-template <typename T>
-void attend_few(Scratch& s, const Geometry& g, int64_t rows, const T* k, const T* v, int64_t heads, int64_t n,
+template <typename C>
+void attend_few(Scratch& s, const Geometry& g, int64_t rows, const KVRefs<C>& kv, int64_t heads, int64_t n,
                 const int64_t* row_len) {
   switch (rows) {
-    case 1: return attend_few_rows<T, 1>(s, g, k, v, heads, n, row_len);
-    case 2: return attend_few_rows<T, 2>(s, g, k, v, heads, n, row_len);
-    case 3: return attend_few_rows<T, 3>(s, g, k, v, heads, n, row_len);
-    case 4: return attend_few_rows<T, 4>(s, g, k, v, heads, n, row_len);
-    case 5: return attend_few_rows<T, 5>(s, g, k, v, heads, n, row_len);
-    case 6: return attend_few_rows<T, 6>(s, g, k, v, heads, n, row_len);
-    case 7: return attend_few_rows<T, 7>(s, g, k, v, heads, n, row_len);
-    default: return attend_few_rows<T, 8>(s, g, k, v, heads, n, row_len);
+    case 1: return attend_few_rows<C, 1>(s, g, kv, heads, n, row_len);
+    case 2: return attend_few_rows<C, 2>(s, g, kv, heads, n, row_len);
+    case 3: return attend_few_rows<C, 3>(s, g, kv, heads, n, row_len);
+    case 4: return attend_few_rows<C, 4>(s, g, kv, heads, n, row_len);
+    case 5: return attend_few_rows<C, 5>(s, g, kv, heads, n, row_len);
+    case 6: return attend_few_rows<C, 6>(s, g, kv, heads, n, row_len);
+    case 7: return attend_few_rows<C, 7>(s, g, kv, heads, n, row_len);
+    default: return attend_few_rows<C, 8>(s, g, kv, heads, n, row_len);
   }
 }
 static_assert(kFewRows == 8, "attend_few dispatches 1 .. 8 rows");
 
 // out rows of the item: every score of the context, one exact softmax per row, the weighted sum of V.
-template <typename T>
-void attend_few_item(const WorkItem& w, const Geometry& g, const T* q, const T* k_cache, const T* v_cache,
+// T: the queries' and the output's dtype; C: the cache's elements (T, or 8-bit codes).
+template <typename T, typename C>
+void attend_few_item(const WorkItem& w, const Geometry& g, const T* q, const KVRefs<C>& kv,
                      const int32_t* block_table, int64_t first_pos, int64_t query_start, T* out, Scratch& s) {
   const int64_t per_head = w.num_queries * g.group;  // rows of one KV head
   const int64_t rows = per_head * w.num_kv_heads;
@@ -180,13 +203,13 @@ void attend_few_item(const WorkItem& w, const Geometry& g, const T* q, const T* 
     const T* src = q + row_token(r) * g.q_tok_stride + row_head(r) * g.q_head_stride;
     float* dst = s.q.data() + r * g.head_dim;
     for (int64_t d = 0; d < g.head_dim; ++d) dst[d] = widen(src[d]) * g.scale;
-    if constexpr (std::is_same_v<T, c10::BFloat16>)
+    if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, T>)
       std::memcpy(s.q_bf16.data() + r * g.head_dim, src, g.head_dim * sizeof(T));
   }
   int64_t visible[kFewRows];
   for (int64_t r = 0; r < per_head; ++r) visible[r] = first_pos + r / g.group + 1;
-  token_offsets(s, g, block_table, w.kv_head, kv_end);
-  attend_few<T>(s, g, per_head, k_cache, v_cache, w.num_kv_heads, kv_end, visible);
+  token_offsets(s, g, block_table, w.kv_head, kv_end, is_code<C>());
+  attend_few<C>(s, g, per_head, kv, w.num_kv_heads, kv_end, visible);
   for (int64_t r = 0; r < rows; ++r) {
     T* dst = out + row_token(r) * g.out_tok_stride + row_head(r) * g.head_dim;
     const float inv = 1.f / s.row_sum[r];

@@ -24,6 +24,7 @@
 #endif
 
 #include "attention_common.h"
+#include "kv_codes.h"
 #include "vec.h"
 
 namespace pdserve {
@@ -250,10 +251,27 @@ void load_query(Scratch& s, const Geometry& g, const T* src, int64_t r) {
   }
 }
 
+// One block of one KV head, 8-bit codes times their scales, as nt rows of T (head_dim apart) in `buf`.
+template <typename T, typename C>
+const T* widen_block(std::vector<float>& buf, const Geometry& g, const C* codes, const c10::BFloat16* scales,
+                     int64_t nt) {
+  buf.resize(g.block_size * g.head_dim);  // float storage holds as many T
+  T* dst = reinterpret_cast<T*>(buf.data());
+  for (int64_t t = 0; t < nt; ++t) {
+    const float sc = widen(scales[t * g.sc_tok_stride]);
+    for (int64_t c = 0; c < g.head_dim; c += kLanes)
+      vstore(dst + t * g.head_dim + c, vload(codes + t * g.kv_tok_stride + c) * sc);
+  }
+  return dst;
+}
+
 // Rows are (query token, query head of the item's KV head), token-major; row r's token is r / group.
-template <typename T>
-void attend_many(const WorkItem& w, const Geometry& g, const T* q, const T* k_cache, const T* v_cache,
+// T: the queries' dtype; C: the cache's elements (T, or 8-bit codes, widened to T a block at a time).
+template <typename T, typename C>
+void attend_many(const WorkItem& w, const Geometry& cache_geometry, const T* q, const KVRefs<C>& kv,
                  const int32_t* block_table, int64_t first_pos, int64_t query_start, T* out, Scratch& s) {
+  Geometry g = cache_geometry;
+  if constexpr (is_code<C>()) g.kv_tok_stride = g.head_dim;  // K/V are read from the widened block
   const int64_t rows = w.num_queries * g.group;
   const int64_t groups = (rows + kLanes - 1) / kLanes;
   const auto row_offset = [&](int64_t r) {  // the row's token and head, as an offset into q and out
@@ -277,9 +295,21 @@ void attend_many(const WorkItem& w, const Geometry& g, const T* q, const T* k_ca
   for (int64_t j = 0; j * g.block_size < kv_end; ++j) {
     const int64_t t0 = j * g.block_size;
     const int64_t nt = std::min(g.block_size, kv_end - t0);
-    const int64_t base = static_cast<int64_t>(block_table[j]) * g.kv_block_stride + w.kv_head * g.kv_head_stride;
+    const int64_t block = block_table[j];
+    const T* kb;
+    const T* vb;
+    if constexpr (is_code<C>()) {
+      const int64_t base = block * cache_geometry.kv_block_stride + w.kv_head * cache_geometry.kv_head_stride;
+      const int64_t sbase = block * g.sc_block_stride + w.kv_head * g.sc_head_stride;
+      kb = widen_block<T>(s.kbuf, cache_geometry, kv.k + base, kv.k_scale + sbase, nt);
+      vb = widen_block<T>(s.vbuf, cache_geometry, kv.v + base, kv.v_scale + sbase, nt);
+    } else {
+      const int64_t base = block * g.kv_block_stride + w.kv_head * g.kv_head_stride;
+      kb = kv.k + base;
+      vb = kv.v + base;
+    }
 #if defined(__AVX512BF16__)
-    if constexpr (native_bf16<T>()) pair_values(s, g, v_cache + base, nt);
+    if constexpr (native_bf16<T>()) pair_values(s, g, vb, nt);
 #endif
     for (int64_t gi = 0; gi < groups; ++gi) {
       const int64_t first = row_pos[gi * kLanes];  // rows are in position order; a group's first is real
@@ -289,10 +319,10 @@ void attend_many(const WorkItem& w, const Geometry& g, const T* q, const T* k_ca
       ivec visible;
       std::memcpy(&visible, row_pos.data() + gi * kLanes, sizeof visible);
       visible -= static_cast<int32_t>(t0 - 1);
-      group_scores(s, g, gi, k_cache + base, n);
+      group_scores(s, g, gi, kb, n);
       const fvec alpha = group_softmax(s.scores.data(), n, visible, first - t0 + 1 < n, s.m.data() + gi * kLanes,
                                          s.l.data() + gi * kLanes);
-      group_values(s, g, gi, v_cache + base, n, alpha);
+      group_values(s, g, gi, vb, n, alpha);
     }
   }
   for (int64_t r = 0; r < rows; ++r) {

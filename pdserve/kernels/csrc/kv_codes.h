@@ -1,0 +1,114 @@
+// 8-bit KV cache elements (--kv-cache-dtype int8, fp8_e4m3, fp8_e5m2): a code per element and a bf16 scale
+// per (token, KV head), so an element is code * scale. The attention paths widen codes in registers
+// (vload, widen) and multiply by the scale once per token and head; write_kv encodes (encode_row).
+//
+// fp8 codes are widened through fp16, which the CPU converts to fp32 in one instruction (F16C): an e5m2
+// code is the top byte of the fp16 of the same value; an e4m3 code shifted into fp16's exponent and
+// mantissa fields is its value times 2^-8, subnormals included (both formats' subnormals scale alike).
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#include "vec.h"
+
+namespace pdserve {
+
+struct Int8Code { int8_t bits; };
+struct E4M3Code { uint8_t bits; };
+struct E5M2Code { uint8_t bits; };
+
+template <typename C>
+constexpr bool is_code() {
+  return std::is_same_v<C, Int8Code> || std::is_same_v<C, E4M3Code> || std::is_same_v<C, E5M2Code>;
+}
+
+// The largest code magnitude: a token-head's scale is its largest |element| / kMax.
+template <typename C> constexpr float code_max();
+template <> constexpr float code_max<Int8Code>() { return 127.f; }
+template <> constexpr float code_max<E4M3Code>() { return 448.f; }
+template <> constexpr float code_max<E5M2Code>() { return 57344.f; }
+
+typedef int8_t i8vec __attribute__((vector_size(kLanes)));
+typedef uint8_t u8vec __attribute__((vector_size(kLanes)));
+
+// kLanes fp16 bit patterns as floats.
+inline fvec half_bits_to_float(hvec h) {
+#if defined(__F16C__) && defined(__AVX512F__) && !defined(PDSERVE_VEC8)
+  __m256i bits;
+  std::memcpy(&bits, &h, sizeof h);
+  return (fvec)_mm512_cvtph_ps(bits);
+#elif defined(__F16C__) && defined(PDSERVE_VEC8)
+  __m128i bits;
+  std::memcpy(&bits, &h, sizeof h);
+  return (fvec)_mm256_cvtph_ps(bits);
+#else
+  fvec v;
+  for (int i = 0; i < kLanes; ++i) v[i] = static_cast<float>(c10::Half(h[i], c10::Half::from_bits()));
+  return v;
+#endif
+}
+
+inline fvec vload(const Int8Code* p) {
+  i8vec c;
+  std::memcpy(&c, p, sizeof c);
+  return __builtin_convertvector(c, fvec);
+}
+
+inline fvec vload(const E5M2Code* p) {
+  u8vec c;
+  std::memcpy(&c, p, sizeof c);
+  return half_bits_to_float(__builtin_convertvector(c, hvec) << 8);
+}
+
+inline fvec vload(const E4M3Code* p) {
+  u8vec c;
+  std::memcpy(&c, p, sizeof c);
+  const hvec h = __builtin_convertvector(c, hvec);
+  return half_bits_to_float(((h & 0x80) << 8) | ((h & 0x7F) << 7)) * 256.f;
+}
+
+inline float widen(Int8Code x) { return static_cast<float>(x.bits); }
+inline float widen(E5M2Code x) { return static_cast<float>(c10::Float8_e5m2(x.bits, c10::Float8_e5m2::from_bits())); }
+inline float widen(E4M3Code x) {
+  return static_cast<float>(c10::Float8_e4m3fn(x.bits, c10::Float8_e4m3fn::from_bits()));
+}
+
+// One code of x / scale (x already divided), rounded to nearest and held inside the code's range (c10's
+// fp8 conversions turn what lies past it into NaN or inf).
+template <typename C> C encode(float x);
+template <> inline Int8Code encode<Int8Code>(float x) {
+  return {static_cast<int8_t>(std::nearbyint(std::clamp(x, -127.f, 127.f)))};
+}
+template <> inline E4M3Code encode<E4M3Code>(float x) {
+  return {c10::Float8_e4m3fn(std::clamp(x, -448.f, 448.f)).x};
+}
+template <> inline E5M2Code encode<E5M2Code>(float x) {
+  return {c10::Float8_e5m2(std::clamp(x, -57344.f, 57344.f)).x};
+}
+
+// codes[0, n) and *scale for one token-head's row x[0, n): scale = max |x| / code_max, rounded to bf16, and
+// the codes divided by the rounded scale (so a code's error is its own rounding only).
+template <typename C, typename T>
+inline void encode_row(const T* x, int64_t n, C* codes, c10::BFloat16* scale) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(widen(x[i])));
+  const c10::BFloat16 s(amax / code_max<C>());
+  const float sf = static_cast<float>(s);
+  for (int64_t i = 0; i < n; ++i) codes[i] = encode<C>(sf > 0.f ? widen(x[i]) / sf : 0.f);
+  *scale = s;
+}
+
+}  // namespace pdserve
