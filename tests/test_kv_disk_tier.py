@@ -1,8 +1,8 @@
-"""The disk tier end to end (`--kv-disk-path`, issue 55): a server stopped right after an answer and restarted on
-the same folder serves the prompt's prefix from disk (counted as cached, the answer equal to the cold run's), with
-the cache in shared memory or in the worker's own memory (the CUDA path, run on CPU); a damaged file is a miss,
-never served (the answer still equal, the block computed); a server with another KV dtype on the same folder never
-reads them. The flag without --swap-space exits 2."""
+"""The disk tier end to end (`--kv-disk-path`, issue 55): a server stopped right after an answer and restarted on the
+same folder serves the prompt's prefix from disk (counted as cached, the answer equal to the cold run's), with the
+cache in shared memory or in the worker's own memory (the CUDA path, run on CPU; there with an fp8 cache); a damaged
+file is a miss, never served (the answer still equal, the block computed); a server with another KV dtype on the
+same folder never reads them. The flag without --swap-space exits 2."""
 
 from __future__ import annotations
 
@@ -80,19 +80,22 @@ def test_a_restarted_server_serves_prefixes_from_disk_and_never_a_damaged_block(
     assert segments() <= before, f"left behind: {segments() - before}"
 
 
-def test_the_disk_tier_with_the_cache_in_the_workers_own_memory(tmp_path: Path) -> None:
+def test_the_disk_tier_with_an_fp8_cache_in_the_workers_own_memory(tmp_path: Path) -> None:
+    """8-bit blocks (codes and scales) go to disk and come back through the worker's copies after a restart."""
     from pdserve.instance.startup import PRIVATE_CACHE_ENV
 
     before = segments()
     disk, private = tmp_path / "kv", {PRIVATE_CACHE_ENV: "1"}
     a = _prompts()[1]
-    first = _server(tmp_path, "first", disk, "--dtype", "float32", env=private)
+    fp8 = ("--dtype", "float32", "--kv-cache-dtype", "fp8")
+    first = _server(tmp_path, "first", disk, *fp8, env=private)
     try:
         cold = _complete(first.url, a)
     finally:
         stop_all([first])
     assert len(_block_files(disk)) == 6
-    again = _server(tmp_path, "again", disk, "--dtype", "float32", env=private)
+    assert all(f.stat().st_size < 0.3 * 30 * 16 * 3 * 64 * 2 * 4 for f in _block_files(disk))  # fp32's: 0.26x
+    again = _server(tmp_path, "again", disk, *fp8, env=private)
     try:
         warm = _complete(again.url, a)
         assert warm.usage.prompt_tokens_details.cached_tokens == 80

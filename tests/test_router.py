@@ -4,6 +4,7 @@ security and failover against a real router process and stand-in instances (test
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -111,6 +112,26 @@ def test_pairs_need_equal_compatibility_keys_and_ipc_needs_one_host() -> None:
     registry._instances[d_other.url] = d_other
     route = selector.pick(RoutedRequest(None, 1))
     assert route.decode is d_other and route.transport == "tcp"
+
+
+def test_prefill_and_decode_of_different_kv_dtypes_are_refused_naming_both(caplog) -> None:
+    from pdserve.kv.layout import KVLayout
+
+    def key(dtype: str) -> str:
+        return KVLayout(0, 30, 16, 3, 64, dtype).compatibility_key("SmolLM2")
+
+    pair = {"transports": ["tcp"], "pid": None}
+    registry = Registry()
+    registry.register(Registration(role="prefill", url="http://p", compatibility_key=key("fp8_e4m3"), **pair))
+    with caplog.at_level(logging.WARNING, logger="pdserve.router"):
+        d, _ = registry.register(Registration(role="decode", url="http://d", compatibility_key=key("bfloat16"),
+                                              **pair))
+    assert "cannot be paired" in caplog.text and "dtype=fp8_e4m3" in caplog.text and "dtype=bfloat16" in caplog.text
+    for instance in registry.all():
+        instance.healthy = True
+    selector = Selector(registry, LeastTokens(), LeastRequests())
+    assert selector.pick(RoutedRequest(None, 1)) is None
+    assert "dtype=fp8_e4m3" in selector.why_not() and "dtype=bfloat16" in selector.why_not()
 
 
 def test_a_lora_request_goes_only_to_instances_serving_its_adapter() -> None:

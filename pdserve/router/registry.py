@@ -95,8 +95,20 @@ class Registry:
         self._pids[info.url] = (info.pid, restarts)
         instance = self._instances[info.url] = Instance(info, static=static, restarts=restarts)
         log.info("%s instance %s announced itself (host %s); probing it", info.role, info.url, info.host_id)
+        self._warn_if_unpairable(instance)
         self.on_join(instance)
         return instance, True
+
+    def _warn_if_unpairable(self, instance: Instance) -> None:
+        """A prefill or decode instance whose model, KV dtype or layout no instance of the other side shares
+        is never paired: say so at once, naming both sides' keys."""
+        other = {Role.PREFILL: Role.DECODE, Role.DECODE: Role.PREFILL}.get(instance.role)
+        peers = [i for i in self._instances.values() if i.role == other] if other else []
+        keys = {i.info.compatibility_key for i in peers}
+        if peers and instance.info.compatibility_key not in keys:
+            log.warning("%s instance %s cannot be paired with any %s instance: its KV is %r, theirs %s (model, "
+                        "KV dtype and layout must match)", instance.role, instance.url, other,
+                        instance.info.compatibility_key, " / ".join(repr(k) for k in sorted(keys, key=str)))
 
     @staticmethod
     def _announced(known: Instance, info: Registration) -> None:

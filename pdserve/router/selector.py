@@ -137,8 +137,9 @@ class Selector:
     def why_not(self) -> str:
         prefill, decode = self.registry.healthy(Role.PREFILL), self.registry.healthy(Role.DECODE)
         if prefill and decode:
-            return ("no healthy prefill/decode pair is compatible (compatibility key, tensor-parallel size or "
-                    "transport differ)")
+            keys = " / ".join(sorted({f"{i.role} {i.info.compatibility_key}" for i in prefill + decode}))
+            return ("no healthy prefill/decode pair is compatible: model, KV dtype and layout (the compatibility "
+                    f"key) or a shared transport differ ({keys})")
         if self.registry.has_pd():
             return (f"no complete prefill/decode pair is healthy ({len(prefill)} prefill, {len(decode)} decode) "
                     "and no mixed instance is")
