@@ -42,20 +42,55 @@ inline void token_offsets(Scratch& s, const Geometry& g, const int32_t* block_ta
   }
 }
 
-// Head h's scale of token t (8-bit codes), or 1.
+// fp8 codes read as bf16 patterns (dot_rows_fp8_bf16, few_values_fp8_bf16) are their values times 2^-120 (e4m3)
+// or 2^-112 (e5m2); the other side of each product carries 2^64 (kQueryUnit), and the sums are multiplied by
+// kBf16Unit.
+template <typename C> constexpr float kBf16Unit = std::is_same_v<C, E4M3Code> ? 0x1p56f : 0x1p48f;
+constexpr float kQueryUnit = 0x1p64f;
+
+// 8-bit codes: each token's K and V scales (times the code's unit), [head][token] as floats, so that the
+// scores and the softmax weights take them once per row and token (the loops over head_dim never do).
 template <typename C>
-inline float token_scale(const Scratch& s, const Geometry& g, const c10::BFloat16* scales, int64_t h, int64_t t) {
-  if constexpr (is_code<C>()) return widen(scales[s.scale_offsets[t] + h * g.sc_head_stride]);
-  return 1.f;
+void gather_scales(Scratch& s, const Geometry& g, const KVRefs<C>& kv, int64_t heads, int64_t n) {
+  const float k_unit = s.fp8_on_bf16 ? 1.f : code_unit<C>();  // the bf16 dot products take their own units
+  const float v_unit = s.fp8_on_bf16 ? kQueryUnit : code_unit<C>();
+  // a block's scales are a few lines apart from its codes: ask for all of them first (many misses in flight)
+  for (int64_t t = 0; t < n; t += g.block_size)
+    for (const c10::BFloat16* base : {kv.k_scale, kv.v_scale}) {
+      const char* p = reinterpret_cast<const char*>(base + s.scale_offsets[t]);
+      const int64_t bytes = std::min(g.block_size, n - t) * g.sc_tok_stride * 2;
+      for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b);
+    }
+  s.kscale.resize(heads * n);
+  s.vscale.resize(heads * n);
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t at = s.scale_offsets[t] + h * g.sc_head_stride;
+      s.kscale[h * n + t] = widen(kv.k_scale[at]) * k_unit;
+      s.vscale[h * n + t] = widen(kv.v_scale[at]) * v_unit;
+    }
+}
+
+// Rows (h * rows_per_head + r) of sc: sc[row][t] *= scale[h][t] for t < n.
+inline void scale_rows(float* sc, int64_t rows_per_head, int64_t heads, int64_t n, int64_t stride,
+                       const float* scale) {
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t r = 0; r < rows_per_head; ++r) {
+      float* row = sc + (h * rows_per_head + r) * stride;
+      const float* f = scale + h * n;
+      int64_t t = 0;
+      for (; t + kLanes <= n; t += kLanes) vstore(row + t, vload(row + t) * vload(f + t));
+      for (; t < n; ++t) row[t] *= f[t];
+    }
 }
 
 // The cache lies in DRAM during a decode step (each layer's K/V is read once per step) and a sequence's
 // blocks are scattered: ask for token t's rows of all `heads` a little ahead of their use.
-template <typename T>
+template <typename T, int kLocality = 3>
 inline void prefetch_token(const Scratch& s, const Geometry& g, const T* cache, int64_t heads, int64_t t) {
   const char* p = reinterpret_cast<const char*>(cache + s.offsets[t]);
   const int64_t bytes = ((heads - 1) * g.kv_head_stride + g.head_dim) * static_cast<int64_t>(sizeof(T));
-  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b);
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, kLocality);
 }
 
 // Head h's dot products of token t with its ROWS queries, one vector of partial sums per row.
@@ -63,7 +98,7 @@ template <typename T, int ROWS>
 inline void dot_rows(const Scratch& s, const Geometry& g, const T* kr, int64_t h, fvec* d) {
   const float* q = s.q.data() + h * ROWS * g.head_dim;
   for (int64_t c = 0; c < g.head_dim / kLanes; ++c) {
-    const fvec kc = vload(kr + c * kLanes);
+    const fvec kc = vload_units(kr + c * kLanes);
     for (int r = 0; r < ROWS; ++r) d[r] += vload(q + r * g.head_dim + c * kLanes) * kc;
   }
 }
@@ -82,16 +117,46 @@ inline void dot_rows_bf16(const Scratch& s, const Geometry& g, const c10::BFloat
   }
   for (int r = 0; r < ROWS; ++r) d[r] = (fvec)a[r] * g.scale;
 }
+
+// fp8 codes on native bf16 dot products, 32 at a time: a code sign-extended to 16 bits and shifted puts its
+// exponent and mantissa in bf16's fields (masking off the sign's copies), which is its value times 2^-120
+// (e4m3) or 2^-112 (e5m2); the query in s.q_bf16 carries 2^64 (kQueryUnit), so the sums stay far from fp32's smallest
+// normals. Subnormal codes (below 2^-6 of a scale, 2^-15 of the row's largest) count as zero here.
+template <typename C> constexpr int kBf16Shift = std::is_same_v<C, E4M3Code> ? 4 : 5;
+template <typename C> constexpr int16_t kBf16Mask = std::is_same_v<C, E4M3Code> ? int16_t(0x87F0) : int16_t(0x8FE0);
+
+template <typename C, int ROWS>
+inline void dot_rows_fp8_bf16(const Scratch& s, const Geometry& g, const C* kr, int64_t h, fvec* d) {
+  const uint16_t* q = s.q_bf16.data() + h * ROWS * g.head_dim;
+  __m512 a[ROWS];
+  for (int r = 0; r < ROWS; ++r) a[r] = _mm512_setzero_ps();
+  const __m512i mask = _mm512_set1_epi16(kBf16Mask<C>);
+  for (int64_t c = 0; c < g.head_dim; c += 32) {
+    const __m512i wide = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kr + c)));
+    const __m512bh kc = (__m512bh)_mm512_and_si512(_mm512_slli_epi16(wide, kBf16Shift<C>), mask);
+    for (int r = 0; r < ROWS; ++r)
+      a[r] = _mm512_dpbf16_ps(a[r], (__m512bh)_mm512_loadu_si512(q + r * g.head_dim + c), kc);
+  }
+  for (int r = 0; r < ROWS; ++r) d[r] = (fvec)a[r] * (g.scale * kBf16Unit<C>);
+}
 #endif
 
+template <typename C>
+constexpr bool fp8_code() {
+  return std::is_same_v<C, E4M3Code> || std::is_same_v<C, E5M2Code>;
+}
+
 template <typename T, int ROWS>
-void few_scores(Scratch& s, const Geometry& g, const T* k, const c10::BFloat16* k_scale, int64_t heads, int64_t n,
-                int64_t stride) {
+void few_scores(Scratch& s, const Geometry& g, const T* k, const T* v, int64_t heads, int64_t n, int64_t stride) {
   const int64_t rows = heads * ROWS;
   s.dots.resize(rows * kLanes);
   for (int64_t t0 = 0; t0 < n; t0 += kLanes) {
     for (int64_t i = 0; i < kLanes; ++i) {
-      if (t0 + i + kLanes < n) prefetch_token(s, g, k, heads, t0 + i + kLanes);
+      if (t0 + i + 2 * kLanes < n) prefetch_token(s, g, k, heads, t0 + i + 2 * kLanes);
+      // an 8-bit sequence's V rows fit in L2 (1,024 tokens x 3 heads: 192 KiB): ask for them with its K, so
+      // the V pass reads from L2 instead of waiting on DRAM token by token
+      if constexpr (is_code<T>())
+        if (t0 + i + 2 * kLanes < n) prefetch_token<T, 2>(s, g, v, heads, t0 + i + 2 * kLanes);
       for (int64_t h = 0; h < heads; ++h) {
         fvec d[ROWS] = {};
         if (t0 + i < n) {
@@ -102,16 +167,17 @@ void few_scores(Scratch& s, const Geometry& g, const T* k, const c10::BFloat16* 
               dot_rows_bf16<ROWS>(s, g, kr, h, d);
             else
               dot_rows<T, ROWS>(s, g, kr, h, d);
+          } else if constexpr (fp8_code<T>()) {
+            if (s.fp8_on_bf16)
+              dot_rows_fp8_bf16<T, ROWS>(s, g, kr, h, d);
+            else
+              dot_rows<T, ROWS>(s, g, kr, h, d);
           } else {
             dot_rows<T, ROWS>(s, g, kr, h, d);
           }
 #else
           dot_rows<T, ROWS>(s, g, kr, h, d);
 #endif
-          if constexpr (is_code<T>()) {
-            const float sk = token_scale<T>(s, g, k_scale, h, t0 + i);
-            for (int r = 0; r < ROWS; ++r) d[r] *= sk;
-          }
         }
         for (int r = 0; r < ROWS; ++r) s.dots[(h * ROWS + r) * kLanes + i] = d[r];
       }
@@ -133,8 +199,7 @@ inline float exact_softmax(float* sc, int64_t n, int64_t padded) {
 }
 
 template <typename T, int ROWS>
-void few_values(Scratch& s, const Geometry& g, const T* v, const c10::BFloat16* v_scale, int64_t heads, int64_t n,
-                int64_t stride) {
+void few_values(Scratch& s, const Geometry& g, const T* v, int64_t heads, int64_t n, int64_t stride) {
   constexpr int64_t kTile = 32;  // tokens whose V rows stay in L1 across heads and head_dim chunks
   for (int64_t t0 = 0; t0 < n; t0 += kTile) {
     const int64_t t1 = std::min(n, t0 + kTile);
@@ -147,7 +212,7 @@ void few_values(Scratch& s, const Geometry& g, const T* v, const c10::BFloat16* 
         fvec a[ROWS];
         for (int r = 0; r < ROWS; ++r) a[r] = vload(acc + r * g.head_dim);
         for (int64_t t = t0; t < t1; ++t) {
-          const fvec vc = vload(vh + s.offsets[t] + c) * token_scale<T>(s, g, v_scale, h, t);
+          const fvec vc = vload_units(vh + s.offsets[t] + c);
           for (int r = 0; r < ROWS; ++r) a[r] += p[r * stride + t] * vc;
         }
         for (int r = 0; r < ROWS; ++r) vstore(acc + r * g.head_dim, a[r]);
@@ -156,16 +221,92 @@ void few_values(Scratch& s, const Geometry& g, const T* v, const c10::BFloat16* 
   }
 }
 
+#if defined(__AVX512BF16__)
+// 32 fp8 codes as bf16 patterns (see dot_rows_fp8_bf16).
+template <typename C>
+inline __m512i codes_as_bf16(const C* p) {
+  const __m512i wide = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_and_si512(_mm512_slli_epi16(wide, kBf16Shift<C>), _mm512_set1_epi16(kBf16Mask<C>));
+}
+
+// few_values over fp8 codes on native bf16 dot products, two tokens at a time: the weights (scores times each
+// token's V scale, and 2^64) as bf16 pairs, the two tokens' codes as bf16 interleaved by 16-bit words. The
+// interleave works within 128-bit lanes, so a 32-dimension half's accumulators hold dimensions 8L..8L+3 (first
+// register) and 8L+4..8L+7 (second) at lanes 4L..4L+3; they are put back in order, times kBf16Unit, at the end.
+// The weights are rounded to bf16, as flash attention does in bf16.
+template <typename C, int ROWS>
+void few_values_fp8_bf16(Scratch& s, const Geometry& g, const C* v, int64_t heads, int64_t n, int64_t stride) {
+  constexpr int64_t kTile = 32;
+  const int64_t rows = heads * ROWS, pair_stride = (stride + 31) / 32 * 16;
+  s.pp.resize(rows * pair_stride);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t t = 0; t < stride; t += 32) {
+      const float* p = s.scores.data() + r * stride + t;
+      const __m512 lo = _mm512_loadu_ps(p), hi = t + 16 < stride ? _mm512_loadu_ps(p + 16) : _mm512_setzero_ps();
+      _mm512_storeu_si512(s.pp.data() + r * pair_stride + t / 2, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+  for (int64_t t0 = 0; t0 < n; t0 += kTile) {
+    const int64_t t1 = std::min(n, t0 + kTile);
+    for (int64_t t = t0 + kTile; t < std::min(n, t1 + kTile); ++t) prefetch_token(s, g, v, heads, t);
+    for (int64_t h = 0; h < heads; ++h) {
+      const C* vh = v + h * g.kv_head_stride;
+      const uint32_t* pp = s.pp.data() + h * ROWS * pair_stride;
+      for (int64_t c = 0; c < g.head_dim; c += 32) {
+        float* acc = s.acc.data() + h * ROWS * g.head_dim + c;
+        __m512 a[ROWS][2];
+        for (int r = 0; r < ROWS; ++r) {
+          a[r][0] = _mm512_loadu_ps(acc + r * g.head_dim);
+          a[r][1] = _mm512_loadu_ps(acc + r * g.head_dim + 16);
+        }
+        for (int64_t t = t0; t < t1; t += 2) {
+          const __m512i x = codes_as_bf16(vh + s.offsets[t] + c);
+          const __m512i y = t + 1 < n ? codes_as_bf16(vh + s.offsets[t + 1] + c) : _mm512_setzero_si512();
+          const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(x, y), hi = (__m512bh)_mm512_unpackhi_epi16(x, y);
+          for (int r = 0; r < ROWS; ++r) {
+            const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[r * pair_stride + t / 2]));
+            a[r][0] = _mm512_dpbf16_ps(a[r][0], w, lo);
+            a[r][1] = _mm512_dpbf16_ps(a[r][1], w, hi);
+          }
+        }
+        for (int r = 0; r < ROWS; ++r) {
+          _mm512_storeu_ps(acc + r * g.head_dim, a[r][0]);
+          _mm512_storeu_ps(acc + r * g.head_dim + 16, a[r][1]);
+        }
+      }
+    }
+  }
+  float ordered[32];
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < g.head_dim; c += 32) {
+      float* acc = s.acc.data() + r * g.head_dim + c;
+      for (int j = 0; j < 16; ++j) {
+        ordered[8 * (j / 4) + j % 4] = acc[j];
+        ordered[8 * (j / 4) + 4 + j % 4] = acc[16 + j];
+      }
+      for (int d = 0; d < 32; ++d) acc[d] = ordered[d] * kBf16Unit<C>;
+    }
+}
+#endif
+
 // Fills s.acc (unnormalised) and s.row_sum; row r of every head sees row_len[r] of the first n keys.
 template <typename C, int ROWS>
 void attend_few_rows(Scratch& s, const Geometry& g, const KVRefs<C>& kv, int64_t heads, int64_t n,
                      const int64_t* row_len) {
   const int64_t stride = (n + kLanes - 1) / kLanes * kLanes;
   if (static_cast<int64_t>(s.scores.size()) < heads * ROWS * stride) s.scores.resize(heads * ROWS * stride);
-  few_scores<C, ROWS>(s, g, kv.k, kv.k_scale, heads, n, stride);
+  if constexpr (is_code<C>()) gather_scales(s, g, kv, heads, n);
+  few_scores<C, ROWS>(s, g, kv.k, kv.v, heads, n, stride);
+  if constexpr (is_code<C>()) scale_rows(s.scores.data(), ROWS, heads, n, stride, s.kscale.data());
   for (int64_t r = 0; r < heads * ROWS; ++r)
     s.row_sum[r] = exact_softmax(s.scores.data() + r * stride, row_len[r % ROWS], stride);
-  few_values<C, ROWS>(s, g, kv.v, kv.v_scale, heads, n, stride);
+  // the weights of a token's V codes take its V scale: sum_t p_t s_t v_t
+  if constexpr (is_code<C>()) scale_rows(s.scores.data(), ROWS, heads, n, stride, s.vscale.data());
+#if defined(__AVX512BF16__)
+  if constexpr (fp8_code<C>()) {
+    if (s.fp8_on_bf16) return few_values_fp8_bf16<C, ROWS>(s, g, kv.v, heads, n, stride);
+  }
+#endif
+  few_values<C, ROWS>(s, g, kv.v, heads, n, stride);
 }
 
 template <typename C>
@@ -197,6 +338,9 @@ void attend_few_item(const WorkItem& w, const Geometry& g, const T* q, const KVR
   const auto row_head = [&](int64_t r) { return (w.kv_head + r / per_head) * g.group + r % g.group; };
   s.q.resize(rows * g.head_dim);
   s.q_bf16.resize(rows * g.head_dim);
+#if defined(__AVX512BF16__)
+  s.fp8_on_bf16 = std::is_same_v<T, c10::BFloat16> && fp8_code<C>() && g.head_dim % 32 == 0;
+#endif
   s.acc.assign(rows * g.head_dim, 0.f);
   s.row_sum.resize(rows);
   for (int64_t r = 0; r < rows; ++r) {
@@ -205,6 +349,10 @@ void attend_few_item(const WorkItem& w, const Geometry& g, const T* q, const KVR
     for (int64_t d = 0; d < g.head_dim; ++d) dst[d] = widen(src[d]) * g.scale;
     if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, T>)
       std::memcpy(s.q_bf16.data() + r * g.head_dim, src, g.head_dim * sizeof(T));
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<T, c10::BFloat16> && fp8_code<C>())  // exact: a power of two
+      for (int64_t d = 0; d < g.head_dim; ++d) s.q_bf16[r * g.head_dim + d] = c10::BFloat16(widen(src[d]) * kQueryUnit).x;
+#endif
   }
   int64_t visible[kFewRows];
   for (int64_t r = 0; r < per_head; ++r) visible[r] = first_pos + r / g.group + 1;

@@ -18,7 +18,7 @@
 #include <cstring>
 #include <type_traits>
 
-#if defined(__F16C__)
+#if defined(__x86_64__)
 #include <immintrin.h>
 #endif
 
@@ -61,24 +61,52 @@ inline fvec half_bits_to_float(hvec h) {
 #endif
 }
 
+// (GCC's generic conversions of byte vectors came out several times slower than these instructions.)
 inline fvec vload(const Int8Code* p) {
-  i8vec c;
-  std::memcpy(&c, p, sizeof c);
-  return __builtin_convertvector(c, fvec);
+#if defined(__AVX512F__) && !defined(PDSERVE_VEC8)
+  return (fvec)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(__AVX2__)
+  return (fvec)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  fvec v;
+  for (int i = 0; i < kLanes; ++i) v[i] = static_cast<float>(p[i].bits);
+  return v;
+#endif
 }
 
-inline fvec vload(const E5M2Code* p) {
-  u8vec c;
-  std::memcpy(&c, p, sizeof c);
-  return half_bits_to_float(__builtin_convertvector(c, hvec) << 8);
+// kLanes codes as fp16 bit patterns: e5m2 as they are (the top byte), e4m3 shifted (its value times 2^-8).
+// For e4m3, the code sign-extended to 16 bits and shifted left by 7 has the sign at bit 15 and the exponent
+// and mantissa at bits 7-13; bit 14 (a copy of the sign) is masked off.
+template <bool kE4M3>
+inline hvec code_halves(const uint8_t* p) {
+  hvec h;
+#if defined(__AVX512F__) && !defined(PDSERVE_VEC8)
+  const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256i y = kE4M3 ? _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(x), 7), _mm256_set1_epi16(-16512))
+                          : _mm256_slli_epi16(_mm256_cvtepu8_epi16(x), 8);
+  std::memcpy(&h, &y, sizeof h);
+#elif defined(__AVX2__)
+  const __m128i x = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m128i y = kE4M3 ? _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(x), 7), _mm_set1_epi16(-16512))
+                          : _mm_slli_epi16(_mm_cvtepu8_epi16(x), 8);
+  std::memcpy(&h, &y, sizeof h);
+#else
+  for (int i = 0; i < kLanes; ++i)
+    h[i] = kE4M3 ? static_cast<uint16_t>(((p[i] & 0x80) << 8) | ((p[i] & 0x7F) << 7)) : static_cast<uint16_t>(p[i] << 8);
+#endif
+  return h;
 }
 
-inline fvec vload(const E4M3Code* p) {
-  u8vec c;
-  std::memcpy(&c, p, sizeof c);
-  const hvec h = __builtin_convertvector(c, hvec);
-  return half_bits_to_float(((h & 0x80) << 8) | ((h & 0x7F) << 7)) * 256.f;
-}
+// The codes' value in units of code_unit: an e4m3 code's fp16 pattern is its value / 256, and the scale
+// arrays of the few-rows path take the 256 once per token instead of once per element.
+template <typename C> constexpr float code_unit() { return std::is_same_v<C, E4M3Code> ? 256.f : 1.f; }
+inline fvec vload_units(const Int8Code* p) { return vload(p); }
+inline fvec vload_units(const E5M2Code* p) { return half_bits_to_float(code_halves<false>(&p->bits)); }
+inline fvec vload_units(const E4M3Code* p) { return half_bits_to_float(code_halves<true>(&p->bits)); }
+template <typename T> inline fvec vload_units(const T* p) { return vload(p); }  // full-width elements
+
+inline fvec vload(const E5M2Code* p) { return vload_units(p); }
+inline fvec vload(const E4M3Code* p) { return vload_units(p) * 256.f; }
 
 inline float widen(Int8Code x) { return static_cast<float>(x.bits); }
 inline float widen(E5M2Code x) { return static_cast<float>(c10::Float8_e5m2(x.bits, c10::Float8_e5m2::from_bits())); }
