@@ -45,7 +45,7 @@ struct Scratch {
   std::vector<int64_t> offsets;      // few rows: each token's offset into the cache
   std::vector<int64_t> scale_offsets;  // few rows over 8-bit codes: each token's offset into the scales
   std::vector<float> kscale, vscale;  // few rows over 8-bit codes: the scales, [head][token]
-  bool fp8_on_bf16 = false;          // few rows: fp8 K codes meet s.q_bf16 (times 2^64) on bf16 dot products
+  bool codes_on_bf16 = false;        // few rows: 8-bit codes meet s.q_bf16 and the weights on bf16 dot products
   std::vector<float> kbuf, vbuf;     // many rows over 8-bit codes: one block of one head, widened
   std::vector<fvec> dots;          // few rows: partial dot products, kLanes tokens per row
   std::vector<uint16_t> q_bf16;      // few rows: the bf16 query

@@ -42,18 +42,12 @@ inline void token_offsets(Scratch& s, const Geometry& g, const int32_t* block_ta
   }
 }
 
-// fp8 codes read as bf16 patterns (dot_rows_fp8_bf16, few_values_fp8_bf16) are their values times 2^-120 (e4m3)
-// or 2^-112 (e5m2); the other side of each product carries 2^64 (kQueryUnit), and the sums are multiplied by
-// kBf16Unit.
-template <typename C> constexpr float kBf16Unit = std::is_same_v<C, E4M3Code> ? 0x1p56f : 0x1p48f;
-constexpr float kQueryUnit = 0x1p64f;
-
 // 8-bit codes: each token's K and V scales (times the code's unit), [head][token] as floats, so that the
 // scores and the softmax weights take them once per row and token (the loops over head_dim never do).
 template <typename C>
 void gather_scales(Scratch& s, const Geometry& g, const KVRefs<C>& kv, int64_t heads, int64_t n) {
-  const float k_unit = s.fp8_on_bf16 ? 1.f : code_unit<C>();  // the bf16 dot products take their own units
-  const float v_unit = s.fp8_on_bf16 ? kQueryUnit : code_unit<C>();
+  const float k_unit = s.codes_on_bf16 ? 1.f : code_unit<C>();  // the bf16 dot products take their own units
+  const float v_unit = s.codes_on_bf16 ? kPartnerUnit<C> : code_unit<C>();
   // a block's scales are a few lines apart from its codes: ask for all of them first (many misses in flight)
   for (int64_t t = 0; t < n; t += g.block_size)
     for (const c10::BFloat16* base : {kv.k_scale, kv.v_scale}) {
@@ -118,33 +112,22 @@ inline void dot_rows_bf16(const Scratch& s, const Geometry& g, const c10::BFloat
   for (int r = 0; r < ROWS; ++r) d[r] = (fvec)a[r] * g.scale;
 }
 
-// fp8 codes on native bf16 dot products, 32 at a time: a code sign-extended to 16 bits and shifted puts its
-// exponent and mantissa in bf16's fields (masking off the sign's copies), which is its value times 2^-120
-// (e4m3) or 2^-112 (e5m2); the query in s.q_bf16 carries 2^64 (kQueryUnit), so the sums stay far from fp32's smallest
-// normals. Subnormal codes (below 2^-6 of a scale, 2^-15 of the row's largest) count as zero here.
-template <typename C> constexpr int kBf16Shift = std::is_same_v<C, E4M3Code> ? 4 : 5;
-template <typename C> constexpr int16_t kBf16Mask = std::is_same_v<C, E4M3Code> ? int16_t(0x87F0) : int16_t(0x8FE0);
-
+// 8-bit codes on native bf16 dot products, 32 at a time (codes_as_bf16, kv_codes.h): the query in s.q_bf16
+// carries kPartnerUnit, the sums kSumUnit.
 template <typename C, int ROWS>
-inline void dot_rows_fp8_bf16(const Scratch& s, const Geometry& g, const C* kr, int64_t h, fvec* d) {
+inline void dot_rows_codes_bf16(const Scratch& s, const Geometry& g, const C* kr, int64_t h, fvec* d) {
   const uint16_t* q = s.q_bf16.data() + h * ROWS * g.head_dim;
   __m512 a[ROWS];
   for (int r = 0; r < ROWS; ++r) a[r] = _mm512_setzero_ps();
-  const __m512i mask = _mm512_set1_epi16(kBf16Mask<C>);
   for (int64_t c = 0; c < g.head_dim; c += 32) {
-    const __m512i wide = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kr + c)));
-    const __m512bh kc = (__m512bh)_mm512_and_si512(_mm512_slli_epi16(wide, kBf16Shift<C>), mask);
+    const __m512bh kc = (__m512bh)codes_as_bf16(kr + c);
     for (int r = 0; r < ROWS; ++r)
       a[r] = _mm512_dpbf16_ps(a[r], (__m512bh)_mm512_loadu_si512(q + r * g.head_dim + c), kc);
   }
-  for (int r = 0; r < ROWS; ++r) d[r] = (fvec)a[r] * (g.scale * kBf16Unit<C>);
+  for (int r = 0; r < ROWS; ++r) d[r] = (fvec)a[r] * (g.scale * kSumUnit<C>);
 }
 #endif
 
-template <typename C>
-constexpr bool fp8_code() {
-  return std::is_same_v<C, E4M3Code> || std::is_same_v<C, E5M2Code>;
-}
 
 template <typename T, int ROWS>
 void few_scores(Scratch& s, const Geometry& g, const T* k, const T* v, int64_t heads, int64_t n, int64_t stride) {
@@ -167,9 +150,9 @@ void few_scores(Scratch& s, const Geometry& g, const T* k, const T* v, int64_t h
               dot_rows_bf16<ROWS>(s, g, kr, h, d);
             else
               dot_rows<T, ROWS>(s, g, kr, h, d);
-          } else if constexpr (fp8_code<T>()) {
-            if (s.fp8_on_bf16)
-              dot_rows_fp8_bf16<T, ROWS>(s, g, kr, h, d);
+          } else if constexpr (is_code<T>()) {
+            if (s.codes_on_bf16)
+              dot_rows_codes_bf16<T, ROWS>(s, g, kr, h, d);
             else
               dot_rows<T, ROWS>(s, g, kr, h, d);
           } else {
@@ -222,20 +205,13 @@ void few_values(Scratch& s, const Geometry& g, const T* v, int64_t heads, int64_
 }
 
 #if defined(__AVX512BF16__)
-// 32 fp8 codes as bf16 patterns (see dot_rows_fp8_bf16).
-template <typename C>
-inline __m512i codes_as_bf16(const C* p) {
-  const __m512i wide = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_and_si512(_mm512_slli_epi16(wide, kBf16Shift<C>), _mm512_set1_epi16(kBf16Mask<C>));
-}
-
-// few_values over fp8 codes on native bf16 dot products, two tokens at a time: the weights (scores times each
-// token's V scale, and 2^64) as bf16 pairs, the two tokens' codes as bf16 interleaved by 16-bit words. The
+// few_values over 8-bit codes on native bf16 dot products, two tokens at a time: the weights (scores times each
+// token's V scale and kPartnerUnit) as bf16 pairs, the two tokens' codes as bf16 interleaved by 16-bit words. The
 // interleave works within 128-bit lanes, so a 32-dimension half's accumulators hold dimensions 8L..8L+3 (first
-// register) and 8L+4..8L+7 (second) at lanes 4L..4L+3; they are put back in order, times kBf16Unit, at the end.
+// register) and 8L+4..8L+7 (second) at lanes 4L..4L+3; they are put back in order, times kSumUnit, at the end.
 // The weights are rounded to bf16, as flash attention does in bf16.
 template <typename C, int ROWS>
-void few_values_fp8_bf16(Scratch& s, const Geometry& g, const C* v, int64_t heads, int64_t n, int64_t stride) {
+void few_values_codes_bf16(Scratch& s, const Geometry& g, const C* v, int64_t heads, int64_t n, int64_t stride) {
   constexpr int64_t kTile = 32;
   const int64_t rows = heads * ROWS, pair_stride = (stride + 31) / 32 * 16;
   s.pp.resize(rows * pair_stride);
@@ -283,7 +259,7 @@ void few_values_fp8_bf16(Scratch& s, const Geometry& g, const C* v, int64_t head
         ordered[8 * (j / 4) + j % 4] = acc[j];
         ordered[8 * (j / 4) + 4 + j % 4] = acc[16 + j];
       }
-      for (int d = 0; d < 32; ++d) acc[d] = ordered[d] * kBf16Unit<C>;
+      for (int d = 0; d < 32; ++d) acc[d] = ordered[d] * kSumUnit<C>;
     }
 }
 #endif
@@ -302,8 +278,8 @@ void attend_few_rows(Scratch& s, const Geometry& g, const KVRefs<C>& kv, int64_t
   // the weights of a token's V codes take its V scale: sum_t p_t s_t v_t
   if constexpr (is_code<C>()) scale_rows(s.scores.data(), ROWS, heads, n, stride, s.vscale.data());
 #if defined(__AVX512BF16__)
-  if constexpr (fp8_code<C>()) {
-    if (s.fp8_on_bf16) return few_values_fp8_bf16<C, ROWS>(s, g, kv.v, heads, n, stride);
+  if constexpr (is_code<C>()) {
+    if (s.codes_on_bf16) return few_values_codes_bf16<C, ROWS>(s, g, kv.v, heads, n, stride);
   }
 #endif
   few_values<C, ROWS>(s, g, kv.v, heads, n, stride);
@@ -339,7 +315,7 @@ void attend_few_item(const WorkItem& w, const Geometry& g, const T* q, const KVR
   s.q.resize(rows * g.head_dim);
   s.q_bf16.resize(rows * g.head_dim);
 #if defined(__AVX512BF16__)
-  s.fp8_on_bf16 = std::is_same_v<T, c10::BFloat16> && fp8_code<C>() && g.head_dim % 32 == 0;
+  s.codes_on_bf16 = std::is_same_v<T, c10::BFloat16> && is_code<C>() && g.head_dim % 32 == 0;
 #endif
   s.acc.assign(rows * g.head_dim, 0.f);
   s.row_sum.resize(rows);
@@ -350,8 +326,8 @@ void attend_few_item(const WorkItem& w, const Geometry& g, const T* q, const KVR
     if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, T>)
       std::memcpy(s.q_bf16.data() + r * g.head_dim, src, g.head_dim * sizeof(T));
 #if defined(__AVX512BF16__)
-    if constexpr (std::is_same_v<T, c10::BFloat16> && fp8_code<C>())  // exact: a power of two
-      for (int64_t d = 0; d < g.head_dim; ++d) s.q_bf16[r * g.head_dim + d] = c10::BFloat16(widen(src[d]) * kQueryUnit).x;
+    if constexpr (std::is_same_v<T, c10::BFloat16> && is_code<C>())  // exact: a power of two
+      for (int64_t d = 0; d < g.head_dim; ++d) s.q_bf16[r * g.head_dim + d] = c10::BFloat16(widen(src[d]) * kPartnerUnit<C>).x;
 #endif
   }
   int64_t visible[kFewRows];

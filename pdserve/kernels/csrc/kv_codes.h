@@ -114,6 +114,32 @@ inline float widen(E4M3Code x) {
   return static_cast<float>(c10::Float8_e4m3fn(x.bits, c10::Float8_e4m3fn::from_bits()));
 }
 
+// The units of codes_as_bf16's products (below).
+template <typename C> constexpr float kPartnerUnit = std::is_same_v<C, Int8Code> ? 1.f : 0x1p64f;
+template <typename C> constexpr float kSumUnit =
+    std::is_same_v<C, Int8Code> ? 1.f : (std::is_same_v<C, E4M3Code> ? 0x1p56f : 0x1p48f);
+
+#if defined(__AVX512BF16__)
+// 32 codes as bf16 bit patterns, for native bf16 dot products. An fp8 code sign-extended to 16 bits and shifted
+// has its exponent and mantissa in bf16's fields (its sign's copies masked off): its value times 2^-120 (e4m3)
+// or 2^-112 (e5m2), so the other factor of each product carries kPartnerUnit (2^64) and the sums kSumUnit,
+// keeping them far from fp32's smallest normals. Subnormal fp8 codes (below 2^-15 of their row's largest) are
+// zero to these instructions. An int8 code becomes its exact bf16 through fp32.
+template <typename C>
+inline __m512i codes_as_bf16(const C* p) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  if constexpr (std::is_same_v<C, Int8Code>) {
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(x)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(x, 1)));
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+  } else {
+    constexpr bool e4m3 = std::is_same_v<C, E4M3Code>;
+    const __m512i wide = _mm512_slli_epi16(_mm512_cvtepi8_epi16(x), e4m3 ? 4 : 5);
+    return _mm512_and_si512(wide, _mm512_set1_epi16(e4m3 ? int16_t(0x87F0) : int16_t(0x8FE0)));
+  }
+}
+#endif
+
 // One code of x / scale (x already divided), rounded to nearest and held inside the code's range (c10's
 // fp8 conversions turn what lies past it into NaN or inf).
 template <typename C> C encode(float x);
