@@ -11,6 +11,7 @@ import numpy as np
 from pdserve.config.lora import lora_hash_root
 from pdserve.engine.disk_tier import DiskTier
 from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.prefix_loads import LoadResult
 from pdserve.engine.request import Request
 from pdserve.kv.block_hash import hash_block
 from pdserve.sampling import SamplingParams
@@ -29,6 +30,7 @@ class ArrayCopier:
         self.writes: list[tuple[bytes, float]] = []  # queued disk writes: (key, the block's content then)
         self.fail_writes = False  # a full disk
         self.disk_reads = 0
+        self.loads: list[tuple[str, list[bytes], list[int]]] = []
 
     def save_blocks(self, save_id: int, device_blocks: list[int], host_blocks: list[int],
                     disk_keys: list[bytes] = (), hashes: list[bytes] = ()) -> None:
@@ -37,13 +39,21 @@ class ArrayCopier:
     def load_blocks(self, host_blocks: list[int], device_blocks: list[int]) -> None:
         self.device[device_blocks] = self.host[host_blocks]
 
-    def load_from_disk(self, keys: list[bytes], host_blocks: list[int]) -> list[bool]:
+    def start_load_from_disk(self, load_id: str, keys: list[bytes], host_blocks: list[int]) -> None:
         self.disk_reads += 1
-        ok = [key in self.disk for key in keys]
-        for key, block, present in zip(keys, host_blocks, ok, strict=True):
-            if present:
-                self.host[block] = self.disk[key]
-        return ok
+        self.loads.append((load_id, keys, host_blocks))
+
+    def loads_done(self) -> list[LoadResult]:
+        """The reads started so far, done (as the cache service would, off the engine's step)."""
+        out = []
+        for load_id, keys, host_blocks in self.loads:
+            ok = [key in self.disk for key in keys]
+            for key, block, present in zip(keys, host_blocks, ok, strict=True):
+                if present:
+                    self.host[block] = self.disk[key]
+            out.append(LoadResult(load_id, ok))
+        self.loads = []
+        return out
 
     def remove_from_disk(self, keys: list[bytes]) -> None:
         for key in keys:
@@ -83,6 +93,9 @@ def admit(kv: KVCacheManager, copier: ArrayCopier, tokens: list[int]) -> tuple[R
     and the device contents of its full blocks."""
     req = Request("r", tokens, SamplingParams(max_tokens=1))
     prefix = kv.find_cached_prefix(req)
+    if prefix is None:  # a disk read started: it waits aside until the read is done, then asks again
+        assert kv.find_cached_prefix(req) is None and kv.finish_loads() == ["r"]
+        prefix = kv.find_cached_prefix(req)
     assert kv.allocate(req, len(tokens) - len(prefix) * BS, prefix)
     for i, block in enumerate(req.blocks[len(prefix):], start=len(prefix)):
         copier.device[block.block_id] = float(sum(tokens[:(i + 1) * BS]))

@@ -2,7 +2,8 @@
 a router sets from its KV events) that a peer holds a prompt's prefix pulls it from the peer's host tier instead of
 computing it: the answer equals the one the peer computed, the pulled tokens count as cached (tier "pulled"). A
 peer that kept only part of the run serves that part; one killed while the puller waits on it makes the pull a
-miss: the prompt is computed, the answer is the same, no block is lost. A router with two instances sends a
+miss: the prompt is computed, the answer is the same, no block is lost, and the puller's other streams kept
+decoding while it waited (the pull runs off the step). A router with two instances sends a
 prompt's second turn to the other instance, which pulls. An instance without the flag answers 400 naming
 `kv_pull`."""
 
@@ -45,6 +46,14 @@ def _complete(url: str, prompt: list[int], kv_pull: dict | None = None) -> opena
                                      logprobs=2, extra_body={"kv_pull": kv_pull} if kv_pull else None)
 
 
+def _token_times(url: str) -> list[float]:
+    """A long streamed answer's chunk arrival times (monotonic)."""
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
+    stream = client.completions.create(model="SmolLM2-135M-Instruct", prompt="Count: 1, 2, 3,", max_tokens=500,
+                                       temperature=0, stream=True, extra_body={"ignore_eos": True})
+    return [time.monotonic() for _ in stream]
+
+
 def _saved_to_host(server: Server, blocks: int) -> None:
     wait_for(lambda: metrics(server.metrics_port).get("pdserve_host_cache_swap_out_blocks", 0) >= blocks, 10,
              "the prompt's blocks were not saved to the host tier")
@@ -59,7 +68,7 @@ def test_a_prefix_is_pulled_from_the_peer_that_holds_it_and_a_gone_peer_is_a_mis
     a_prompt, b_prompt, c_prompt = _prompts()
     # 14 host blocks: three prompts of 6 blocks push the first one's last 4 out of the holder's host tier
     holder = _server(tmp_path, "holder", "--swap-space", "0.01")
-    puller = _server(tmp_path, "puller")
+    puller = _server(tmp_path, "puller", "--num-gpu-blocks-override", "48", "--max-model-len", "640")  # a long stream
     try:
         hint = {"addr": _pull_addr(holder), "num_blocks": 5}
         cold = {name: _complete(holder.url, p) for name, p in (("a", a_prompt), ("b", b_prompt), ("c", c_prompt))}
@@ -77,17 +86,25 @@ def test_a_prefix_is_pulled_from_the_peer_that_holds_it_and_a_gone_peer_is_a_mis
 
         (service,) = holder.children("pdserve.disagg.cache_service")
         service.send_signal(signal.SIGSTOP)  # the holder's block server takes the pull and never answers...
-        with ThreadPoolExecutor(1) as pool:
+        with ThreadPoolExecutor(2) as pool:
+            streaming = pool.submit(_token_times, puller.url)  # another request, decoding all the while
+            time.sleep(0.5)
+            asked = time.monotonic()
             pending = pool.submit(_complete, puller.url, b_prompt, hint)
             time.sleep(1.0)  # ... the puller is waiting on it when the holder dies
             for p in [psutil.Process(holder.proc.pid), *psutil.Process(holder.proc.pid).children(recursive=True)]:
                 p.send_signal(signal.SIGKILL)
             holder.proc.wait(10)
             missed = pending.result(timeout=60)
+            times = streaming.result(timeout=60)
         assert missed.usage.prompt_tokens_details.cached_tokens == 0
+        # The pull waited seconds for an answer (its deadline); the other stream's tokens kept coming meanwhile.
+        assert times[-1] > asked + 2.0, "the other stream ended before the pull's wait: it shows nothing"
+        gaps = [b - a for a, b in zip(times, times[1:], strict=False) if b > asked]
+        assert max(gaps) < 1.0, f"the other stream stalled {max(gaps):.2f} s while the pull waited"
         assert_same_greedy_completion(missed, cold["b"], "a prompt whose holder died before the pull")
-        m = metrics(puller.metrics_port)
-        assert m["pdserve_kv_pulls_failed"] == 1 and m["pdserve_kv_pulls"] == 3
+        wait_for(lambda: (m := metrics(puller.metrics_port))["pdserve_kv_pulls_failed"] == 1
+                 and m["pdserve_kv_pulls"] == 3, 10, "the failed pull was not counted")
         again = _complete(puller.url, c_prompt)  # the puller is whole: its answers right, from its own cache now
         assert_same_greedy_completion(again, cold["c"], "the pulled prompt again, after a failed pull")
         wait_for(lambda: metrics(puller.metrics_port)["pdserve_kv_cache_free_blocks"]

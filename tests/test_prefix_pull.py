@@ -10,6 +10,7 @@ import time
 
 from pdserve.disagg.block_server import HostBlockIndex
 from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.prefix_loads import LoadResult
 from pdserve.engine.prefix_pull import PullCost, PullHint
 from pdserve.engine.request import Request
 from pdserve.kv_events.events import BlockStored
@@ -28,18 +29,23 @@ class PullingCopier(ArrayCopier):
         self.peer: dict[bytes, float] = {}
         self.answer: int | None = 99
         self.asked: list[list[bytes]] = []
+        self.answers: list[LoadResult] = []
 
-    def pull_blocks(self, addr, hashes, host_blocks, deadline, wait_until):  # noqa: ANN001, ANN201
+    def start_pull(self, load_id, addr, hashes, host_blocks, deadline):  # noqa: ANN001, ANN201
         self.asked.append(list(hashes))
         if self.answer is None:
-            return None
+            return
         n = 0
         for h, b in zip(hashes[:self.answer], host_blocks, strict=False):
             if h not in self.peer:
                 break
             self.host[b] = self.peer[h]
             n += 1
-        return n, n * 100
+        self.answers.append(LoadResult(load_id, [True] * n, n * 100))
+
+    def loads_done(self) -> list[LoadResult]:
+        out, self.answers = super().loads_done() + self.answers, []
+        return out
 
     def forget_host_blocks(self) -> None:
         pass
@@ -65,6 +71,12 @@ def hinted(kv: KVCacheManager, copier: PullingCopier, blocks: int = 4) -> tuple[
     """PROMPT admitted with a router's hint that the peer holds `blocks`; (cached blocks, their contents, it)."""
     req = Request("r", PROMPT, SamplingParams(max_tokens=1), kv_pull=PullHint("127.0.0.1:1", blocks))  # not contacted
     prefix = kv.find_cached_prefix(req)
+    if prefix is None:  # a pull started: the request waits aside until it ends
+        if copier.answer is None:  # no answer: the engine gives up once the pull's time has passed
+            assert kv.finish_loads() == [] and kv.next_load_deadline is not None
+            time.sleep(max(0.0, kv.next_load_deadline - time.time()) + 0.01)
+        assert kv.finish_loads() == ["r"]
+        prefix = kv.find_cached_prefix(req)
     assert kv.allocate(req, len(PROMPT) - len(prefix) * BS, prefix)
     req.num_cached_tokens = len(prefix) * BS
     kv.record_hits(req, len(PROMPT))

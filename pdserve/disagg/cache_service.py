@@ -212,7 +212,7 @@ class CacheService:
                 ok.append(False)
             if self.host_index is not None:
                 self.host_index.put(host_block, key) if ok[-1] else self.host_index.drop(host_block)
-        return DiskLoaded(ok, time.perf_counter() - start)
+        return DiskLoaded(ok, time.perf_counter() - start, msg.load_id)
 
     def remove_from_disk(self, msg: RemoveFromDisk) -> None:
         if self.disk is not None:

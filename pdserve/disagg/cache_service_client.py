@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import time
-import uuid
-
 import zmq
 
 from pdserve.config.engine import EngineConfig
@@ -35,6 +32,7 @@ from pdserve.disagg.messages import (
     TransferDone,
     WriteToDisk,
 )
+from pdserve.engine.prefix_loads import LoadResult
 from pdserve.kv.layout import KVLayout
 from pdserve.utils.child_process import ChildDied, ChildProcess
 
@@ -52,6 +50,7 @@ class CacheServiceClient:
         self._transfer_reports: list[TransferDone | SwapDone] = []  # arrived while a load was awaited
         self._saved: list[BlocksSaved] = []
         self._disk_written: list[DiskWritten] = []
+        self._loads: list[LoadResult] = []  # disk reads and pulls finished
 
     @property
     def sockets(self) -> list[zmq.Socket]:
@@ -121,31 +120,22 @@ class CacheServiceClient:
         out, self._disk_written = self._disk_written, []
         return [k for m in out for k in m.written], [k for m in out for k in m.failed]
 
-    def load_from_disk(self, keys: list[bytes], host_blocks: list[int]) -> list[bool]:
-        self.child.send(LoadFromDisk(keys, host_blocks))
-        while not isinstance(msg := self._route(self.child.receive(self.LOAD_TIMEOUT, "read blocks from disk")),
-                             DiskLoaded):
-            pass
-        return msg.ok
+    def start_load_from_disk(self, load_id: str, keys: list[bytes], host_blocks: list[int]) -> None:
+        self.child.send(LoadFromDisk(keys, host_blocks, load_id))
 
     def remove_from_disk(self, keys: list[bytes]) -> None:
         self.child.send(RemoveFromDisk(keys))
 
-    def pull_blocks(self, addr: str, hashes: list[bytes], host_blocks: list[int], deadline: float,
-                    wait_until: float) -> tuple[int, int] | None:
-        """Pull a run of blocks from the peer's block server at `addr` into these host blocks; (blocks, bytes)
-        written, or None when no answer came by `wait_until` (unix time)."""
-        pull_id = uuid.uuid4().hex
-        self.child.send(PullFrom(pull_id, addr, hashes, host_blocks, deadline))
-        while (left := wait_until - time.time()) > 0:
-            if not self.child.sock.poll(min(left, 0.5) * 1000):
-                if not self.alive():
-                    raise ChildDied(f"the cache service process exited (code {self.proc.returncode}) during a pull")
-                continue
-            msg = self._route(self.child.receive_nowait())
-            if isinstance(msg, PullDone) and msg.pull_id == pull_id:
-                return msg.num_blocks, msg.nbytes
-        return None
+    def start_pull(self, load_id: str, addr: str, hashes: list[bytes], host_blocks: list[int],
+                   deadline: float) -> None:
+        """Pull a run of blocks from the peer's block server at `addr` into these host blocks (PullDone)."""
+        self.child.send(PullFrom(load_id, addr, hashes, host_blocks, deadline))
+
+    def loads_done(self) -> list[LoadResult]:
+        """The disk reads and pulls the service finished since the last call."""
+        self._drain()
+        out, self._loads = self._loads, []
+        return out
 
     def forget_host_blocks(self) -> None:
         self.child.send(ForgetHostBlocks())
@@ -161,6 +151,10 @@ class CacheServiceClient:
             self._saved.append(msg)
         elif isinstance(msg, DiskWritten):
             self._disk_written.append(msg)
+        elif isinstance(msg, DiskLoaded):
+            self._loads.append(LoadResult(msg.load_id, msg.ok))
+        elif isinstance(msg, PullDone):
+            self._loads.append(LoadResult(msg.pull_id, [True] * msg.num_blocks, msg.nbytes))  # the leading blocks
         elif isinstance(msg, ReceiverStats):
             self.refused_connections = msg.refused_connections
         return msg

@@ -253,6 +253,8 @@ class DecodeConnector(ConnectorBase):
         """Blocks for the prompt: the buffer's, or (D's own preempted requests going first) the cache's.
         The prompt's leading blocks in D's own prefix cache are taken as they are; P will not send them."""
         cached = self.scheduler.cached_prefix(inc.request)
+        if cached is None:  # D's disk tier or a peer is filling its host tier: asked again on a later poll
+            return False
         if self.buffer is None:
             return not self.scheduler.has_waiting and self.scheduler.preallocate(inc.request, cached)
         need = -(-inc.request.num_prompt_tokens // self.layout.block_size) - len(cached)

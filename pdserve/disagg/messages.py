@@ -81,6 +81,7 @@ class LoadFromDisk(msgspec.Struct, tag=True):
 
     keys: list[bytes]
     host_blocks: list[int]
+    load_id: str = ""
 
 
 class WriteToDisk(msgspec.Struct, tag=True):
@@ -183,6 +184,7 @@ class BlocksLoaded(msgspec.Struct, tag=True):
 class DiskLoaded(msgspec.Struct, tag=True):
     ok: list[bool]  # per key: read whole and intact (False: gone or damaged, a miss)
     seconds: float
+    load_id: str = ""
 
 
 class ServiceError(msgspec.Struct, tag=True):

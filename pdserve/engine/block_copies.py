@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     import zmq
 
     from pdserve.engine.kv_connector import CacheService
+    from pdserve.engine.prefix_loads import LoadResult
     from pdserve.worker.protocol import BlockCopy
 
 
@@ -52,16 +53,20 @@ class BlockCopies(Protocol):
     def disk_written(self) -> tuple[list[bytes], list[bytes]]:
         """(keys written whole, keys not written) since the last call."""
 
-    def load_from_disk(self, keys: list[bytes], host_blocks: list[int]) -> list[bool]:
-        """Read disk-tier blocks into host-tier blocks now; per key, whether it was whole and intact."""
+    def start_load_from_disk(self, load_id: str, keys: list[bytes], host_blocks: list[int]) -> None:
+        """Start reading disk-tier blocks into host-tier blocks; loads_done() reports, per key, whether it was whole
+        and intact."""
 
     def remove_from_disk(self, keys: list[bytes]) -> None:
         """Delete these disk-tier blocks' files."""
 
-    def pull_blocks(self, addr: str, hashes: list[bytes], host_blocks: list[int], deadline: float,
-                    wait_until: float) -> tuple[int, int] | None:
-        """Pull a run of blocks from a peer (--enable-kv-pull) into these host blocks now: (blocks, bytes)
-        written, or None if no answer came by `wait_until` (unix time)."""
+    def start_pull(self, load_id: str, addr: str, hashes: list[bytes], host_blocks: list[int],
+                   deadline: float) -> None:
+        """Start pulling a run of blocks from a peer (--enable-kv-pull) into these host blocks, to be written by
+        `deadline` (unix time); loads_done() reports the leading blocks written and the bytes."""
+
+    def loads_done(self) -> list[LoadResult]:
+        """The disk reads and pulls that completed since the last call."""
 
     def forget_host_blocks(self) -> None:
         """The host tier was cleared: serve none of its blocks to peers."""
@@ -110,15 +115,18 @@ class ServiceCopies:
     def disk_written(self) -> tuple[list[bytes], list[bytes]]:
         return self.service.disk_written()
 
-    def load_from_disk(self, keys: list[bytes], host_blocks: list[int]) -> list[bool]:
-        return self.service.load_from_disk(keys, host_blocks)
+    def start_load_from_disk(self, load_id: str, keys: list[bytes], host_blocks: list[int]) -> None:
+        self.service.start_load_from_disk(load_id, keys, host_blocks)
 
     def remove_from_disk(self, keys: list[bytes]) -> None:
         self.service.remove_from_disk(keys)
 
-    def pull_blocks(self, addr: str, hashes: list[bytes], host_blocks: list[int], deadline: float,
-                    wait_until: float) -> tuple[int, int] | None:
-        return self.service.pull_blocks(addr, hashes, host_blocks, deadline, wait_until)
+    def start_pull(self, load_id: str, addr: str, hashes: list[bytes], host_blocks: list[int],
+                   deadline: float) -> None:
+        self.service.start_pull(load_id, addr, hashes, host_blocks, deadline)
+
+    def loads_done(self) -> list[LoadResult]:
+        return self.service.loads_done()
 
     def forget_host_blocks(self) -> None:
         self.service.forget_host_blocks()

@@ -123,6 +123,7 @@ class EngineCore:
                 raise ChildDied(self.worker.exit_message())  # no traceback
             self._check_cache_service()
             self._poll_host_tier()
+            self.scheduler.poll_loads()
             pending.extend(self._poll_connector())
             if self.scheduler.has_work or self.copies.pending:
                 pending.extend(self.step())
@@ -220,7 +221,8 @@ class EngineCore:
         return outputs
 
     def _idle_timeout_ms(self) -> int:
-        deadline = self.connector.next_deadline()
+        deadlines = [d for d in (self.connector.next_deadline(), self.kv.next_load_deadline) if d is not None]
+        deadline = min(deadlines, default=None)
         if deadline is None or deadline == float("inf"):
             return self.IDLE_POLL_MS
         return max(0, min(self.IDLE_POLL_MS, int((deadline - time.time()) * 1000) + 1))

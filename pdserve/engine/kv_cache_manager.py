@@ -4,7 +4,8 @@ With a host tier (host_tier.py) the prefix cache has two levels: blocks freed in
 are saved to host memory as well, and a lookup that runs past the device hits goes on in the host
 tier, copying those blocks back into device blocks it indexes as cached. A disk tier (disk_tier.py) is a
 third: host saves are written to disk too, and a lookup past the host tier's hits reads the disk's into host
-blocks first.
+blocks first; prefix pulls (prefix_pull.py) bring a peer's. Those two run off the step (prefix_loads.py): the
+lookup answers None and the request waits until finish_loads() names it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from pdserve.config.lora import lora_hash_root
 from pdserve.engine.block_pool import Block, BlockPool
 from pdserve.engine.disk_tier import DiskTier
 from pdserve.engine.host_tier import HostTier
-from pdserve.engine.prefix_pull import QUARANTINE_S, PullCost, PullHint
+from pdserve.engine.prefix_loads import LoadResult, PrefixLoad
+from pdserve.engine.prefix_pull import QUARANTINE_S, PullCost
 from pdserve.engine.request import Request
 from pdserve.kv.block_hash import hash_block
 from pdserve.kv_events.events import DEVICE, DISK, HOST, BlockStored, KVEvent
@@ -65,6 +67,9 @@ class KVCacheManager:
         self.pulls: PullCost | None = None  # --enable-kv-pull
         self._saves: dict[int, list[Block]] = {}  # save id -> device blocks held until their copy is done
         self._save_ids = itertools.count()
+        self._loads: dict[str, PrefixLoad] = {}  # load id -> a disk read or pull in flight
+        self._load_of: dict[str, str] = {}  # request id -> its load's id
+        self._load_ids = itertools.count()
         self.events: KVEventRecorder | None = None
 
     def record_events(self) -> KVEventRecorder:
@@ -110,13 +115,17 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def find_cached_prefix(self, request: Request) -> list[Block]:
-        """The longest run of cached full blocks at the start of the request's tokens.
+    def find_cached_prefix(self, request: Request) -> list[Block] | None:
+        """The longest run of cached full blocks at the start of the request's tokens; None while blocks of the
+        run are being brought into the host tier (from the disk tier, or pulled from a peer): ask again once
+        finish_loads() names the request.
 
         At least one token is always left to compute: its logits give the next token.
         """
         if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
             return []  # prompt logprobs need the whole prompt computed (the cached part has no logits)
+        if request.request_id in self._load_of:
+            return None
         self._hash_full_blocks(request, request.num_tokens - 1)
         hashes = request.block_hashes[:(request.num_tokens - 1) // self.block_size]
         hits: list[Block] = []
@@ -127,63 +136,22 @@ class KVCacheManager:
             hits.append(block)
         if self.host is not None and len(hits) < len(hashes):
             rest = hashes[len(hits):]
-            from_disk = self._read_from_disk(rest) if self.disk is not None else set()
-            pulled = set()
-            if self.pulls is not None and request.kv_pull is not None:
-                pulled = self._pull(request.kv_pull, rest, request.kv_pull.num_blocks - len(hits))
-                request.kv_pull = None  # one pull per request: a retry finds what it brought in the device cache
+            if self._start_disk_load(request, rest) or self._start_pull(request, rest, len(hits)):
+                return None
             loaded = self._load_from_host(hits, rest)
             for block in loaded:
-                h = block.block_hash
-                request.prefix_tiers[h] = DISK_TIER if h in from_disk else PULLED if h in pulled else HOST_TIER
+                request.prefix_tiers.setdefault(block.block_hash, HOST_TIER)  # (a load names its own tier)
             self._record_stored(request, len(hits), [b.block_hash for b in loaded])
             hits += loaded
         return hits
 
-    def _pull(self, hint: PullHint, hashes: list[bytes], peer_blocks: int) -> set[bytes]:
-        """Past the local hits: the rest of the run the peer holds is pulled into host blocks (now), when that
-        is cheaper than computing it. Returns the hashes it brought."""
-        local = 0
-        for block_hash in hashes:
-            if self.host.lookup(block_hash) is None:  # (most recently used: the reservations below keep it)
-                break
-            local += 1
-        wanted = hashes[local:max(local, min(len(hashes), peer_blocks))]
-        if not wanted:
-            return set()
-        if not self.pulls.pays(len(wanted)):
-            self.pulls.stats.skipped += 1
-            return set()
-        keys, host_blocks = [], []
-        for block_hash in wanted:
-            if (host_block := self.host.reserve(block_hash)) is None:
-                break
-            keys.append(block_hash)
-            host_blocks.append(host_block)
-        if not keys:
-            return set()
-        start, deadline = time.perf_counter(), self.pulls.deadline(len(keys))
-        answer = self.copier.pull_blocks(hint.addr, keys, host_blocks, deadline, deadline + 1.0)
-        n, nbytes = answer or (0, 0)
-        self.pulls.measured(nbytes, time.perf_counter() - start)
-        stats = self.pulls.stats
-        stats.pulls += 1
-        stats.pulled_blocks += n
-        stats.failed += n == 0
-        for i, (block_hash, host_block) in enumerate(zip(keys, host_blocks, strict=True)):
-            if i < n:
-                self.host.saved(block_hash, host_block, from_device=False)
-            else:  # not written; with no answer, a late write may still land: the block waits
-                until = None if answer else time.monotonic() + (deadline - time.time()) + QUARANTINE_S
-                self.host.abandon(block_hash, host_block, until)
-        if self.disk is not None and n:  # the disk holds what the host tier holds
-            self.copier.write_to_disk([self._disk_key(h) for h in keys[:n]], host_blocks[:n])
-        return set(keys[:n])
+    # ---- loads into the host tier, off the step (prefix_loads.py) ------------------------------------
 
-    def _read_from_disk(self, hashes: list[bytes]) -> set[bytes]:
-        """Past the device hits: the disk tier's blocks of the run the host tier lacks are read into host blocks
-        (now), so the host tier's lookup below finds the whole run. A file gone or damaged ends the run. Returns
-        the hashes read."""
+    def _start_disk_load(self, request: Request, hashes: list[bytes]) -> bool:
+        """Past the device hits: start reading the disk tier's blocks of the run the host tier lacks into host
+        blocks, so that the host tier holds the whole run when the request asks again. False: nothing to read."""
+        if self.disk is None:
+            return False
         keys, host_blocks = [], []
         for block_hash in hashes:
             if block_hash in self.host:
@@ -194,23 +162,103 @@ class KVCacheManager:
             keys.append(block_hash)
             host_blocks.append(host_block)
         if not keys:
-            return set()
-        start = time.perf_counter()
-        ok = self.copier.load_from_disk(keys, host_blocks)
-        self.disk.stats.load_seconds += time.perf_counter() - start
-        intact, loaded = True, set()
-        for block_hash, host_block, read in zip(keys, host_blocks, ok, strict=True):
+            return False
+        load = self._begin(request, DISK_TIER, keys, host_blocks)
+        self.copier.start_load_from_disk(load.load_id, keys, host_blocks)
+        return True
+
+    def _start_pull(self, request: Request, hashes: list[bytes], num_hits: int) -> bool:
+        """Past the local hits: start pulling the rest of the run the peer holds into host blocks, when that is
+        cheaper than computing it (one pull per request). False: no pull."""
+        hint = request.kv_pull
+        if self.pulls is None or hint is None:
+            return False
+        request.kv_pull = None
+        local = 0
+        for block_hash in hashes:
+            if self.host.lookup(block_hash) is None:  # (most recently used: the reservations below keep it)
+                break
+            local += 1
+        wanted = hashes[local:max(local, min(len(hashes), hint.num_blocks - num_hits))]
+        if not wanted:
+            return False
+        if not self.pulls.pays(len(wanted)):
+            self.pulls.stats.skipped += 1
+            return False
+        keys, host_blocks = [], []
+        for block_hash in wanted:
+            if (host_block := self.host.reserve(block_hash)) is None:
+                break
+            keys.append(block_hash)
+            host_blocks.append(host_block)
+        if not keys:
+            return False
+        deadline = self.pulls.deadline(len(keys))
+        load = self._begin(request, PULLED, keys, host_blocks, answer_by=deadline + 1.0)
+        self.copier.start_pull(load.load_id, hint.addr, keys, host_blocks, deadline)
+        return True
+
+    def _begin(self, request: Request, source: str, keys: list[bytes], host_blocks: list[int],
+               answer_by: float = float("inf")) -> PrefixLoad:
+        load = PrefixLoad(f"{request.request_id}#{next(self._load_ids)}", request, source, keys, host_blocks,
+                          time.perf_counter(), answer_by)
+        self._loads[load.load_id] = load
+        self._load_of[request.request_id] = load.load_id
+        return load
+
+    def finish_loads(self) -> list[str]:
+        """Apply the loads that completed, failed or ran past their time since the last call; the ids of their
+        requests (which may have been aborted meanwhile)."""
+        if not self._loads:
+            return []
+        done = [(self._loads.pop(r.load_id), r) for r in self.copier.loads_done() if r.load_id in self._loads]
+        now = time.time()
+        done += [(self._loads.pop(i), None) for i, load in list(self._loads.items()) if now > load.answer_by]
+        for load, result in done:
+            del self._load_of[load.request.request_id]
+            if load.source == DISK_TIER:
+                self._finish_disk_load(load, result)
+            else:
+                self._finish_pull(load, result)
+        return [load.request.request_id for load, _ in done]
+
+    @property
+    def next_load_deadline(self) -> float | None:
+        """When the engine must look again even if no answer comes (unix time), or None."""
+        return min((load.answer_by for load in self._loads.values()), default=None)
+
+    def _finish_disk_load(self, load: PrefixLoad, result: LoadResult | None) -> None:
+        self.disk.stats.load_seconds += time.perf_counter() - load.started
+        ok = result.ok if result is not None else [False] * len(load.keys)
+        intact = not load.cancelled
+        for block_hash, host_block, read in zip(load.keys, load.host_blocks, ok, strict=True):
             intact = intact and read
             if intact:
-                loaded.add(block_hash)
                 self.host.saved(block_hash, host_block, from_device=False)
                 self.disk.used(block_hash)
                 self.disk.stats.hit_blocks += 1
+                load.request.prefix_tiers[block_hash] = DISK_TIER
             else:
                 self.host.abandon(block_hash, host_block)
-                if not read:
+                if not read and not load.cancelled:
                     self.disk.lost(block_hash)
-        return loaded
+
+    def _finish_pull(self, load: PrefixLoad, result: LoadResult | None) -> None:
+        n = 0 if result is None or load.cancelled else sum(1 for _ in itertools.takewhile(bool, result.ok))
+        self.pulls.measured(result.nbytes if result is not None else 0, time.perf_counter() - load.started)
+        stats = self.pulls.stats
+        stats.pulls += 1
+        stats.pulled_blocks += n
+        stats.failed += n == 0
+        for i, (block_hash, host_block) in enumerate(zip(load.keys, load.host_blocks, strict=True)):
+            if i < n:
+                self.host.saved(block_hash, host_block, from_device=False)
+                load.request.prefix_tiers[block_hash] = PULLED
+            else:  # not written; with no answer, a late write may still land: the block waits
+                until = None if result is not None else time.monotonic() + QUARANTINE_S
+                self.host.abandon(block_hash, host_block, until)
+        if self.disk is not None and n:  # the disk holds what the host tier holds
+            self.copier.write_to_disk([self._disk_key(h) for h in load.keys[:n]], load.host_blocks[:n])
 
     def _load_from_host(self, hits: list[Block], hashes: list[bytes]) -> list[Block]:
         """Copy the host tier's run of these hashes into free device blocks, indexed as cached (not
@@ -380,6 +428,10 @@ class KVCacheManager:
         until reported)."""
         self.pool.reset_prefix_cache()
         if self.host is not None:
+            for load in self._loads.values():  # their host blocks stay out of use: a late write may land
+                load.cancelled = True
+                for block_hash, host_block in zip(load.keys, load.host_blocks, strict=True):
+                    self.host.abandon(block_hash, host_block, time.monotonic() + QUARANTINE_S)
             self.host.clear()
             if self.pulls is not None:
                 self.copier.forget_host_blocks()

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     import zmq
 
     from pdserve.engine.messages import PDParams, RequestOutput
+    from pdserve.engine.prefix_loads import LoadResult
     from pdserve.engine.request import Request
     from pdserve.engine.scheduler_output import ScheduledChunk
     from pdserve.engine.stats import PDStats
@@ -94,7 +95,7 @@ class CacheService(Protocol):
 
     def load_blocks(self, host_blocks: list[int], device_blocks: list[int]) -> None: ...
 
-    def load_from_disk(self, keys: list[bytes], host_blocks: list[int]) -> list[bool]: ...
+    def start_load_from_disk(self, load_id: str, keys: list[bytes], host_blocks: list[int]) -> None: ...
 
     def write_to_disk(self, keys: list[bytes], host_blocks: list[int]) -> None: ...
 
@@ -103,8 +104,11 @@ class CacheService(Protocol):
 
     def remove_from_disk(self, keys: list[bytes]) -> None: ...
 
-    def pull_blocks(self, addr: str, hashes: list[bytes], host_blocks: list[int], deadline: float,
-                    wait_until: float) -> tuple[int, int] | None: ...
+    def start_pull(self, load_id: str, addr: str, hashes: list[bytes], host_blocks: list[int],
+                   deadline: float) -> None: ...
+
+    def loads_done(self) -> list[LoadResult]:
+        """Disk reads and pulls completed since the last call."""
 
     def forget_host_blocks(self) -> None: ...
 

@@ -78,6 +78,7 @@ class Scheduler:
         self.waiting = WaitingQueue(config.policy)
         self.running: list[Request] = []
         self.preallocated: dict[str, Request] = {}
+        self.loading: dict[str, Request] = {}  # waiting for prefix blocks from the disk tier or a peer
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._speculate(config)
@@ -115,6 +116,8 @@ class Scheduler:
             self.running.remove(request)
         elif request.status is RequestStatus.PREALLOCATED:
             del self.preallocated[request_id]
+        elif request_id in self.loading:  # its load finishes in the host tier; nobody waits for it
+            del self.loading[request_id]
         else:
             try:
                 self.waiting.remove(request)
@@ -125,7 +128,13 @@ class Scheduler:
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.preallocated)
+        return len(self.waiting) + len(self.running) + len(self.preallocated) + len(self.loading)
+
+    def poll_loads(self) -> None:
+        """Requests whose prefix loads (disk reads, pulls) have finished go back to the head of the queue."""
+        for request_id in self.kv.finish_loads():
+            if (request := self.loading.pop(request_id, None)) is not None:
+                self.waiting.requeue(request)
 
     @property
     def has_waiting(self) -> bool:
@@ -141,8 +150,9 @@ class Scheduler:
         needed = self.kv.blocks_needed(request.num_prompt_tokens + 1) - len(cached)
         return not self.waiting and needed <= self.kv.pool.num_free_blocks
 
-    def cached_prefix(self, request: Request) -> list[Block]:
-        """The prompt's leading blocks already in this instance's prefix cache (nothing taken)."""
+    def cached_prefix(self, request: Request) -> list[Block] | None:
+        """The prompt's leading blocks already in this instance's prefix cache (nothing taken); None while some
+        are being loaded into the host tier (ask again later)."""
         return self.kv.find_cached_prefix(request)
 
     def hold_blocks(self, blocks: list[Block]) -> None:
@@ -194,7 +204,7 @@ class Scheduler:
         the last step."""
         queued: dict[int, int] = {}
         decoding, joining, fewest_left = 0, 0, None
-        for r in (*self.waiting, *self.running):
+        for r in (*self.waiting, *self.loading.values(), *self.running):
             todo = r.num_tokens - r.num_computed_tokens
             if r.status is RequestStatus.RUNNING and todo == 1:
                 decoding += 1
@@ -250,6 +260,9 @@ class Scheduler:
             if not lora_fits(request):  # its adapter waits for one of the step's to finish
                 break
             cached = self.kv.find_cached_prefix(request) if request.num_computed_tokens == 0 else []
+            if cached is None:  # blocks of its prefix are on their way into the host tier: it waits aside
+                self.loading[self.waiting.popleft().request_id] = request
+                continue
             todo = request.num_tokens - len(cached) * self.kv.block_size
             if todo > budget and not self.config.enable_chunked_prefill:
                 break

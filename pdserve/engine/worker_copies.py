@@ -25,11 +25,13 @@ from typing import TYPE_CHECKING
 from pdserve.worker.protocol import DEVICE, BlockCopy
 
 if TYPE_CHECKING:
+    import zmq
+
     from pdserve.engine.kv_connector import CacheService
+    from pdserve.engine.prefix_loads import LoadResult
 
 
 class WorkerCopies:
-    sockets: list = []  # nothing to poll: completed copies are reported with the step that ran them
 
     def __init__(self, block_bytes: int, service: CacheService | None = None) -> None:
         self.block_bytes = block_bytes
@@ -39,6 +41,11 @@ class WorkerCopies:
         self._on_done: dict[int, Callable[[], None]] = {}
         self._saved: list[tuple[int, list[int]]] = []
         self._swapped: list[tuple[str, int, float]] = []
+
+    @property
+    def sockets(self) -> list[zmq.Socket]:
+        """Completed copies are reported with the step that ran them; disk reads and pulls by the cache service."""
+        return self.service.sockets if self.service is not None else []
 
     @property
     def pending(self) -> bool:
@@ -82,15 +89,18 @@ class WorkerCopies:
     def disk_written(self) -> tuple[list[bytes], list[bytes]]:
         return self.service.disk_written() if self.service is not None else ([], [])
 
-    def load_from_disk(self, keys: list[bytes], host_blocks: list[int]) -> list[bool]:
-        return self._disk().load_from_disk(keys, host_blocks)
+    def start_load_from_disk(self, load_id: str, keys: list[bytes], host_blocks: list[int]) -> None:
+        self._disk().start_load_from_disk(load_id, keys, host_blocks)
 
     def remove_from_disk(self, keys: list[bytes]) -> None:
         self._disk().remove_from_disk(keys)
 
-    def pull_blocks(self, addr: str, hashes: list[bytes], host_blocks: list[int], deadline: float,
-                    wait_until: float) -> tuple[int, int] | None:
-        return self._disk().pull_blocks(addr, hashes, host_blocks, deadline, wait_until)
+    def start_pull(self, load_id: str, addr: str, hashes: list[bytes], host_blocks: list[int],
+                   deadline: float) -> None:
+        self._disk().start_pull(load_id, addr, hashes, host_blocks, deadline)
+
+    def loads_done(self) -> list[LoadResult]:
+        return self.service.loads_done() if self.service is not None else []
 
     def forget_host_blocks(self) -> None:
         if self.service is not None:
