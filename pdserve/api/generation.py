@@ -101,6 +101,8 @@ class Generation:
                         "prefill_done_received": t.prefill_done_received, "buffered": t.buffered,
                         "swap_started": t.swap_started, "swapped_in": t.swapped_in}
             out.update({k: v for k, v in pd_times.items() if v is not None})
+            if t.kv_bytes is not None:  # the prompt KV this decode instance received, and over what
+                out.update(kv_bytes=t.kv_bytes, kv_protocol=t.kv_protocol)
         return out
 
 
