@@ -231,7 +231,8 @@ class PrefillConnector(ConnectorBase):
 
     def _check_cache_info(self, r: Request, info: CacheInfo, endpoint: Endpoint | None) -> str | None:
         if not self.layout.same_geometry(info.layout):
-            return f"the KV cache layouts differ (prefill {self.layout}, decode {info.layout}): not the same model?"
+            return (f"the KV cache layouts differ (prefill {self.layout}, decode {info.layout}): another model or "
+                    "--kv-cache-dtype?")
         if info.prompt_len != r.num_prompt_tokens or info.prompt_digest != prompt_digest(r.prompt_token_ids):
             return (f"the two instances tokenized the prompt differently ({r.num_prompt_tokens} vs "
                     f"{info.prompt_len} tokens)")
