@@ -7,9 +7,10 @@ Per KV dtype, on the embedded model (SmolLM2-135M: 30 layers, 3 KV heads of 64) 
   - decode step: one real forward of 16 and 64 streams, each at 1,024 and 4,096 tokens of context (random cache
     contents, blocks scattered over the cache as a serving cache's are), the dtypes taking turns rep by rep;
     the median, and its ratio to the model-dtype cache;
-  - PD: `pdserve launch --prefill 1 --decode 1` with that KV dtype; 8 ShareGPT prompts of ~1,000 tokens, one at a
-    time: the KV bytes D received per prompt token and the transfer span (P's first layer written -> D told the
-    prefill is done), from the responses' `collect_metrics`;
+  - PD: `pdserve launch --prefill 1 --decode 1` with that KV dtype; 8 ShareGPT prompts of 1,000 tokens, one at a
+    time: the KV bytes D received per prompt token, the span from P's first layer written to D told the prefill is
+    done (the layers go out while P computes the next), and the tail after P's last layer, from the responses'
+    `collect_metrics`;
   - quality: a held-out ShareGPT text's negative log-likelihood (one prompt pass, which attends over the cache as
     written) against the model-dtype cache's, and teacher-forced agreement of the next token with it over 8
     ShareGPT prompts x 32 steps (all steps, and the steps where its top two are a logit apart or more);
@@ -153,22 +154,28 @@ def scale_errors(ref: ModelRunner, ids: list[int]) -> dict[str, tuple[float, flo
 
 # ---- PD ------------------------------------------------------------------------------------------------------
 
-def pd_transfer(kv_dtype: str, prompts: list[list[int]], log_dir: Path) -> tuple[float, float]:
-    """(KV bytes per prompt token, median transfer span in ms) of `prompts` through a 1P1D launch."""
+def pd_transfer(kv_dtype: str, prompts: list[list[int]], log_dir: Path) -> tuple[float, float, float]:
+    """Through a 1P1D launch, one prompt at a time: (KV bytes D received per prompt token, the median span from
+    P's first layer written to D told the prefill is done (the layers go out while P computes), and the median
+    tail after P's last layer was written), in ms."""
     command = [sys.executable, "-m", "pdserve.cli", "launch", "--prefill", "1", "--decode", "1", "--port", "{port}",
                "--pd-policy", "always",
                "--kv-cache-dtype", kv_dtype, "--kv-cache-memory", "2G", "--max-model-len", "2048",
                "--max-num-batched-tokens", "2048"]
-    per_token, spans = [], []
+    per_token, spans, tails = [], [], []
     with served(f"launch {kv_dtype}", command, {}, log_dir / f"launch-{kv_dtype}.log") as url:
         for ids in prompts:
             r = httpx.post(f"{url}/v1/completions", json={
                 "model": "SmolLM2-135M-Instruct", "prompt": ids, "max_tokens": 4, "temperature": 0,
                 "collect_metrics": True}, timeout=300).json()
-            m = r["metrics"]
+            m = r.get("metrics", {})
+            if "kv_bytes" not in m:  # not computed by the prefill instance (a retry, an error): said, not counted
+                print(f"  PD {kv_dtype}: a response without KV bytes: {r}", flush=True)
+                continue
             per_token.append(m["kv_bytes"] / r["usage"]["prompt_tokens"])
             spans.append(m["prefill_done_received"] - m["first_layer_written"])
-    return statistics.mean(per_token), statistics.median(spans) * 1e3
+            tails.append(m["prefill_done_received"] - m["last_layer_written"])
+    return statistics.mean(per_token), statistics.median(spans) * 1e3, statistics.median(tails) * 1e3
 
 
 # ---- report ----------------------------------------------------------------------------------------------------
@@ -212,17 +219,18 @@ def main() -> None:
     nlls = {n: nll(r, held_out) for n, r in runners.items()}
     agree = {n: agreement(ref, r, prompts) for n, r in runners.items() if n != ref_name}
     errors = scale_errors(ref, held_out)
-    pd: dict[str, tuple[float, float]] = {}
+    pd: dict[str, tuple[float, float, float]] = {}
     if not args.no_pd:
         with tempfile.TemporaryDirectory() as tmp:
             for n in names:
                 pd[n] = pd_transfer(n, long_prompts, Path(tmp))
-                print(f"  PD {n}: {pd[n][0]:.0f} bytes/token, span {pd[n][1]:.1f} ms", flush=True)
+                print(f"  PD {n}: {pd[n][0]:.0f} bytes/token, span {pd[n][1]:.1f} ms, tail {pd[n][2]:.1f} ms",
+                      flush=True)
 
     lines += [f"Model dtype {str(ref.dtype).removeprefix('torch.')}; reference KV cache: {ref_name} "
               f"({cache_dtype[ref_name]}).", "",
               "| KV dtype | tokens in 2 GiB | x ref | " + " | ".join(f"step {b}x{c} ms (x ref)" for b, c in SHAPES)
-              + " | NLL (vs ref) | agree all / sure | PD bytes/token (x ref) | PD span ms |",
+              + " | NLL (vs ref) | agree all / sure | PD bytes/token (x ref) | PD span / tail ms |",
               "|---|---|---|" + "---|" * len(SHAPES) + "---|---|---|---|"]
     for n in names:
         row = [f"{n} ({cache_dtype[n]})", f"{cap[n]:,}", f"{cap[n] / cap[ref_name]:.2f}"]
@@ -232,7 +240,7 @@ def main() -> None:
         row.append(f"{nlls[n]:.4f} ({nlls[n] / nlls[ref_name] - 1:+.2%})")
         row.append("-" if n == ref_name else f"{agree[n][0]:.0%} / {agree[n][1]:.0%}")
         if pd:
-            row += [f"{pd[n][0]:.0f} ({pd[n][0] / pd[ref_name][0]:.2f}x)", f"{pd[n][1]:.1f}"]
+            row += [f"{pd[n][0]:.0f} ({pd[n][0] / pd[ref_name][0]:.2f}x)", f"{pd[n][1]:.0f} / {pd[n][2]:.1f}"]
         else:
             row += ["-", "-"]
         lines.append("| " + " | ".join(row) + " |")
