@@ -122,10 +122,11 @@ def test_prefill_and_decode_of_different_kv_dtypes_are_refused_naming_both(caplo
 
     pair = {"transports": ["tcp"], "pid": None}
     registry = Registry()
-    registry.register(Registration(role="prefill", url="http://127.0.0.1:1", compatibility_key=key("fp8_e4m3"), **pair))
+    registry.register(Registration(role="prefill", url="http://127.0.0.1:1", compatibility_key=key("fp8_e4m3"),
+                                   **pair))
     with caplog.at_level(logging.WARNING, logger="pdserve.router"):
-        d, _ = registry.register(Registration(role="decode", url="http://127.0.0.1:2", compatibility_key=key("bfloat16"),
-                                              **pair))
+        registry.register(Registration(role="decode", url="http://127.0.0.1:2", compatibility_key=key("bfloat16"),
+                                       **pair))
     assert "cannot be paired" in caplog.text and "dtype=fp8_e4m3" in caplog.text and "dtype=bfloat16" in caplog.text
     for instance in registry.all():
         instance.healthy = True
