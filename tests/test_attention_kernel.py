@@ -46,22 +46,29 @@ def reference(q, key_cache, value_cache, tables, seq_lens, starts, scale):
     return out
 
 
-def run_case(ops, dtype, heads, kv_heads, block, context, queries, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    num_blocks = sum(-(-c // block) for c in context) + 3
-    cache = torch.randn(num_blocks, 2, block, kv_heads, HEAD_DIM, generator=g).to(dtype)
-    key_cache, value_cache = cache[:, 0], cache[:, 1]
+def paged_batch(context: list[int], queries: list[int], block: int, num_blocks: int,
+                g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """seq_lens, query_start_loc and random, disjoint block tables for sequences of these lengths."""
     seq_lens = torch.tensor(context, dtype=torch.int32)
     starts = torch.zeros(len(context) + 1, dtype=torch.int32)
     starts[1:] = torch.tensor(queries).cumsum(0)
     max_blocks = max(-(-c // block) for c in context)
-    perm = torch.randperm(num_blocks, generator=g)  # random, disjoint block tables
+    perm = torch.randperm(num_blocks, generator=g)
     tables = torch.zeros(len(context), max_blocks, dtype=torch.int32)
     used = 0
     for s, c in enumerate(context):
         n = -(-c // block)
         tables[s, :n] = perm[used:used + n].to(torch.int32)
         used += n
+    return seq_lens, starts, tables
+
+
+def run_case(ops, dtype, heads, kv_heads, block, context, queries, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-c // block) for c in context) + 3
+    cache = torch.randn(num_blocks, 2, block, kv_heads, HEAD_DIM, generator=g).to(dtype)
+    key_cache, value_cache = cache[:, 0], cache[:, 1]
+    seq_lens, starts, tables = paged_batch(context, queries, block, num_blocks, g)
     q = torch.randn(int(starts[-1]), heads, HEAD_DIM, generator=g).to(dtype)
     out = torch.empty_like(q)
     ops.paged_attention(out, q, key_cache, value_cache, tables, seq_lens, starts, HEAD_DIM ** -0.5)

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from pdserve.kernels import cpu_ops
 from pdserve.kv.cache import KVCache
 from pdserve.kv.layout import KVLayout
 from pdserve.model import kv_codes
+from tests.test_attention_kernel import paged_batch, reference
 
 HEAD_DIM = 64
 CODES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -49,36 +49,11 @@ def random_cache(name: str, num_blocks: int, block: int, kv_heads: int, seed: in
     return cache
 
 
-def reference(q, k_blocks, v_blocks, tables, seq_lens, starts, scale):
-    out = torch.empty_like(q)
-    group = q.shape[1] // k_blocks.shape[2]
-    block = k_blocks.shape[1]
-    for s in range(len(seq_lens)):
-        length, a, b = int(seq_lens[s]), int(starts[s]), int(starts[s + 1])
-        blocks = tables[s, :-(-length // block)].long()
-        k = k_blocks[blocks].flatten(0, 1)[:length].float().repeat_interleave(group, 1).transpose(0, 1)
-        v = v_blocks[blocks].flatten(0, 1)[:length].float().repeat_interleave(group, 1).transpose(0, 1)
-        mask = torch.arange(length)[None] <= torch.arange(length - (b - a), length)[:, None]
-        o = F.scaled_dot_product_attention(q[a:b].float().transpose(0, 1), k, v, attn_mask=mask, scale=scale)
-        out[a:b] = o.transpose(0, 1).to(q.dtype)
-    return out
-
-
 def run_case(ops, name, dtype, heads, kv_heads, block, context, queries, seed=0):
     g = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-c // block) for c in context) + 3
     layer = random_cache(name, num_blocks, block, kv_heads, seed).layers[0]
-    seq_lens = torch.tensor(context, dtype=torch.int32)
-    starts = torch.zeros(len(context) + 1, dtype=torch.int32)
-    starts[1:] = torch.tensor(queries).cumsum(0)
-    max_blocks = max(-(-c // block) for c in context)
-    perm = torch.randperm(num_blocks, generator=g)
-    tables = torch.zeros(len(context), max_blocks, dtype=torch.int32)
-    used = 0
-    for s, c in enumerate(context):
-        n = -(-c // block)
-        tables[s, :n] = perm[used:used + n].to(torch.int32)
-        used += n
+    seq_lens, starts, tables = paged_batch(context, queries, block, num_blocks, g)
     q = torch.randn(int(starts[-1]), heads, HEAD_DIM, generator=g).to(dtype)
     out = torch.empty_like(q)
     codes, scales = layer

@@ -12,16 +12,15 @@ import openai
 import pytest
 
 from pdserve.kv.layout import KVLayout
-from pdserve.model import SequenceChunk
 from tests.greedy import assert_same_greedy_completions, compare_greedy
 from tests.servers import BLOCK, Router, Server, metrics, segments, stop_all
+from tests.teacher_forced import SURE, agreement_where_sure, greedy
 from tests.test_quantized import HELD_OUT, PROMPTS, _nll
 
 pytestmark = pytest.mark.e2e  # loads the model, starts pdserve processes
 
 KV_DTYPES = ["fp8", "fp8_e5m2", "int8"]
 STEPS = 24
-SURE = 1.0  # a logit between the reference's top two
 
 
 @pytest.fixture(scope="module")
@@ -49,28 +48,14 @@ def test_held_out_likelihood_within_two_percent_of_the_full_width_cache(kv, runn
     assert abs(eight / full - 1) <= 0.02
 
 
-def _greedy(runner, ids: list[int], steps: int) -> tuple[list[int], list[float]]:  # noqa: ANN001
-    """Greedy tokens of a free run, and the top-two logit gap at each."""
-    runner.allocate_kv_cache(8)
-    table = list(range(8))
-    tokens, margins = [], []
-    logits = runner.logits([SequenceChunk(ids, 0, table)])
-    for i in range(steps):
-        top = logits[0].topk(2).values
-        tokens.append(int(logits[0].argmax()))
-        margins.append(float(top[0] - top[1]))
-        logits = runner.logits([SequenceChunk([tokens[-1]], len(ids) + i, table)])
-    return tokens, margins
-
-
 @pytest.mark.parametrize("kv", KV_DTYPES)
 @pytest.mark.parametrize("prompt", ["The capital of France is", "1, 2, 3, 4, 5,"])
 def test_greedy_answers_equal_the_full_width_caches_until_a_near_tie(kv, prompt, runners, embedded_tokenizer):
     """Token for token until the first difference, which must come where the full-width cache's top two are less
     than a logit apart, and not before the fourth token (these prompts' first four are sure)."""
     ids = embedded_tokenizer.encode(prompt)
-    want, margins = _greedy(runners("auto"), ids, STEPS)
-    got, _ = _greedy(runners(kv), ids, STEPS)
+    want, margins = greedy(runners("auto"), ids, STEPS)
+    got, _ = greedy(runners(kv), ids, STEPS)
     compare_greedy(want, got, lambda i: margins[i], SURE, f"{kv} against the full-width cache")
 
 
@@ -80,16 +65,7 @@ def test_where_the_full_width_cache_is_sure_the_8bit_cache_agrees(kv, prompt, ru
     """Teacher-forced on the full-width cache's greedy chat answer: the next token of each step where its top two
     are a logit or more apart."""
     ids = embedded_tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True)
-    want, margins = _greedy(runners("auto"), ids, STEPS)
-    runner = runners(kv)
-    runner.allocate_kv_cache(8)
-    table, sequence = list(range(8)), ids + want
-    agrees = []
-    logits = runner.logits([SequenceChunk(ids, 0, table)])
-    for i in range(STEPS):
-        agrees.append(int(logits[0].argmax()) == want[i])
-        logits = runner.logits([SequenceChunk([sequence[len(ids) + i]], len(ids) + i, table)])
-    sure = [ok for ok, margin in zip(agrees, margins, strict=True) if margin >= SURE]
+    sure = agreement_where_sure(runners("auto"), runners(kv), ids, STEPS)
     assert len(sure) >= STEPS // 4
     assert sum(sure) >= 0.9 * len(sure), f"{kv} agreed with a sure full-width cache on {sum(sure)}/{len(sure)}"
 
@@ -146,7 +122,7 @@ COUNTING = "1, 2, 3, 4, 5,"
 FALLBACK_NLL = """
 import sys
 sys.path.insert(0, ".")
-from tests.test_kv_dtype import _greedy
+from tests.teacher_forced import greedy
 from tests.test_quantized import HELD_OUT, _nll
 from pdserve.loader import resolve_model_folder
 from pdserve.tokenization.tokenizer import Tokenizer
@@ -155,7 +131,7 @@ runner = ModelRunner(None, dtype="float32", device="cpu", quantization="none", k
 assert not runner.model.uses_paged_kernel
 tok = Tokenizer(resolve_model_folder(None))
 print("NLL", _nll(runner, tok.encode(HELD_OUT)))
-print("TOKENS", *_greedy(runner, tok.encode(COUNTING), 12)[0])
+print("TOKENS", *greedy(runner, tok.encode(COUNTING), 12)[0])
 """
 
 
@@ -175,4 +151,4 @@ def test_without_the_kernels_an_8bit_cache_is_written_and_read_in_torch(runners,
     fallback = float(lines["NLL"][0])
     kernel = _nll(runners("int8"), embedded_tokenizer.encode(HELD_OUT))
     assert abs(fallback / kernel - 1) < 0.005, (fallback, kernel)
-    assert [int(t) for t in lines["TOKENS"]] == _greedy(runners("int8"), embedded_tokenizer.encode(COUNTING), 12)[0]
+    assert [int(t) for t in lines["TOKENS"]] == greedy(runners("int8"), embedded_tokenizer.encode(COUNTING), 12)[0]

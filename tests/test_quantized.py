@@ -19,6 +19,7 @@ import torch.multiprocessing as mp
 from pdserve.kernels import cpu_ops
 from pdserve.model import ForwardBatch, SequenceChunk, load_decoder
 from pdserve.model.tensor_parallel import TensorParallel
+from tests.teacher_forced import agreement_where_sure
 from tests.test_gguf_types import TOKENS, gguf_file  # noqa: F401 (a fixture)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(cpu_ops() is None, reason="pdserve's kernels are not built here")]
@@ -83,23 +84,7 @@ def test_where_fp32_is_sure_the_quantized_model_agrees(which, prompt, request, e
     more apart."""
     runner = request.getfixturevalue(which)
     ids = embedded_tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True)
-    answer, margins = [], []
-    embedded_runner.allocate_kv_cache(8)
-    table = list(range(8))
-    logits = embedded_runner.logits([SequenceChunk(ids, 0, table)])
-    for i in range(STEPS):
-        top = logits[0].topk(2).values
-        answer.append(int(logits[0].argmax()))
-        margins.append(float(top[0] - top[1]))
-        logits = embedded_runner.logits([SequenceChunk([answer[-1]], len(ids) + i, table)])
-    runner.allocate_kv_cache(8)
-    sequence = ids + answer
-    agrees = []
-    logits = runner.logits([SequenceChunk(ids, 0, table)])
-    for i in range(STEPS):
-        agrees.append(int(logits[0].argmax()) == answer[i])
-        logits = runner.logits([SequenceChunk([sequence[len(ids) + i]], len(ids) + i, table)])
-    sure = [ok for ok, margin in zip(agrees, margins, strict=True) if margin >= 1.0]
+    sure = agreement_where_sure(embedded_runner, runner, ids, STEPS)
     assert len(sure) >= STEPS // 4
     assert sum(sure) >= 0.9 * len(sure), f"{which} agreed with a sure fp32 on {sum(sure)}/{len(sure)}"
 
