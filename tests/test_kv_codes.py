@@ -7,24 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kernels import cpu_ops
 from pdserve.kv.cache import KVCache
 from pdserve.kv.layout import KVLayout
 from pdserve.model import kv_codes
-from tests.test_attention_kernel import paged_batch, reference
+from tests.test_attention_kernel import ops, paged_batch, reference  # noqa: F401 (ops: a fixture)
 
 HEAD_DIM = 64
 CODES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 # The worst relative error of one element against its row's largest: half a code step at the top of the range.
 ROW_ERROR = {"int8": 0.5 / 127, "fp8_e4m3": 2.0 ** -4, "fp8_e5m2": 2.0 ** -3}
-
-
-@pytest.fixture(scope="module")
-def ops():
-    ops = cpu_ops()
-    if ops is None:
-        pytest.fail("the compiled attention kernel did not build on this machine (python -m pdserve.kernels)")
-    return ops
 
 
 @pytest.mark.parametrize("name", list(CODES))
