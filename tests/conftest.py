@@ -67,3 +67,14 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]
     from tests.tiny_models import tiny_with_answers
 
     return tiny_with_answers(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="session")
+def ops():
+    """pdserve's compiled CPU kernels (torch.ops.pdserve_kernels); a failed build fails the test."""
+    from pdserve.kernels import cpu_ops
+
+    built = cpu_ops()
+    if built is None:
+        pytest.fail("the compiled attention kernel did not build on this machine (python -m pdserve.kernels)")
+    return built

@@ -10,7 +10,7 @@ import torch
 from pdserve.kv.cache import KVCache
 from pdserve.kv.layout import KVLayout
 from pdserve.model import kv_codes
-from tests.test_attention_kernel import ops, paged_batch, reference  # noqa: F401 (ops: a fixture)
+from tests.test_attention_kernel import paged_batch, reference
 
 HEAD_DIM = 64
 CODES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
