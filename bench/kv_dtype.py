@@ -1,6 +1,7 @@
 """8-bit KV caches beside the model-dtype cache, in one run (`--kv-cache-dtype fp8 | fp8_e5m2 | int8`).
 
     .venv/bin/python bench/kv_dtype.py [--dtypes auto,fp8,int8] [--reps 7] [--no-pd] [--out FILE.md]
+        [--model FILE --shapes 16x4096,64x1024]   (another model: capacity and steps only)
 
 Per KV dtype, on the embedded model (SmolLM2-135M: 30 layers, 3 KV heads of 64) in the machine's model dtype:
   - capacity: the tokens a 2 GiB cache holds (the block's bytes, scales included, as the engine sizes its cache);
@@ -180,20 +181,42 @@ def pd_transfer(kv_dtype: str, prompts: list[list[int]], log_dir: Path) -> tuple
 
 # ---- report ----------------------------------------------------------------------------------------------------
 
+def speed_only(runners: dict[str, ModelRunner], names: list[str], args: argparse.Namespace, lines: list[str]) -> None:
+    cap, steps = capacity(runners), step_times(runners, args.reps)
+    ref_name = names[0]
+    header = " | ".join(f"step {b}x{c} ms (x ref)" for b, c in SHAPES)
+    lines += [f"Model {args.model}; reference KV cache: {ref_name}.", "",
+              f"| KV dtype | tokens in 2 GiB | x ref | {header} |", "|---|---|---|" + "---|" * len(SHAPES)]
+    for n in names:
+        cells = [f"{steps[shape][n] * 1e3:.1f} ({steps[shape][ref_name] / steps[shape][n]:.2f}x)" for shape in SHAPES]
+        lines.append(f"| {n} | {cap[n]:,} | {cap[n] / cap[ref_name]:.2f} | " + " | ".join(cells) + " |")
+    print("\n".join(lines))
+    if args.out:
+        args.out.write_text("\n".join(lines) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtypes", default="auto,fp8,int8", help="KV cache dtypes, the first the reference")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--no-pd", action="store_true", help="skip the 1P1D transfers")
     ap.add_argument("--out", type=Path, help="also write the report here (markdown)")
+    ap.add_argument("--model", help="another model (a .gguf or HF folder): capacity and steps only (the files "
+                    "bench/quantized.py writes have random weights: no quality to measure)")
+    ap.add_argument("--shapes", default=",".join(f"{b}x{c}" for b, c in SHAPES), help="decode steps, BATCHxCONTEXT")
     args = ap.parse_args()
+    SHAPES[:] = [(int(b), int(c)) for b, c in (x.split("x") for x in args.shapes.split(","))]
     names = args.dtypes.split(",")
     lines = [f"Machine: {machine()}", ""]
-    runners = {n: ModelRunner(None, dtype="auto", device="cpu", max_model_len=8192, kv_cache_dtype=n) for n in names}
+    runners = {n: ModelRunner(args.model, dtype="auto", device="cpu", max_model_len=8192, kv_cache_dtype=n)
+               for n in names}
     ref_name = names[0]
     ref = runners[ref_name]
     cache_dtype = {n: r.layout(1).dtype for n, r in runners.items()}
-    print(f"model dtype {ref.dtype}; KV: {cache_dtype}", flush=True)
+    print(f"model {args.model or 'embedded'}, dtype {ref.dtype}; KV: {cache_dtype}", flush=True)
+    if args.model:
+        speed_only(runners, names, args, lines)
+        return
 
     texts = sharegpt_texts(200)
     tok = Tokenizer(resolve_model_folder(None))
