@@ -131,6 +131,19 @@ def test_a_prefix_gone_from_device_and_host_comes_back_from_disk():
     assert kv.disk.stats.hit_blocks >= 1 and copier.disk_reads >= 1
 
 
+def test_a_run_longer_than_the_host_tier_is_read_once_as_far_as_it_fits():
+    """One read per request, no more blocks than the host tier holds: a second read would evict the first's."""
+    kv, copier = manager(device_blocks=8, host_blocks=4, disk_blocks=32)
+    first = list(range(1, 26))  # 6 full blocks + 1 token
+    run(kv, copier, first[:13])  # its first 3 blocks reach the disk through the 4 host blocks, then the rest
+    _, want = run(kv, copier, first)
+    others(kv, copier, n=2)
+    assert len(copier.disk) >= 6 and all(h not in kv.host for h in kv.disk.saved_hashes()[:6])
+    reads = copier.disk_reads
+    cached, got = run(kv, copier, first)
+    assert cached == 4 and got == want and copier.disk_reads == reads + 1  # the first 4 read, the rest computed
+
+
 def test_a_lost_file_ends_the_run_and_the_rest_is_computed():
     kv, copier = manager(device_blocks=6, host_blocks=4, disk_blocks=32)
     first = list(range(1, 18))

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from pdserve.disagg.block_server import HostBlockIndex
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.prefix_loads import LoadResult
@@ -41,7 +43,7 @@ class PullingCopier(ArrayCopier):
                 break
             self.host[b] = self.peer[h]
             n += 1
-        self.answers.append(LoadResult(load_id, [True] * n, n * 100))
+        self.answers.append(LoadResult(load_id, [True] * n, n * 100, seconds=0.01 * n))  # the holder's write time
 
     def loads_done(self) -> list[LoadResult]:
         out, self.answers = super().loads_done() + self.answers, []
@@ -89,6 +91,8 @@ def test_the_peers_run_is_pulled_and_counted_as_pulled():
     cached, got, _ = hinted(kv, copier)
     assert cached == 4 and got == want
     assert kv.stats.hit_tokens_by_tier["pulled"] == 4 * BS and kv.pulls.stats.pulled_blocks == 4
+    # the bandwidth from the holder's write time, not from when the engine got round to the answer
+    assert kv.pulls.bandwidth == pytest.approx(400 / 0.04)
 
 
 def test_a_partial_answer_brings_the_leading_blocks_and_the_rest_is_computed():

@@ -232,6 +232,8 @@ class CacheService:
     def forget_host_blocks(self) -> None:
         if self.host_index is not None:
             self.host_index.clear()
+        if self.pulls is not None:
+            self.pulls.forget()
 
     def _host_block(self, block: int) -> memoryview:
         ((start, _, size),) = block_ranges(self.layout, [block], [block])

@@ -154,7 +154,7 @@ class CacheServiceClient:
         elif isinstance(msg, DiskLoaded):
             self._loads.append(LoadResult(msg.load_id, msg.ok))
         elif isinstance(msg, PullDone):
-            self._loads.append(LoadResult(msg.pull_id, [True] * msg.num_blocks, msg.nbytes))  # the leading blocks
+            self._loads.append(LoadResult(msg.pull_id, [True] * msg.num_blocks, msg.nbytes, msg.seconds))
         elif isinstance(msg, ReceiverStats):
             self.refused_connections = msg.refused_connections
         return msg

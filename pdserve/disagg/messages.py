@@ -175,6 +175,7 @@ class PullDone(msgspec.Struct, tag=True):
     num_blocks: int  # the leading blocks of the run now in the host blocks asked for
     nbytes: int = 0
     error: str | None = None
+    seconds: float = 0.0  # the holder's time writing them
 
 
 class BlocksLoaded(msgspec.Struct, tag=True):

@@ -33,6 +33,7 @@ class PrefixPulls:
         self._encoder = msgspec.msgpack.Encoder()
         self._dealers: dict[str, zmq.Socket] = {}
         self._pending: dict[str, PullFrom] = {}
+        self._forgotten: set[str] = set()  # pulls in flight when the host tier was reset: never indexed
         self.refused = 0  # answers that were not sealed with the cluster secret
 
     @property
@@ -72,18 +73,26 @@ class PrefixPulls:
         if asked is None:
             return None
         n = max(0, min(reply.num_blocks, len(asked.host_blocks)))
-        for block, block_hash in zip(asked.host_blocks[:n], asked.hashes, strict=False):
-            self.index.put(block, block_hash)
+        if reply.pull_id in self._forgotten:  # asked before a reset: its blocks are not served
+            self._forgotten.discard(reply.pull_id)
+        else:
+            for block, block_hash in zip(asked.host_blocks[:n], asked.hashes, strict=False):
+                self.index.put(block, block_hash)
         if reply.error:
             log.warning("a prefix pull from %s wrote %d of %d blocks: %s", asked.addr, n, len(asked.hashes),
                         reply.error)
-        return PullDone(reply.pull_id, n, reply.nbytes, reply.error)
+        return PullDone(reply.pull_id, n, reply.nbytes, reply.error, reply.seconds)
+
+    def forget(self) -> None:
+        """The host tier was reset: what pulls in flight bring is not served to peers."""
+        self._forgotten |= set(self._pending)
 
     def _expire(self) -> None:
         """Pulls whose deadline passed long ago: the engine gave up on them; their answers will be dropped."""
         now = time.time()
         for pull_id in [i for i, m in self._pending.items() if now > m.deadline + 60]:
             del self._pending[pull_id]
+            self._forgotten.discard(pull_id)
 
     def _dealer(self, addr: str) -> zmq.Socket:
         dealer = self._dealers.pop(addr, None)

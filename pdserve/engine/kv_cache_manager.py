@@ -149,20 +149,26 @@ class KVCacheManager:
 
     def _start_disk_load(self, request: Request, hashes: list[bytes]) -> bool:
         """Past the device hits: start reading the disk tier's blocks of the run the host tier lacks into host
-        blocks, so that the host tier holds the whole run when the request asks again. False: nothing to read."""
-        if self.disk is None:
+        blocks, so that the host tier holds the run when the request asks again; once per request, and no more
+        than the host tier holds beside the run's blocks already there (a read must not evict its own run). False:
+        nothing to read."""
+        if self.disk is None or request.disk_read:
             return False
-        keys, host_blocks = [], []
+        keys, host_blocks, in_host = [], [], 0
         for block_hash in hashes:
             if block_hash in self.host:
                 self.host.lookup(block_hash)  # most recently used: the reservations below must not evict it
+                in_host += 1
                 continue
-            if not self.disk.readable(block_hash) or (host_block := self.host.reserve(block_hash)) is None:
+            if len(keys) + in_host >= self.host.num_blocks or not self.disk.readable(block_hash):
+                break
+            if (host_block := self.host.reserve(block_hash)) is None:
                 break
             keys.append(block_hash)
             host_blocks.append(host_block)
         if not keys:
             return False
+        request.disk_read = True
         load = self._begin(request, DISK_TIER, keys, host_blocks)
         self.copier.start_load_from_disk(load.load_id, keys, host_blocks)
         return True
@@ -245,7 +251,11 @@ class KVCacheManager:
 
     def _finish_pull(self, load: PrefixLoad, result: LoadResult | None) -> None:
         n = 0 if result is None or load.cancelled else sum(1 for _ in itertools.takewhile(bool, result.ok))
-        self.pulls.measured(result.nbytes if result is not None else 0, time.perf_counter() - load.started)
+        # the holder's own write time when it answered: the engine may notice the answer a long step later
+        if result is not None and result.seconds > 0:
+            self.pulls.measured(result.nbytes, result.seconds, round_trip=False)
+        else:
+            self.pulls.measured(result.nbytes if result is not None else 0, time.perf_counter() - load.started)
         stats = self.pulls.stats
         stats.pulls += 1
         stats.pulled_blocks += n

@@ -21,6 +21,7 @@ class LoadResult:
     load_id: str
     ok: list[bool]
     nbytes: int = 0
+    seconds: float = 0.0  # a pull: how long the holder took to write the blocks (0: not said)
 
 
 @dataclass

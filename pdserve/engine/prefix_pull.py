@@ -68,12 +68,13 @@ class PullCost:
         """Unix time by which the holder must have started writing."""
         return time.time() + TIMEOUT_S + 4 * num_blocks * self.block_bytes / self.bandwidth
 
-    def measured(self, nbytes: int, seconds: float) -> None:
+    def measured(self, nbytes: int, seconds: float, round_trip: bool = True) -> None:
+        """A pull moved `nbytes` in `seconds`: the asker's wall time (`round_trip`), or the holder's writing alone."""
         self.stats.nbytes += nbytes
         self.stats.seconds += seconds
         if nbytes <= 0 or seconds <= 0:
             return
-        rate = nbytes / max(seconds - FIXED_COST_S, seconds / 2)
+        rate = nbytes / (max(seconds - FIXED_COST_S, seconds / 2) if round_trip else seconds)
         self.bandwidth = rate if not self._measured else ALPHA * rate + (1 - ALPHA) * self.bandwidth
         self._measured = True
 

@@ -48,6 +48,7 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)  # proposals to verify in the next step
     lora_name: str | None = None  # the LoRA adapter it computes with; its KV blocks hash apart (lora_hash_root)
     kv_pull: PullHint | None = None  # a router's word: a peer holds a longer prefix (--enable-kv-pull)
+    disk_read: bool = False  # its prefix was read from the disk tier (once: a second read would evict the first's)
     prefix_tiers: dict[BlockHash, str] = field(default_factory=dict)  # prefix blocks copied in from below the device
 
     def add_prompt_logprobs(self, first_position: int, entries: list[TokenLogprobs]) -> None:
