@@ -215,9 +215,14 @@ class KVCacheManager:
     def finish_loads(self) -> list[str]:
         """Apply the loads that completed, failed or ran past their time since the last call; the ids of their
         requests (which may have been aborted meanwhile)."""
+        if self.copier is None:
+            return []
+        # asked every turn of the engine's loop, loads or not: this drains the cache service's socket, which the
+        # engine polls (a message left there would wake it at once, again and again)
+        results = self.copier.loads_done()
         if not self._loads:
             return []
-        done = [(self._loads.pop(r.load_id), r) for r in self.copier.loads_done() if r.load_id in self._loads]
+        done = [(self._loads.pop(r.load_id), r) for r in results if r.load_id in self._loads]
         now = time.time()
         done += [(self._loads.pop(i), None) for i, load in list(self._loads.items()) if now > load.answer_by]
         for load, result in done:
