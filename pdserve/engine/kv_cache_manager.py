@@ -154,18 +154,16 @@ class KVCacheManager:
         nothing to read."""
         if self.disk is None or request.disk_read:
             return False
-        keys, host_blocks, in_host = [], [], 0
+        wanted, in_host = [], 0
         for block_hash in hashes:
             if block_hash in self.host:
                 self.host.lookup(block_hash)  # most recently used: the reservations below must not evict it
                 in_host += 1
                 continue
-            if len(keys) + in_host >= self.host.num_blocks or not self.disk.readable(block_hash):
+            if len(wanted) + in_host >= self.host.num_blocks or not self.disk.readable(block_hash):
                 break
-            if (host_block := self.host.reserve(block_hash)) is None:
-                break
-            keys.append(block_hash)
-            host_blocks.append(host_block)
+            wanted.append(block_hash)
+        keys, host_blocks = self._reserve_host(wanted)
         if not keys:
             return False
         request.disk_read = True
@@ -191,18 +189,23 @@ class KVCacheManager:
         if not self.pulls.pays(len(wanted)):
             self.pulls.stats.skipped += 1
             return False
-        keys, host_blocks = [], []
-        for block_hash in wanted:
-            if (host_block := self.host.reserve(block_hash)) is None:
-                break
-            keys.append(block_hash)
-            host_blocks.append(host_block)
+        keys, host_blocks = self._reserve_host(wanted)
         if not keys:
             return False
         deadline = self.pulls.deadline(len(keys))
         load = self._begin(request, PULLED, keys, host_blocks, answer_by=deadline + 1.0)
         self.copier.start_pull(load.load_id, hint.addr, keys, host_blocks, deadline)
         return True
+
+    def _reserve_host(self, hashes: list[bytes]) -> tuple[list[bytes], list[int]]:
+        """Host blocks for the leading hashes, as many as the host tier can reserve: (those hashes, their blocks)."""
+        keys, host_blocks = [], []
+        for block_hash in hashes:
+            if (host_block := self.host.reserve(block_hash)) is None:
+                break
+            keys.append(block_hash)
+            host_blocks.append(host_block)
+        return keys, host_blocks
 
     def _begin(self, request: Request, source: str, keys: list[bytes], host_blocks: list[int],
                answer_by: float = float("inf")) -> PrefixLoad:

@@ -98,33 +98,25 @@ inline void dot_rows(const Scratch& s, const Geometry& g, const T* kr, int64_t h
 }
 
 #if defined(__AVX512BF16__)
-// The same with native bf16 dot products on the model's own bf16 query (the scale comes after).
-template <int ROWS>
-inline void dot_rows_bf16(const Scratch& s, const Geometry& g, const c10::BFloat16* kr, int64_t h, fvec* d) {
-  const uint16_t* q = s.q_bf16.data() + h * ROWS * g.head_dim;
-  __m512 a[ROWS];
-  for (int r = 0; r < ROWS; ++r) a[r] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < g.head_dim; c += 32) {
-    const __m512bh kc = (__m512bh)_mm512_loadu_si512(kr + c);
-    for (int r = 0; r < ROWS; ++r)
-      a[r] = _mm512_dpbf16_ps(a[r], (__m512bh)_mm512_loadu_si512(q + r * g.head_dim + c), kc);
-  }
-  for (int r = 0; r < ROWS; ++r) d[r] = (fvec)a[r] * g.scale;
-}
-
-// 8-bit codes on native bf16 dot products, 32 at a time (codes_as_bf16, kv_codes.h): the query in s.q_bf16
-// carries kPartnerUnit, the sums kSumUnit.
+// The same with native bf16 dot products on the query in s.q_bf16 (the scale comes after): K as it lies in a bf16
+// cache, or 8-bit codes as bf16 patterns (codes_as_bf16, kv_codes.h; the query then carries kPartnerUnit and the
+// sums kSumUnit).
 template <typename C, int ROWS>
-inline void dot_rows_codes_bf16(const Scratch& s, const Geometry& g, const C* kr, int64_t h, fvec* d) {
+inline void dot_rows_bf16(const Scratch& s, const Geometry& g, const C* kr, int64_t h, fvec* d) {
   const uint16_t* q = s.q_bf16.data() + h * ROWS * g.head_dim;
   __m512 a[ROWS];
   for (int r = 0; r < ROWS; ++r) a[r] = _mm512_setzero_ps();
   for (int64_t c = 0; c < g.head_dim; c += 32) {
-    const __m512bh kc = (__m512bh)codes_as_bf16(kr + c);
+    __m512bh kc;
+    if constexpr (is_code<C>())
+      kc = (__m512bh)codes_as_bf16(kr + c);
+    else
+      kc = (__m512bh)_mm512_loadu_si512(kr + c);
     for (int r = 0; r < ROWS; ++r)
       a[r] = _mm512_dpbf16_ps(a[r], (__m512bh)_mm512_loadu_si512(q + r * g.head_dim + c), kc);
   }
-  for (int r = 0; r < ROWS; ++r) d[r] = (fvec)a[r] * (g.scale * kSumUnit<C>);
+  const float unit = is_code<C>() ? g.scale * kSumUnit<C> : g.scale;
+  for (int r = 0; r < ROWS; ++r) d[r] = (fvec)a[r] * unit;
 }
 #endif
 
@@ -147,12 +139,12 @@ void few_scores(Scratch& s, const Geometry& g, const T* k, const T* v, int64_t h
 #if defined(__AVX512BF16__)
           if constexpr (std::is_same_v<T, c10::BFloat16>) {
             if (g.head_dim % 32 == 0)
-              dot_rows_bf16<ROWS>(s, g, kr, h, d);
+              dot_rows_bf16<T, ROWS>(s, g, kr, h, d);
             else
               dot_rows<T, ROWS>(s, g, kr, h, d);
           } else if constexpr (is_code<T>()) {
             if (s.codes_on_bf16)
-              dot_rows_codes_bf16<T, ROWS>(s, g, kr, h, d);
+              dot_rows_bf16<T, ROWS>(s, g, kr, h, d);
             else
               dot_rows<T, ROWS>(s, g, kr, h, d);
           } else {
