@@ -98,13 +98,15 @@ def main() -> None:
              "|---|---|---|---|---|---|"]
     for name, run in runs.items():
         s, m = run["summary"], run["metrics"]
-        lines.append(f"| {name} | {m['pdserve_prefix_cache_hit_rate']:.2f} | "
-                     f"{m.get('pdserve_host_cache_hit_blocks', 0):.0f} | {s['ttft']['median']:.0f} | "
+        hit_rate = m["pdserve_prefix_cache_hits_total"] / max(1, m["pdserve_prefix_cache_queries_total"])
+        lines.append(f"| {name} | {hit_rate:.2f} | "
+                     f"{m.get('pdserve_host_cache_hit_blocks_total', 0):.0f} | {s['ttft']['median']:.0f} | "
                      f"{s['ttft']['percentiles']['P99']:.0f} | {s['e2el']['median']:.0f} |")
     m = runs[f"--swap-space {args.swap_space:g}"]["metrics"]
-    if m.get("pdserve_host_cache_swap_in_blocks"):
-        lines += ["", f"host -> cache loads: {m['pdserve_host_cache_swap_in_blocks']:.0f} blocks, "
-                  f"{1000 * m['pdserve_host_cache_swap_in_seconds'] / m['pdserve_host_cache_swap_in_blocks']:.3f} "
+    if m.get("pdserve_host_cache_swap_in_blocks_total"):
+        blocks = m["pdserve_host_cache_swap_in_blocks_total"]
+        lines += ["", f"host -> cache loads: {blocks:.0f} blocks, "
+                  f"{1000 * m['pdserve_host_cache_swap_in_seconds_total'] / blocks:.3f} "
                   f"ms per block as the engine waited for them (round trip to the cache service included)"]
     base, tier = (r["summary"] for r in runs.values())
     lines += ["", f"TTFT p50 with the host tier / without: {tier['ttft']['median'] / base['ttft']['median']:.2f}x"]

@@ -70,8 +70,8 @@ def engine_hits(url: str) -> dict[str, tuple[float, float]]:
         text = httpx.get(f"http://{i['host']}:{i['metrics_port']}/metrics" if i["metrics_port"] else f"{url}/metrics",
                          timeout=10).text
         hits, queried = (sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                             if line.startswith(name)) for name in ("pdserve_prefix_cache_hit_tokens",
-                                                                     "pdserve_prefix_cache_queried_tokens"))
+                             if line.startswith(name)) for name in ("pdserve_prefix_cache_hits_total",
+                                                                     "pdserve_prefix_cache_queries_total"))
         h, q = out.get(i["role"], (0.0, 0.0))
         out[i["role"]] = (h + hits, q + queried)
     return out

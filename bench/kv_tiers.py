@@ -13,7 +13,7 @@ and started again on the same ports and folder.
 
 Prints, per configuration: later turns' TTFT p50/p90 (all, and those whose prompt reaches 1,000 tokens), the
 share of their prompt tokens served by each tier (device, host, disk, pulled from a peer: the instances'
-`pdserve_prefix_cache_hit_tokens_by_tier`), the prefill time each tier saved (its tokens at the instances'
+`pdserve_prefix_cache_hits_by_tier_total`), the prefill time each tier saved (its tokens at the instances'
 measured prefill rate, less the engine's wait for its copies), and the restarted instance's hit share before
 the stop and on its first requests after it; then the ratios of the two configurations.
 """
@@ -226,7 +226,7 @@ def _wait_saved(instance: Instance, blocks: int, timeout: float = 20) -> None:
 
 def _swap_outs(instance: Instance) -> float:
     text = httpx.get(instance.metrics_url, timeout=10).text
-    found = re.search(r'^pdserve_host_cache_swap_out_blocks\{dp_rank="0"\} (\S+)$', text, re.M)
+    found = re.search(r'^pdserve_host_cache_swap_out_blocks_total\{dp_rank="0"\} (\S+)$', text, re.M)
     return float(found.group(1)) if found else 0.0
 
 

@@ -157,10 +157,10 @@ def run_pd(folder: Path, prefill_tp: int, decode_tp: int, protocol: str) -> dict
         text = httpx.get(f"http://{prefill['host']}:{prefill['metrics_port']}/metrics").text
         values = {}
         for line in text.splitlines():
-            if line.startswith(("pdserve_kv_transfer_bytes_sent", "pdserve_kv_transfer_seconds_sum")):
+            if line.startswith(("pdserve_kv_transfer_bytes_sent_total", "pdserve_kv_transfer_seconds_sum")):
                 name = line.split("{")[0].split(" ")[0]
                 values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-        sent, seconds = values["pdserve_kv_transfer_bytes_sent"], values["pdserve_kv_transfer_seconds_sum"]
+        sent, seconds = values["pdserve_kv_transfer_bytes_sent_total"], values["pdserve_kv_transfer_seconds_sum"]
         return {"gbps": sent / seconds / 1e9, "mib": sent / 2**20, "ttft_ms": statistics.median(ttfts)}
     finally:
         proc.send_signal(signal.SIGINT)

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from pdserve.engine.block_pool import BlockPool
-from pdserve.engine.kv_cache_manager import KVCacheManager, PrefixCacheStats
+from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.request import Request
+from pdserve.engine.stats import PrefixCacheStats
 from pdserve.kv.block_hash import hash_block
 from pdserve.sampling import SamplingParams
 

@@ -47,6 +47,9 @@ def test_a_dashboard_references_only_exported_metrics(path: Path) -> None:
             used = set(re.findall(r"\bpdserve_[a-z0-9_]+", target["expr"]))
             assert used, f"{path.name}: {target['expr']!r} reads no pdserve metric"
             assert used <= names, f"{path.name}: panel {panel['title']!r} reads {sorted(used - names)}, not exported"
+            for counter in (n for n in used if n.endswith(("_total", "_sum", "_count", "_bucket"))):
+                assert re.search(rf"(rate|increase)\(\s*{counter}\b", target["expr"]), \
+                    f"{path.name}: panel {panel['title']!r} reads counter {counter} without rate() or increase()"
 
 
 def test_the_overview_pd_kv_admission_and_planner_dashboards_are_there() -> None:

@@ -49,7 +49,7 @@ def test_a_restarted_server_serves_prefixes_from_disk_and_never_a_damaged_block(
         warm = _complete(again.url, a)
         assert warm.usage.prompt_tokens_details.cached_tokens == 80  # 5 full blocks from disk; the 6th computed
         assert_same_greedy_completion(warm, cold, "the prompt served from disk after a restart")
-        wait_for(lambda: metrics(again.metrics_port).get("pdserve_disk_cache_hit_blocks") == 5, 10,
+        wait_for(lambda: metrics(again.metrics_port).get("pdserve_disk_cache_hit_blocks_total") == 5, 10,
                  "the disk tier's hits were not counted")
     finally:
         stop_all([again])
@@ -63,7 +63,7 @@ def test_a_restarted_server_serves_prefixes_from_disk_and_never_a_damaged_block(
         answer = _complete(damaged.url, a)
         assert answer.usage.prompt_tokens_details.cached_tokens == 0  # nothing served from a damaged file
         assert_same_greedy_completion(answer, cold, "the prompt after its disk blocks were damaged")
-        wait_for(lambda: metrics(damaged.metrics_port).get("pdserve_disk_cache_misses") == 5, 10,
+        wait_for(lambda: metrics(damaged.metrics_port).get("pdserve_disk_cache_misses_total") == 5, 10,
                  "the damaged blocks were not counted")  # the prompt's 5 full blocks, each read and refused
         assert "is damaged (truncated or corrupt)" in damaged.log()
     finally:
@@ -73,7 +73,7 @@ def test_a_restarted_server_serves_prefixes_from_disk_and_never_a_damaged_block(
     try:
         _complete(other.url, a)
         _complete(other.url, a)  # the second finds the first in the device cache, never on disk
-        assert metrics(other.metrics_port)["pdserve_disk_cache_hit_blocks"] == 0
+        assert metrics(other.metrics_port)["pdserve_disk_cache_hit_blocks_total"] == 0
     finally:
         stop_all([other])
     assert len({f.parent for f in _block_files(disk)}) == 2

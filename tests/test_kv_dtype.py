@@ -111,8 +111,8 @@ def test_pd_with_an_fp8_cache_equals_mixed_with_an_fp8_cache(fp8_pd: dict, embed
         pd_outs = list(pool.map(lambda p: complete(fp8_pd["router"].url, p), prompts))
     mixed_outs = [complete(fp8_pd["mixed"].url, p) for p in prompts]
     assert_same_greedy_completions(pd_outs, mixed_outs, min_share=0.8)
-    sent = metrics(fp8_pd["prefill"].metrics_port)["pdserve_kv_transfer_bytes_sent"]
-    assert sent > 0 and sent == metrics(fp8_pd["decode"].metrics_port)["pdserve_kv_transfer_bytes_received"]
+    sent = metrics(fp8_pd["prefill"].metrics_port)["pdserve_kv_transfer_bytes_sent_total"]
+    assert sent > 0 and sent == metrics(fp8_pd["decode"].metrics_port)["pdserve_kv_transfer_bytes_received_total"]
     # whole layers of 8-bit blocks crossed: codes and scales, 132 bytes a token and KV head where bf16 takes 256
     fp8 = KVLayout(1, 30, BLOCK, 3, 64, "fp8_e4m3")
     assert sent % fp8.layer_block_bytes == 0

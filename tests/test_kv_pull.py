@@ -55,12 +55,12 @@ def _token_times(url: str) -> list[float]:
 
 
 def _saved_to_host(server: Server, blocks: int) -> None:
-    wait_for(lambda: metrics(server.metrics_port).get("pdserve_host_cache_swap_out_blocks", 0) >= blocks, 10,
+    wait_for(lambda: metrics(server.metrics_port).get("pdserve_host_cache_swap_out_blocks_total", 0) >= blocks, 10,
              "the prompt's blocks were not saved to the host tier")
 
 
 def _tier(server: Server, tier: str) -> float:
-    return metrics(server.metrics_port).get(f'pdserve_prefix_cache_hit_tokens_by_tier{{dp_rank="0",tier="{tier}"}}', 0)
+    return metrics(server.metrics_port).get(f'pdserve_prefix_cache_hits_by_tier_total{{dp_rank="0",tier="{tier}"}}', 0)
 
 
 def test_a_prefix_is_pulled_from_the_peer_that_holds_it_and_a_gone_peer_is_a_miss(tmp_path: Path) -> None:
@@ -82,7 +82,7 @@ def test_a_prefix_is_pulled_from_the_peer_that_holds_it_and_a_gone_peer_is_a_mis
         part = _complete(puller.url, a_prompt, hint)  # the holder kept only its first 2 blocks
         assert part.usage.prompt_tokens_details.cached_tokens == 32
         assert_same_greedy_completion(part, cold["a"], "a prompt of which the peer held only the first blocks")
-        wait_for(lambda: metrics(puller.metrics_port)["pdserve_kv_pulled_blocks"] == 7, 10, "pulled blocks")
+        wait_for(lambda: metrics(puller.metrics_port)["pdserve_kv_pulled_blocks_total"] == 7, 10, "pulled blocks")
 
         (service,) = holder.children("pdserve.disagg.cache_service")
         service.send_signal(signal.SIGSTOP)  # the holder's block server takes the pull and never answers...
@@ -103,8 +103,8 @@ def test_a_prefix_is_pulled_from_the_peer_that_holds_it_and_a_gone_peer_is_a_mis
         gaps = [b - a for a, b in zip(times, times[1:], strict=False) if b > asked]
         assert max(gaps) < 1.0, f"the other stream stalled {max(gaps):.2f} s while the pull waited"
         assert_same_greedy_completion(missed, cold["b"], "a prompt whose holder died before the pull")
-        wait_for(lambda: (m := metrics(puller.metrics_port))["pdserve_kv_pulls_failed"] == 1
-                 and m["pdserve_kv_pulls"] == 3, 10, "the failed pull was not counted")
+        wait_for(lambda: (m := metrics(puller.metrics_port))["pdserve_kv_pulls_failed_total"] == 1
+                 and m["pdserve_kv_pulls_total"] == 3, 10, "the failed pull was not counted")
         again = _complete(puller.url, c_prompt)  # the puller is whole: its answers right, from its own cache now
         assert_same_greedy_completion(again, cold["c"], "the pulled prompt again, after a failed pull")
         wait_for(lambda: metrics(puller.metrics_port)["pdserve_kv_cache_free_blocks"]
@@ -126,7 +126,7 @@ def test_a_router_sends_the_next_turn_elsewhere_and_that_instance_pulls(tmp_path
         wait_for(lambda: len(router.healthy_urls()) == 2, 30, "both instances did not join")
         prompt = _prompts()[0]
         first = _complete(router.url, prompt)
-        wait_for(lambda: sum(metrics(s.metrics_port).get("pdserve_host_cache_swap_out_blocks", 0)
+        wait_for(lambda: sum(metrics(s.metrics_port).get("pdserve_host_cache_swap_out_blocks_total", 0)
                              for s in servers) >= 6, 10, "the prompt's blocks were not saved to the host tier")
         wait_for(lambda: metrics(router.port).get("pdserve_router_kv_index_blocks", 0) >= 6, 10,
                  "the router's index did not learn of the blocks")

@@ -88,7 +88,7 @@ def test_turns_follow_their_prefix_across_routers_and_instances(tiny, tmp_path: 
                  "cache_aware's predictions and the engines' reports differ")
         (d_url,) = [u for u in b_route if role[u] == "decode"]
         d = next(i for i in instances.values() if i["url"] == d_url)
-        wait_for(lambda: metrics(d["metrics_port"], d["host"]).get("pdserve_kv_blocks_skipped", 0) >= 6 + 7, 5,
+        wait_for(lambda: metrics(d["metrics_port"], d["host"]).get("pdserve_kv_blocks_skipped_total", 0) >= 6 + 7, 5,
                  "P sent D blocks D already held")
 
         # The holder of A dies; launch restarts it empty. The next turns go together to another holder.

@@ -44,7 +44,7 @@ def test_tp2_serves_transformers_greedy_with_app_features_and_a_dead_rank_ends_i
             assert sorted(r.cpu_affinity() for r in ranks) == [[0], [1]]
         expected = greedy_texts(folder, answers)
         assert greedy_completions(server.url, prompts) == expected
-        wait_for(lambda: metrics(server.metrics_port)["pdserve_spec_decode_num_draft_tokens"] > 0, 5,
+        wait_for(lambda: metrics(server.metrics_port)["pdserve_spec_decode_num_draft_tokens_total"] > 0, 5,
                  "no proposal was verified across the ranks")  # metrics refresh each second
 
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", timeout=60)
@@ -102,7 +102,7 @@ def test_prefill_and_decode_of_different_tp_sizes_answer_as_transformers(
     try:
         assert greedy_completions(launch.url, prompts) == greedy_texts(folder, answers)
         prefill = next(i for name, i in launch.instances().items() if name.startswith("prefill"))
-        key = f'pdserve_kv_transfers_by_protocol{{protocol="{transport}"}}'
+        key = f'pdserve_kv_transfers_by_protocol_total{{dp_rank="0",protocol="{transport}"}}'
         wait_for(lambda: metrics(prefill["metrics_port"], prefill["host"]).get(key, 0) >= NUM_PROMPTS, 10,
                  f"the prefill instance did not report {NUM_PROMPTS} transfers over {transport}")
     finally:
@@ -197,8 +197,9 @@ def test_dp2_spreads_requests_answers_the_same_and_heals_a_dead_rank(tiny, tmp_p
     try:
         expected = greedy_texts(folder, answers)
         assert greedy_completions(server.url, prompts) == expected
-        wait_for(lambda: all(metrics(server.metrics_port).get(f'pdserve_data_parallel_requests{{dp_rank="{r}"}}', 0)
-                             > 0 for r in (0, 1)), 5, "requests did not land on both ranks")
+        served = 'pdserve_data_parallel_requests_total{{dp_rank="{}"}}'
+        wait_for(lambda: all(metrics(server.metrics_port).get(served.format(r), 0) > 0 for r in (0, 1)), 5,
+                 "requests did not land on both ranks")
         engines = server.children("pdserve.engine")
         assert len(engines) == 2
         if len(os.sched_getaffinity(0)) == 2:  # each rank's engine (and its worker) on a core of its own
@@ -216,7 +217,7 @@ def test_dp2_spreads_requests_answers_the_same_and_heals_a_dead_rank(tiny, tmp_p
                  "the dead rank did not come back")
         assert greedy_completions(f"{server.url}/dp/1", prompts[:2]) == expected[:2]
         assert server.proc.poll() is None
-        assert metrics(server.metrics_port)['pdserve_data_parallel_restarts{dp_rank="1"}'] == 1
+        assert metrics(server.metrics_port)['pdserve_data_parallel_restarts_total{dp_rank="1"}'] == 1
     finally:
         server.stop()
     assert segments() <= before

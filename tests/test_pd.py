@@ -138,13 +138,45 @@ def test_pd_output_equals_mixed_for_20_concurrent_prompts(pd: dict, tokenizer) -
         mixed_outs = list(pool.map(lambda p: _complete(mixed, p), prompts))
     assert_same_greedy_completions(pd_outs, mixed_outs, min_share=0.8)
     # Every transport carried KV: each decode instance offers only one.
-    sent = metrics(pd["prefill"].metrics_port)["pdserve_kv_transfer_bytes_sent"]
-    got = {n: metrics(pd[n].metrics_port)["pdserve_kv_transfer_bytes_received"] for n in DECODES}
+    sent = metrics(pd["prefill"].metrics_port)["pdserve_kv_transfer_bytes_sent_total"]
+    got = {n: metrics(pd[n].metrics_port)["pdserve_kv_transfer_bytes_received_total"] for n in DECODES}
     assert all(v > 0 for v in got.values()), got
     assert sent == sum(got.values())
-    drafts = sum(metrics(pd[n].metrics_port)["pdserve_spec_decode_num_drafts"] for n in ("decode_ipc", "decode_tcp"))
+    drafts = sum(metrics(pd[n].metrics_port)["pdserve_spec_decode_num_drafts_total"]
+                 for n in ("decode_ipc", "decode_tcp"))
     assert drafts > 0, "the speculating decode instances proposed nothing"
     _assert_all_blocks_free(pd)
+
+
+def test_reading_status_during_pd_load_takes_nothing_from_the_metrics(pd: dict) -> None:
+    """/status and /metrics read the same figures; a read changes none: every transfer lands in both sides'
+    histograms however often /status is read meanwhile, and what only grows is typed counter."""
+    names = ["prefill", *DECODES]
+    count = "pdserve_kv_transfer_seconds_count"
+    before = {n: metrics(pd[n].metrics_port).get(count, 0) for n in names}
+    stop, reads = False, 0
+
+    def read_status() -> None:
+        nonlocal reads
+        while not stop:
+            for n in names:
+                assert httpx.get(f"{pd[n].url}/status", timeout=10).status_code == 200
+                reads += 1
+
+    router = _client(pd["router"].url)
+    with ThreadPoolExecutor(3) as pool:
+        reader = pool.submit(read_status)
+        list(pool.map(lambda i: router.completions.create(model=MODEL, prompt=f"Count to {i}:", max_tokens=4,
+                                                          temperature=0), range(8)))
+        stop = True
+        reader.result()
+    assert reads >= len(names)
+    got = {n: metrics(pd[n].metrics_port).get(count, 0) - before[n] for n in names}
+    assert got["prefill"] == 8 and sum(got[n] for n in DECODES) == 8, got
+    text = httpx.get(f"http://127.0.0.1:{pd['prefill'].metrics_port}/metrics", timeout=10).text
+    for counter in ("pdserve_kv_transfers_ok", "pdserve_kv_transfer_bytes_sent", "pdserve_prefix_cache_hits",
+                    "pdserve_num_preemptions"):
+        assert f"# TYPE {counter}_total counter" in text, counter
 
 
 @NEEDS_NIXL
@@ -160,11 +192,11 @@ def test_prefix_cache_hits_on_prefill_are_sent_whole(pd: dict, tokenizer) -> Non
     ids = tokenizer.encode(PARAGRAPH * 10)
     first, second = ids[:300], ids[:300] + tokenizer.encode(" And so the story of the mill ends")
     router, mixed = _client(pd["router"].url), _client(pd["mixed"].url)
-    hits_before = metrics(pd["prefill"].metrics_port)["pdserve_prefix_cache_hit_tokens"]
+    hits_before = metrics(pd["prefill"].metrics_port)["pdserve_prefix_cache_hits_total"]
     for prompt in (first, second, second):  # the second `second` goes to the other decode instance
         assert_same_greedy_completion(_complete(router, prompt), _complete(mixed, prompt), "prefix prompt")
     # The metrics port refreshes its engine gauges once a second.
-    wait_for(lambda: metrics(pd["prefill"].metrics_port)["pdserve_prefix_cache_hit_tokens"] - hits_before >= 2 * 288,
+    wait_for(lambda: metrics(pd["prefill"].metrics_port)["pdserve_prefix_cache_hits_total"] - hits_before >= 2 * 288,
              5, "P did not serve 18 full blocks of 16 from its prefix cache, twice at least")
     _assert_all_blocks_free(pd)
 
@@ -526,7 +558,7 @@ def test_conditional_pd_prefills_short_and_cached_prompts_on_decode(pd: dict, to
         ids = tokenizer.encode(PARAGRAPH * 10)
         short, long = "The largest planet in the solar system is", ids[5:305]
         cached = long + tokenizer.encode(" And so the story of the mill ends")
-        hits_before = metrics(pd["decode_ipc"].metrics_port)["pdserve_prefix_cache_hit_tokens"]
+        hits_before = metrics(pd["decode_ipc"].metrics_port)["pdserve_prefix_cache_hits_total"]
         for prompt, where in ((short, "local"), (long, "remote"), (cached, "local")):
             out = conditional.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
                                                  logprobs=2, extra_body={"collect_metrics": True})
@@ -538,7 +570,7 @@ def test_conditional_pd_prefills_short_and_cached_prompts_on_decode(pd: dict, to
                      for w, r in (("local", "short"), ("remote", "long"), ("local", "cached"))}
         assert decisions == {("local", "short"): 1, ("remote", "long"): 1, ("local", "cached"): 1}, m
         # D computed only the new tail of `cached`: the blocks P had sent it came from its prefix cache
-        wait_for(lambda: metrics(pd["decode_ipc"].metrics_port)["pdserve_prefix_cache_hit_tokens"] - hits_before
+        wait_for(lambda: metrics(pd["decode_ipc"].metrics_port)["pdserve_prefix_cache_hits_total"] - hits_before
                  >= (300 // BLOCK) * BLOCK, 5, "D did not serve the long prompt's blocks from its prefix cache")
     finally:
         stop_all([router])

@@ -144,22 +144,22 @@ def test_pd_through_device_caches_equals_transformers_and_mixed(pd: dict, oracle
     mixed_outs = [_complete(pd["mixed"].url, p) for p in prompts]
     for i, (got, ref, prompt) in enumerate(zip(pd_outs, mixed_outs, prompts, strict=True)):
         _assert_exact(got, oracle[tuple(prompt)], ref, f"prompt {i}")
-    sent = metrics(pd["prefill"].metrics_port)["pdserve_kv_transfer_bytes_sent"]
-    got = {n: metrics(pd[n].metrics_port)["pdserve_kv_transfer_bytes_received"] for n in DECODES}
+    sent = metrics(pd["prefill"].metrics_port)["pdserve_kv_transfer_bytes_sent_total"]
+    got = {n: metrics(pd[n].metrics_port)["pdserve_kv_transfer_bytes_received_total"] for n in DECODES}
     assert all(v > 0 for v in got.values()), f"a transport carried nothing: {got}"
     assert sent == sum(got.values())
-    assert metrics(pd["d_buffer"].metrics_port)["pdserve_kv_swap_in_bytes"] > 0, "the buffer was never copied in"
+    assert metrics(pd["d_buffer"].metrics_port)["pdserve_kv_swap_in_bytes_total"] > 0, "the buffer was never copied in"
 
 
 def test_a_prompt_evicted_from_p_comes_back_from_its_host_tier(pd: dict, oracle: dict, tokenizer) -> None:  # noqa: ANN001
     a, b, c = _long_prompts(tokenizer)
-    hits = metrics(pd["prefill"].metrics_port).get("pdserve_host_cache_hit_blocks", 0)
+    hits = metrics(pd["prefill"].metrics_port).get("pdserve_host_cache_hit_blocks_total", 0)
     first = _complete(pd["router"].url, a)
     for other in (b, c):  # each fills P's 8-block cache: A is evicted (and saved to P's host tier)
         _complete(pd["router"].url, other)
     again = _complete(pd["router"].url, a)
     _assert_exact(again, oracle[tuple(a)], first, "the prompt served from P's host tier")
-    wait_for(lambda: metrics(pd["prefill"].metrics_port)["pdserve_host_cache_hit_blocks"] >= hits + 5, 10,
+    wait_for(lambda: metrics(pd["prefill"].metrics_port)["pdserve_host_cache_hit_blocks_total"] >= hits + 5, 10,
              "P did not load the evicted prompt from its host tier")
 
 

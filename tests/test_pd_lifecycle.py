@@ -378,7 +378,9 @@ def test_with_a_buffer_p_is_released_before_d_has_cache_blocks(pd_buffer):
     assert jobs[0][2] in d.scheduler.running
     buffer = d.conn.stats().buffer
     assert buffer.blocks_used == 6 and buffer.buffered_requests == 2
-    assert buffer.swap_in_bytes == 300 and len(buffer.wait_seconds) == 1
+    assert buffer.swap_in_bytes == 300 and buffer.wait_seconds.count == 1 and buffer.swap_in_seconds.count == 1
+    again = d.conn.stats().buffer  # reading takes nothing away
+    assert (again.wait_seconds, again.swap_in_seconds) == (buffer.wait_seconds, buffer.swap_in_seconds)
 
     d.scheduler.abort(jobs[0][2].request_id)  # the first finishes decoding: the next one gets the cache
     d.conn.poll()

@@ -174,7 +174,7 @@ def test_ray_places_1p1d_on_two_nodes_and_heals_a_removed_node(cluster, tiny, tm
         hosts = {f"ray-{n.node_id[:12]}": n for n in [c.head_node, *workers]}
         assert p["host_id"] == f"ray-{c.head_node.node_id[:12]}" and d["host_id"] in hosts, (p, d)
         assert greedy_completions(launch.url, prompts) == greedy_texts(folder, answers)
-        key = 'pdserve_kv_transfers_by_protocol{protocol="tcp"}'
+        key = 'pdserve_kv_transfers_by_protocol_total{dp_rank="0",protocol="tcp"}'
         wait_for(lambda: metrics(p["metrics_port"], p["host"]).get(key, 0) >= len(prompts), 10,
                  "KV between the two nodes did not go over tcp")
         assert "placement at" in launch.log() and re.search(r"decode-0\s+decode\s+" + d["host_id"][4:], launch.log())

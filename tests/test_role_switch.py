@@ -94,7 +94,7 @@ def test_roles_change_in_place_under_load_and_no_request_fails(deployment: dict)
     # P + mixed: the mixed instance takes whole requests and the decode side of P's
     answers, _ = run_all(router.url, prompts)
     assert_same_greedy_completions(answers, references, min_share=0.75)
-    p_sent = _metric(p, "pdserve_kv_transfer_bytes_sent")
+    p_sent = _metric(p, "pdserve_kv_transfer_bytes_sent_total")
     assert p_sent > 0, "the prefill instance computed no prompt for the mixed one"
 
     # prefill -> decode after a drain, under load (mixed + decode, no prefill instance: both take whole requests)

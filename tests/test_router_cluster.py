@@ -129,8 +129,8 @@ def test_2p2d_serves_40_concurrent_requests_on_every_instance_like_mixed(cluster
 
 
 def _transfers_by_protocol(cluster: dict) -> dict[str, float]:
-    return {proto: sum(_metric(cluster[p], f'pdserve_kv_transfers_by_protocol{{protocol="{proto}"}}')
-                       for p in ("p0", "p1")) for proto in ("ipc", "tcp")}
+    key = 'pdserve_kv_transfers_by_protocol_total{{dp_rank="0",protocol="{}"}}'
+    return {proto: sum(_metric(cluster[p], key.format(proto)) for p in ("p0", "p1")) for proto in ("ipc", "tcp")}
 
 
 def _send_through_random_decode_router(cluster: dict, prompts: list) -> None:
@@ -163,14 +163,14 @@ def test_cache_aware_keeps_a_shared_prefix_on_one_prefill_under_concurrency(clus
         wait_for(lambda: len(router.healthy_urls()) == 4, 20, "the static instances did not join")
         tokenizer = embedded_tokenizer
         prefix = tokenizer.encode(STORY * 10)[:320]  # 20 blocks of 16
-        hits = {p: _metric(cluster[p], "pdserve_prefix_cache_hit_tokens") for p in ("p0", "p1")}
+        hits = {p: _metric(cluster[p], "pdserve_prefix_cache_hits_total") for p in ("p0", "p1")}
         client = _client(router.url)
         for i in range(4):
             client.completions.create(model=MODEL, prompt=prefix + tokenizer.encode(f" Entry {i}:"), max_tokens=2,
                                       temperature=0)
 
         def gained() -> dict[str, float]:
-            return {p: _metric(cluster[p], "pdserve_prefix_cache_hit_tokens") - hits[p] for p in ("p0", "p1")}
+            return {p: _metric(cluster[p], "pdserve_prefix_cache_hits_total") - hits[p] for p in ("p0", "p1")}
 
         wait_for(lambda: sum(gained().values()) >= 3 * 320, 5, "the prefix was not served from a prefill cache")
         gained = gained()
@@ -199,7 +199,7 @@ def test_forged_control_messages_are_refused(cluster: dict) -> None:
     layout = KVLayout(200, 30, 16, 3, 64, "float32")
     forged = msgspec.msgpack.encode(CacheInfo("t-forged", 5, "0" * 16, [0], layout, [TcpEndpoint("127.0.0.1", 9)],
                                               30.0, time.time() + 30))
-    refused = _metric(p0, "pdserve_pd_refused_control_messages")
+    refused = _metric(p0, "pdserve_pd_refused_control_messages_total")
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -207,7 +207,7 @@ def test_forged_control_messages_are_refused(cluster: dict) -> None:
     for raw in (forged, ControlSeal(b"not-the-secret").seal(forged)):
         sock.send(raw)
     sock.send_multipart([b"two", b"frames"])  # not even our framing: refused, and P must not crash
-    wait_for(lambda: _metric(p0, "pdserve_pd_refused_control_messages") >= refused + 3, 10,
+    wait_for(lambda: _metric(p0, "pdserve_pd_refused_control_messages_total") >= refused + 3, 10,
              "the forged control messages were not refused")
     sock.close()
     ctx.term()
@@ -223,7 +223,7 @@ def test_a_kv_connection_without_the_secret_is_refused_and_counted(cluster: dict
         conn.recv(64)  # the challenge
         conn.sendall(b"\0" * 32)  # a wrong answer
         assert conn.recv(1) == b""  # hung up on
-    wait_for(lambda: _metric(d0, "pdserve_kv_refused_connections") == 1, 5, "the refusal was not counted")
+    wait_for(lambda: _metric(d0, "pdserve_kv_refused_connections_total") == 1, 5, "the refusal was not counted")
     assert "refused a KV connection" in d0.log()
     assert _client(cluster["router"].url).completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices
 

@@ -69,11 +69,11 @@ def test_a_prefix_evicted_from_the_cache_is_served_from_the_host_tier(tmp_path: 
         cold, warm = _cycle(tiered.url)
         assert_same_greedy_completion(warm, cold, "the prompt served from the host tier")
         assert warm.usage.prompt_tokens_details.cached_tokens == 80  # 5 full blocks; the 6th is computed
-        wait_for(lambda: metrics(tiered.metrics_port).get("pdserve_host_cache_hit_blocks") == 5, 10,
+        wait_for(lambda: metrics(tiered.metrics_port).get("pdserve_host_cache_hit_blocks_total") == 5, 10,
                  "the host tier's hits were not counted")  # the metrics refresh every second
         m = metrics(tiered.metrics_port)
-        assert m["pdserve_host_cache_swap_in_blocks"] == 5
-        assert m["pdserve_host_cache_swap_out_blocks"] >= 3 * 5  # every prompt's full blocks were saved
+        assert m["pdserve_host_cache_swap_in_blocks_total"] == 5
+        assert m["pdserve_host_cache_swap_out_blocks_total"] >= 3 * 5  # every prompt's full blocks were saved
         assert 0 < m["pdserve_host_cache_blocks_used"] <= m["pdserve_host_cache_blocks"]
 
         _, warm_plain = _cycle(plain.url)
@@ -100,9 +100,9 @@ def test_a_decode_instance_reuses_a_prompt_from_its_host_tier_and_p_sends_only_t
         router.wait_pairs(2)
         cold, warm = _cycle(router.url)
         assert_same_greedy_completion(warm, cold, "the returning prompt")
-        wait_for(lambda: metrics(d.metrics_port)["pdserve_kv_blocks_skipped"] == 5, 10,
+        wait_for(lambda: metrics(d.metrics_port)["pdserve_kv_blocks_skipped_total"] == 5, 10,
                  "D did not find the evicted prompt in its host tier")
-        assert metrics(d.metrics_port)["pdserve_host_cache_hit_blocks"] == 5
+        assert metrics(d.metrics_port)["pdserve_host_cache_hit_blocks_total"] == 5
         for s in (p, d):
             wait_for(lambda s=s: _all_free(s), 10, f"{s} did not give every block back")
     finally:

@@ -122,7 +122,7 @@ def serve(args: argparse.Namespace) -> int:
     engine = start_engines(config, name, settings.data_parallel_size, args.pd_comm_port or [])
     try:
         ready = engine.ranks[0].engine.client.ready if isinstance(engine, DataParallelEngine) else engine.client.ready
-        metrics = ServerMetrics(settings.data_parallel_size)
+        metrics = ServerMetrics()
         state = ServerState(engine, tokenizer, name, ready.max_model_len, settings.max_concurrency, metrics,
                             api_key=settings.api_key, sampling_defaults=sampling_defaults,
                             tool_call_parser=settings.tool_call_parser, data_parallel_size=settings.data_parallel_size,

@@ -1,5 +1,5 @@
 """`--metrics-url`: where a run's prompt tokens came from, by the instances' own counters (their /metrics before
-and after): device, host, disk or pulled from a peer (`pdserve_prefix_cache_hit_tokens_by_tier`), and the prefill
+and after): device, host, disk or pulled from a peer (`pdserve_prefix_cache_hits_by_tier_total`), and the prefill
 time each tier saved: its tokens at the instances' measured cost of a prompt token (the median engine's
 `pdserve_prefill_tokens_per_second`), less the engines' wait for its copies."""
 
@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 import httpx
 
 TIERS = ("device", "host", "disk", "pulled")
-_WAITS = {"host": "pdserve_host_cache_swap_in_seconds", "disk": "pdserve_disk_cache_load_seconds",
-          "pulled": "pdserve_kv_pull_seconds"}
+_WAITS = {"host": "pdserve_host_cache_swap_in_seconds_total", "disk": "pdserve_disk_cache_load_seconds_total",
+          "pulled": "pdserve_kv_pull_seconds_total"}
 _SAMPLE = re.compile(r'^(pdserve_[a-z_]+)(?:\{([^}]*)\})? (\S+)$')
 
 
@@ -50,11 +50,11 @@ def parse(text: str) -> TierCounters:
         if match is None:
             continue
         name, labels, value = match.group(1), match.group(2) or "", float(match.group(3))
-        if name == "pdserve_prefix_cache_hit_tokens_by_tier":
+        if name == "pdserve_prefix_cache_hits_by_tier_total":
             tier = re.search(r'tier="([a-z]+)"', labels)
             if tier and tier.group(1) in out.hit_tokens:
                 out.hit_tokens[tier.group(1)] += value
-        elif name == "pdserve_prefix_cache_queried_tokens":
+        elif name == "pdserve_prefix_cache_queries_total":
             out.queried_tokens += value
         elif name == "pdserve_prefill_tokens_per_second" and value > 0:
             out.prefill_rates.append(value)

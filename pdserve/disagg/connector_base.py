@@ -1,4 +1,4 @@
-"""What the prefill and decode connectors share: transfer statistics, the prompt digest, failing a request."""
+"""What the prefill and decode connectors share: transfer figures, the prompt digest, failing a request."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import hashlib
 import logging
 from array import array
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from pdserve.config.engine import EngineConfig
 from pdserve.engine.messages import RequestOutput
@@ -24,23 +23,6 @@ def prompt_digest(token_ids: list[int]) -> str:
     return hashlib.sha256(array("q", token_ids).tobytes()).hexdigest()[:16]
 
 
-@dataclass
-class TransferStats:
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    transfers_ok: int = 0
-    transfers_failed: int = 0
-    by_protocol: dict[str, int] = field(default_factory=dict)  # prefill side: completed transfers per transport
-    seconds: list[float] = field(default_factory=list)  # per finished transfer, drained by the stats call
-
-    def snapshot(self, refused_control_messages: int) -> PDStats:
-        """The counters as a message; the transfer times go with it (drained)."""
-        out = PDStats(self.bytes_sent, self.bytes_received, self.transfers_ok, self.transfers_failed, self.seconds,
-                      dict(self.by_protocol), refused_control_messages)
-        self.seconds = []
-        return out
-
-
 class ConnectorBase:
     port: int | None = None  # the control plane peers reach (a prefill instance sets it)
 
@@ -50,7 +32,7 @@ class ConnectorBase:
         self.scheduler = scheduler
         self.layout = layout
         self.clock = clock  # time.time; tests pass a fake one
-        self.transfer_stats = TransferStats()
+        self.transfer_stats = PDStats()  # only grows; `stats` sends a copy
 
     def during_step(self) -> None:
         """Nothing by default; the prefill side renews D's leases (see PrefillConnector)."""

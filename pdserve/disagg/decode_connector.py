@@ -47,7 +47,7 @@ from pdserve.engine.request import Request
 from pdserve.engine.request_output import final_output
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.scheduler_output import ScheduledChunk
-from pdserve.engine.stats import DecodeBufferStats, PDStats
+from pdserve.engine.stats import DecodeBufferStats, PDStats, copied
 from pdserve.kv.layout import KVLayout
 from pdserve.kv.transfer_plan import TransferPlan
 from pdserve.transport import Endpoint
@@ -86,10 +86,7 @@ class DecodeConnector(ConnectorBase):
         self.copies = copies or ServiceCopies(service)  # who swaps the buffer in (and copies staged KV in)
         self.buffer = BlockPool(buffer_blocks, enable_caching=False) if buffer_blocks else None
         self._buffered: deque[Incoming] = deque()  # BUFFERED, in the order their KV completed
-        self.swap_bytes = 0
-        self._swap_seconds: list[float] = []  # drained by the stats call, as the transfer seconds
-        self._buffer_waits: list[float] = []  # prefill done -> copy started
-        self.skipped_blocks = 0  # prompt blocks P did not send: D had them in its prefix cache
+        self.buffer_stats = DecodeBufferStats()
         self.control = DecodeControl(ctx)
         self.endpoints = endpoints
         self.service = service  # runs the receivers; reports what they refused
@@ -188,22 +185,17 @@ class DecodeConnector(ConnectorBase):
         return min(deadlines, default=None)
 
     def stats(self) -> PDStats:
-        out = self.transfer_stats.snapshot(self.control.refused)
-        out.queued_for_blocks = len(self._queue)
-        out.quarantined_blocks = sum(len(b) for _, b, _ in self._quarantine)
-        out.refused_connections = self.service.refused_connections
-        out.blocks_skipped = self.skipped_blocks
-        out.buffer = self._buffer_stats()
-        return out
+        return copied(self.transfer_stats, refused_control_messages=self.control.refused,
+                      queued_for_blocks=len(self._queue),
+                      quarantined_blocks=sum(len(b) for _, b, _ in self._quarantine),
+                      refused_connections=self.service.refused_connections, buffer=self._buffer_stats())
 
     def _buffer_stats(self) -> DecodeBufferStats | None:
         if self.buffer is None:
             return None
         buffered = sum(i.phase in (Phase.BUFFERED, Phase.SWAPPING_IN) for i in self._by_tid.values())
-        out = DecodeBufferStats(self.buffer.num_blocks, self.buffer.num_blocks - self.buffer.num_free_blocks,
-                                buffered, self.swap_bytes, self._swap_seconds, self._buffer_waits)
-        self._swap_seconds, self._buffer_waits = [], []
-        return out
+        return copied(self.buffer_stats, blocks=self.buffer.num_blocks,
+                      blocks_used=self.buffer.num_blocks - self.buffer.num_free_blocks, buffered_requests=buffered)
 
     def close(self) -> None:
         self.control.close()
@@ -242,7 +234,7 @@ class DecodeConnector(ConnectorBase):
             # Entries before skip_blocks name D's cached blocks; P never writes them.
             blocks = inc.cached + inc.buffer if self.buffer is not None else r.blocks
             skip = len(inc.cached) if self.buffer is not None else r.num_cached_tokens // self.layout.block_size
-            self.skipped_blocks += skip
+            self.transfer_stats.blocks_skipped += skip
             info = CacheInfo(inc.transfer_id, r.num_prompt_tokens, prompt_digest(r.prompt_token_ids),
                              [b.block_id for b in blocks], self.layout, inc.endpoints,
                              self.config.pd_transfer_timeout, inc.lease_deadline, skip, r.lora_name)
@@ -281,7 +273,7 @@ class DecodeConnector(ConnectorBase):
         self.transfer_stats.bytes_received += msg.nbytes
         self.transfer_stats.transfers_ok += 1
         if t.cache_info_sent is not None:
-            self.transfer_stats.seconds.append(t.prefill_done_received - t.cache_info_sent)
+            self.transfer_stats.transfer_seconds.observe(t.prefill_done_received - t.cache_info_sent)
         if self.buffer is not None:
             inc.move(Phase.BUFFERED)
             inc.done = msg
@@ -315,7 +307,7 @@ class DecodeConnector(ConnectorBase):
             r = inc.request
             r.times.swap_started = self.clock()
             if r.times.buffered is not None:
-                self._buffer_waits.append(r.times.swap_started - r.times.buffered)
+                self.buffer_stats.wait_seconds.observe(r.times.swap_started - r.times.buffered)
             skip = r.num_cached_tokens // self.layout.block_size
             self.copies.swap_in(inc.transfer_id, [b.block_id for b in inc.buffer],
                                 [b.block_id for b in r.blocks[skip:skip + len(inc.buffer)]])
@@ -325,8 +317,8 @@ class DecodeConnector(ConnectorBase):
         if inc is None or inc.phase is not Phase.SWAPPING_IN:
             return []
         self.buffer.free(inc.buffer)
-        self.swap_bytes += report.nbytes
-        self._swap_seconds.append(report.seconds)
+        self.buffer_stats.swap_in_bytes += report.nbytes
+        self.buffer_stats.swap_in_seconds.observe(report.seconds)
         if inc.request.is_finished:  # aborted while the copy ran; now its blocks can go
             self._release_held(inc)
             self._end(inc, Phase.ABORTED)

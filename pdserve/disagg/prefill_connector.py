@@ -40,7 +40,7 @@ from pdserve.engine.messages import PDParams, RequestOutput
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.scheduler_output import ScheduledChunk
-from pdserve.engine.stats import PDStats
+from pdserve.engine.stats import PDStats, copied
 from pdserve.kv.layout import KVLayout
 from pdserve.kv.transfer_plan import TransferPlan
 from pdserve.transport import Endpoint, choose_endpoint
@@ -173,7 +173,7 @@ class PrefillConnector(ConnectorBase):
                     for o in self._by_tid.values()), default=None)
 
     def stats(self) -> PDStats:
-        return self.transfer_stats.snapshot(self.control.refused)
+        return copied(self.transfer_stats, refused_control_messages=self.control.refused)
 
     def close(self) -> None:
         self.control.close()
@@ -269,9 +269,10 @@ class PrefillConnector(ConnectorBase):
         protocol = out.endpoint.protocol if out.endpoint is not None else "none"
         self._send(out, PrefillDone(out.transfer_id, token, logprobs, t.nbytes, times, protocol))
         self.transfer_stats.transfers_ok += 1
-        self.transfer_stats.by_protocol[protocol] = self.transfer_stats.by_protocol.get(protocol, 0) + 1
+        by_protocol = self.transfer_stats.transfers_by_protocol
+        by_protocol[protocol] = by_protocol.get(protocol, 0) + 1
         if t.first_write is not None and r.times.first_scheduled is not None:
-            self.transfer_stats.seconds.append(t.last_write - r.times.first_scheduled)
+            self.transfer_stats.transfer_seconds.observe(t.last_write - r.times.first_scheduled)
 
     def during_step(self) -> None:
         """A step (a long prefill on a slow CPU) may outlast D's lease: renew while it runs, or D gives

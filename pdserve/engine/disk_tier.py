@@ -14,21 +14,14 @@ This index lives in the engine, rebuilt at start from the folder's listing; the 
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pdserve.engine.stats import DiskTierStats
 from pdserve.kv.block_hash import BlockHash
 from pdserve.kv_events.events import DISK
 
 if TYPE_CHECKING:
     from pdserve.kv_events.recorder import KVEventRecorder
-
-
-@dataclass
-class DiskTierStats:
-    hit_blocks: int = 0  # blocks a prompt found here (after the device cache and the host tier)
-    misses: int = 0  # blocks listed here whose file was gone or damaged when read
-    load_seconds: float = 0.0  # the engine's wall time waiting for disk reads
 
 
 class DiskTier:

@@ -32,7 +32,7 @@ from pdserve.engine.request_output import error_output, final_output
 from pdserve.engine.role_connectors import RoleConnectors
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.scheduler_output import SchedulerOutput
-from pdserve.engine.stats import DiskTierStats, EngineStats, HostTierStats, PrefixCacheStats, PrefixPullStats
+from pdserve.engine.stats import EngineStats, copied
 from pdserve.engine.worker_client import WorkerClient
 from pdserve.kv.disk_writer import QUEUE_BYTES
 from pdserve.kv.layout import KVLayout
@@ -369,44 +369,26 @@ class EngineCore:
             self._finished_on_worker.append(request_id)
 
     def stats(self) -> EngineStats:
-        pool, prefix = self.kv.pool, self.kv.stats
+        """Copies of the components' figures (they go on adding to their own), gauges read now."""
+        pool, kv = self.kv.pool, self.kv
         return EngineStats(
             num_blocks=pool.num_blocks, free_blocks=pool.num_free_blocks, cached_blocks=pool.num_cached_blocks,
             kv_usage=pool.usage(), running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             preallocated=len(self.scheduler.preallocated), num_preemptions=self.scheduler.num_preemptions,
             num_steps=self.num_steps, num_computed_tokens=self.num_computed_tokens,
-            prefix_cache=PrefixCacheStats(prefix.requests, prefix.hit_requests, prefix.queried_tokens,
-                                          prefix.hit_tokens, dict(prefix.hit_tokens_by_tier)),
-            weights_loaded=self.weights_loaded, host_tier=self._host_tier_stats(), disk_tier=self._disk_tier_stats(),
-            prefix_pulls=self._prefix_pull_stats(), prefill_rate=self.load.prompt_step_rate,
-            spec_decode=self._spec_decode_stats(), pd=self.connector.stats())
-
-    def _prefix_pull_stats(self) -> PrefixPullStats | None:
-        cost = self.kv.pulls
-        if cost is None:
-            return None
-        s = cost.stats
-        return PrefixPullStats(s.pulls, s.pulled_blocks, s.failed, s.skipped, s.seconds, s.nbytes, cost.bandwidth)
+            prefix_cache=copied(kv.stats), weights_loaded=self.weights_loaded,
+            host_tier=None if kv.host is None else copied(kv.host.stats, blocks=kv.host.num_blocks,
+                                                          blocks_used=kv.host.num_used_blocks),
+            disk_tier=None if kv.disk is None else copied(kv.disk.stats, blocks=len(kv.disk),
+                                                          capacity_blocks=kv.disk.capacity_blocks),
+            prefix_pulls=None if kv.pulls is None else copied(kv.pulls.stats, bandwidth=kv.pulls.bandwidth),
+            prefill_rate=self.load.prompt_step_rate, spec_decode=self._spec_decode_stats(), pd=self.connector.stats())
 
     def _spec_decode_stats(self) -> SpecDecodeCounts | None:
         scheduler = self.scheduler
         if scheduler.proposer is None:
             return None
         return scheduler.spec_stats.counts(scheduler.controller.as_dict() if scheduler.controller is not None else {})
-
-    def _disk_tier_stats(self) -> DiskTierStats | None:
-        disk = self.kv.disk
-        if disk is None:
-            return None
-        return DiskTierStats(len(disk), disk.capacity_blocks, disk.stats.hit_blocks, disk.stats.misses,
-                             disk.stats.load_seconds)
-
-    def _host_tier_stats(self) -> HostTierStats | None:
-        host = self.kv.host
-        if host is None:
-            return None
-        return HostTierStats(host.num_blocks, host.num_used_blocks, host.stats.hit_blocks, host.stats.swap_in_blocks,
-                             host.stats.swap_out_blocks, host.stats.swap_in_seconds)
 
     def _utility(self, call: UtilityCall) -> tuple[UtilityResult, list[RequestOutput]]:
         """Answer a utility call; also returns outputs of requests it ended (clear_weights aborts all)."""

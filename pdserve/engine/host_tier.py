@@ -18,22 +18,14 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pdserve.engine.stats import HostTierStats
 from pdserve.kv.block_hash import BlockHash
 from pdserve.kv_events.events import HOST
 
 if TYPE_CHECKING:
     from pdserve.kv_events.recorder import KVEventRecorder
-
-
-@dataclass
-class HostTierStats:
-    hit_blocks: int = 0  # blocks a prompt found here (after the device cache)
-    swap_in_blocks: int = 0  # host -> device
-    swap_out_blocks: int = 0  # device -> host, completed
-    swap_in_seconds: float = 0.0  # the engine's wall time waiting for loads
 
 
 class HostTier:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pdserve.config.lora import lora_hash_root
@@ -23,6 +22,7 @@ from pdserve.engine.host_tier import HostTier
 from pdserve.engine.prefix_loads import LoadResult, PrefixLoad
 from pdserve.engine.prefix_pull import QUARANTINE_S, PullCost
 from pdserve.engine.request import Request
+from pdserve.engine.stats import PrefixCacheStats
 from pdserve.kv.block_hash import hash_block
 from pdserve.kv_events.events import DEVICE, DISK, HOST, BlockStored, KVEvent
 from pdserve.kv_events.recorder import KVEventRecorder
@@ -34,33 +34,12 @@ if TYPE_CHECKING:
 TIERS = (DEVICE_TIER, HOST_TIER, DISK_TIER, PULLED) = ("device", "host", "disk", "pulled")
 
 
-@dataclass
-class PrefixCacheStats:
-    requests: int = 0  # requests looked up
-    hit_requests: int = 0  # requests with at least one block served from the cache
-    queried_tokens: int = 0
-    hit_tokens: int = 0
-    hit_tokens_by_tier: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
-
-    def record(self, num_tokens: int, num_hit_tokens: int, by_tier: dict[str, int] | None = None) -> None:
-        self.requests += 1
-        self.hit_requests += num_hit_tokens > 0
-        self.queried_tokens += num_tokens
-        self.hit_tokens += num_hit_tokens
-        for tier, n in (by_tier or {DEVICE_TIER: num_hit_tokens}).items():
-            self.hit_tokens_by_tier[tier] += n
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
-
-
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
-        self.stats = PrefixCacheStats()
+        self.stats = PrefixCacheStats(hit_tokens_by_tier=dict.fromkeys(TIERS, 0))
         self.host: HostTier | None = None
         self.disk: DiskTier | None = None
         self.copier: BlockCopies | None = None

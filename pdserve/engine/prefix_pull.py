@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import msgspec
+
+from pdserve.engine.stats import PrefixPullStats
 
 
 class PullHint(msgspec.Struct, frozen=True):
@@ -33,23 +34,13 @@ QUARANTINE_S = 30.0  # after a pull's deadline, how long its host blocks stay un
 ALPHA = 0.3  # weight of a new bandwidth measurement
 
 
-@dataclass
-class PullStats:
-    pulls: int = 0  # pulls sent
-    pulled_blocks: int = 0  # blocks a pull brought
-    failed: int = 0  # pulls that brought nothing (holder gone, evicted, timed out, refused)
-    skipped: int = 0  # hints not followed: computing was cheaper
-    seconds: float = 0.0  # the engine's wall time waiting for pulls
-    nbytes: int = 0
-
-
 class PullCost:
     def __init__(self, block_bytes: int, block_size: int, prefill_rate: Callable[[], float]) -> None:
         self.block_bytes, self.block_size = block_bytes, block_size
         self._prefill_rate = prefill_rate
         self.bandwidth = SEED_BANDWIDTH
         self._measured = False
-        self.stats = PullStats()
+        self.stats = PrefixPullStats()
 
     @property
     def prefill_rate(self) -> float:

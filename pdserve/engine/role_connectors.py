@@ -10,6 +10,7 @@ the decode side, a switchable mixed instance the decode side as well as whole re
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 from pdserve.config.roles import Role
@@ -91,24 +92,8 @@ class RoleConnectors:
 
     def stats(self) -> PDStats | None:
         parts = [s for c in self.connectors.values() if (s := c.stats()) is not None]
-        return merged(parts) if parts else None
+        return functools.reduce(PDStats.merged, parts) if parts else None
 
     def close(self) -> None:
         for c in self.connectors.values():
             c.close()
-
-
-def merged(parts: list[PDStats]) -> PDStats:
-    """Both sides' counters as one instance's (each side counts only its own transfers)."""
-    if len(parts) == 1:
-        return parts[0]
-    by_protocol: dict[str, int] = {}
-    for p in parts:
-        for protocol, n in p.transfers_by_protocol.items():
-            by_protocol[protocol] = by_protocol.get(protocol, 0) + n
-    return PDStats(sum(p.bytes_sent for p in parts), sum(p.bytes_received for p in parts),
-                   sum(p.transfers_ok for p in parts), sum(p.transfers_failed for p in parts),
-                   [s for p in parts for s in p.transfer_seconds], by_protocol,
-                   sum(p.refused_control_messages for p in parts), sum(p.queued_for_blocks for p in parts),
-                   sum(p.quarantined_blocks for p in parts), sum(p.refused_connections for p in parts),
-                   sum(p.blocks_skipped for p in parts), next((p.buffer for p in parts if p.buffer), None))
