@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.block_pool import BlockPool, KVBlocksLeaked
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.request import Request
 from pdserve.engine.stats import PrefixCacheStats
@@ -197,10 +197,10 @@ def test_check_all_free_detects_a_leak() -> None:
     pool = BlockPool(4)
     pool.check_all_free()
     blocks = pool.allocate(2)
-    with pytest.raises(AssertionError, match="leaked"):
+    with pytest.raises(KVBlocksLeaked, match="leaked"):
         pool.check_all_free()
     pool.free(blocks[:1])
-    with pytest.raises(AssertionError, match=str(blocks[1].block_id)):
+    with pytest.raises(KVBlocksLeaked, match=str(blocks[1].block_id)):
         pool.check_all_free()
     pool.free(blocks[1:])
     pool.check_all_free()

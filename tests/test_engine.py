@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from pdserve import LLM, SamplingParams
+from pdserve.engine.messages import ClearWeights, LoadWeights, ResetPrefixCache
 from tests.greedy import assert_same_greedy
 
 pytestmark = pytest.mark.e2e  # starts pdserve processes or loads the model: not in `make test-fast`
@@ -55,7 +56,7 @@ def test_prefix_cache_computes_only_the_rest(llm):
     first = shared + tok.encode(" Question one: what is the capital of Italy?")
     second = shared + tok.encode(" Question two: name the first month of the year.")  # no near tie in 8 tokens
     one_token = SamplingParams(temperature=0, max_tokens=1)
-    llm.engine.call("reset_prefix_cache")
+    llm.engine.call(ResetPrefixCache())
     llm.generate({"prompt_token_ids": first}, one_token, use_tqdm=False)
     before = llm.stats()
     out = llm.generate({"prompt_token_ids": second}, SamplingParams(temperature=0, max_tokens=8, logprobs=2),
@@ -65,7 +66,7 @@ def test_prefix_cache_computes_only_the_rest(llm):
     assert after.prefix_cache.hit_tokens - before.prefix_cache.hit_tokens == 48
     # prompt minus the cached prefix, plus 7 decode steps
     assert after.num_computed_tokens - before.num_computed_tokens == len(second) - 48 + 7
-    llm.engine.call("reset_prefix_cache")
+    llm.engine.call(ResetPrefixCache())
     fresh = llm.generate({"prompt_token_ids": second}, SamplingParams(temperature=0, max_tokens=8, logprobs=2),
                          use_tqdm=False)[0]
     assert fresh.num_cached_tokens == 0
@@ -179,11 +180,11 @@ def test_clear_and_reload_weights_gives_the_same_output(llm):
     params = SamplingParams(temperature=0, max_tokens=16)
     before = llm.chat(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
     segments = _shm_segments()
-    llm.engine.call("clear_weights")
+    llm.engine.call(ClearWeights())
     assert len(segments - _shm_segments()) == 1, "clearing frees the KV cache segment with the weights"
     assert llm.stats().weights_loaded is False
     with pytest.raises(ValueError, match="weights are cleared"):
         llm.chat(prompt, params, use_tqdm=False)
-    llm.engine.call("load_weights")
+    llm.engine.call(LoadWeights())
     assert llm.chat(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == before
     llm.check_idle()

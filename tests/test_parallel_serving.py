@@ -200,7 +200,7 @@ def test_dp2_spreads_requests_answers_the_same_and_heals_a_dead_rank(tiny, tmp_p
         served = 'pdserve_data_parallel_requests_total{{dp_rank="{}"}}'
         wait_for(lambda: all(metrics(server.metrics_port).get(served.format(r), 0) > 0 for r in (0, 1)), 5,
                  "requests did not land on both ranks")
-        engines = server.children("pdserve.engine")
+        engines = server.children("pdserve.instance.engine_process")
         assert len(engines) == 2
         if len(os.sched_getaffinity(0)) == 2:  # each rank's engine (and its worker) on a core of its own
             assert sorted(e.cpu_affinity() for e in engines) == [[0], [1]]

@@ -81,7 +81,7 @@ def test_a_killed_server_takes_its_children_within_5_s_and_leaves_nothing(tmp_pa
         wait_for(lambda: _ready(log) or proc.poll() is not None, 180, "it did not start serving")
         children = psutil.Process(proc.pid).children(recursive=True)
         names = {" ".join(c.cmdline()[2:3]) for c in children}
-        assert {"pdserve.engine", "pdserve.worker", "pdserve.disagg.cache_service"} <= names, names
+        assert {"pdserve.instance.engine_process", "pdserve.worker", "pdserve.disagg.cache_service"} <= names, names
         proc.kill()
         killed = time.monotonic()
         wait_for(lambda: not _session(proc.pid), 5, "children outlived their server by 5 s")

@@ -20,8 +20,10 @@ from pdserve.engine.messages import (
     EngineDead,
     EngineMessage,
     EngineOutputs,
+    GetStats,
     PDParams,
     RequestOutput,
+    Utility,
     UtilityCall,
     UtilityResult,
 )
@@ -93,14 +95,14 @@ class AsyncEngine:
         if request_ids and self.healthy:
             await self._send(AbortRequests(request_ids))
 
-    async def call(self, method: str, timeout: float = 10.0, args: dict[str, str] | None = None) -> Any:
+    async def call(self, utility: Utility, timeout: float = 10.0) -> Any:
         if not self.healthy:
             raise EngineError(self.error or "the engine process is not running")
         call_id = next(self._call_ids)
         future: asyncio.Future[dict] = asyncio.get_running_loop().create_future()
         self._calls[call_id] = future
         try:
-            await self._send(UtilityCall(call_id, method, args or {}))
+            await self._send(UtilityCall(call_id, utility))
             return await asyncio.wait_for(future, timeout)
         finally:
             self._calls.pop(call_id, None)
@@ -108,7 +110,7 @@ class AsyncEngine:
     async def stats_by_rank(self) -> list[tuple[int, EngineStats | None]]:
         """The engine's `stats`, as the one data-parallel rank (None when it cannot answer)."""
         try:
-            return [(0, await self.call("stats"))]
+            return [(0, await self.call(GetStats()))]
         except (EngineError, TimeoutError):
             return [(0, None)]
 

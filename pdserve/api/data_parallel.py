@@ -20,7 +20,7 @@ from pdserve.api.async_engine import AsyncEngine
 from pdserve.balancing.policies import CacheAware, RoutedRequest
 from pdserve.config.engine import EngineConfig
 from pdserve.engine.engine_client import EngineClient, EngineError
-from pdserve.engine.messages import PDParams, RequestOutput
+from pdserve.engine.messages import GetStats, PDParams, RequestOutput, Utility
 from pdserve.engine.prefix_pull import PullHint
 from pdserve.engine.stats import EngineStats
 from pdserve.sampling import SamplingParams
@@ -134,10 +134,10 @@ class DataParallelEngine:
         for r, ids in by_rank.items():
             await self.ranks[r].engine.abort(ids)
 
-    async def call(self, method: str, timeout: float = 10.0, args: dict[str, str] | None = None) -> dict:
+    async def call(self, utility: Utility, timeout: float = 10.0) -> dict:
         """Every rank's utility call (clearing and loading weights: the server's weights, whichever path it came
         by), their counts summed."""
-        results = [await r.engine.call(method, timeout, args) for r in self.ranks]
+        results = [await r.engine.call(utility, timeout) for r in self.ranks]
         merged: dict = {}
         for result in results:
             for key, value in result.items():
@@ -148,7 +148,7 @@ class DataParallelEngine:
         out = []
         for r in self.ranks:
             try:
-                out.append((r.rank, await r.engine.call("stats") if r.healthy else None))
+                out.append((r.rank, await r.engine.call(GetStats()) if r.healthy else None))
             except (EngineError, TimeoutError):
                 out.append((r.rank, None))
         return out

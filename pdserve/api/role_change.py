@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import httpx
 
 from pdserve.engine.engine_client import EngineError
+from pdserve.engine.messages import GetStats, SetRole
 from pdserve.http.members import post_signed
 
 if TYPE_CHECKING:
@@ -84,12 +85,12 @@ class RoleChanger:
 
     async def _in_flight(self) -> int:
         """The requests this server answers, or the engine holds if more (a PD side's is the engine's alone)."""
-        stats = await self.engine.call("stats")
+        stats = await self.engine.call(GetStats())
         return max(self.in_flight(), stats.running + stats.waiting + stats.preallocated)
 
     async def _switch(self, role: str) -> dict:
         try:
-            return await self.engine.call("set_role", args={"role": role}, timeout=30)
+            return await self.engine.call(SetRole(role), timeout=30)
         except EngineError as e:
             raise RoleChangeFailed(f"the engine refused: {e}", 500) from None
 

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 import httpx
 
 from pdserve.bench_serve.datasets import BenchRequest
+from pdserve.http.errors import read_error
 
 
 @dataclass
@@ -113,7 +114,5 @@ def _text(choice: dict) -> str:
 
 
 def _message(text: str) -> str:
-    try:
-        return json.loads(text)["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        return text.strip()[:300]
+    error = read_error(text)
+    return str(error.get("message")) if error is not None and "message" in error else text.strip()[:300]

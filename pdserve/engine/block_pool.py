@@ -29,6 +29,10 @@ class Block:
     block_hash: BlockHash | None = None
 
 
+class KVBlocksLeaked(Exception):
+    """An idle engine's check found blocks still held."""
+
+
 class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
         if num_blocks < 1:
@@ -122,4 +126,4 @@ class BlockPool:
         """Debug check for an idle engine: every block free, none leaked."""
         leaked = [b.block_id for b in self.blocks if b.ref_cnt != 0]
         if leaked or self.num_free_blocks != self.num_blocks:
-            raise AssertionError(f"KV blocks leaked: {leaked[:10]} (free {self.num_free_blocks}/{self.num_blocks})")
+            raise KVBlocksLeaked(f"KV blocks leaked: {leaked[:10]} (free {self.num_free_blocks}/{self.num_blocks})")

@@ -25,12 +25,16 @@ from pdserve.engine.messages import (
     EngineReady,
     RequestOutput,
     Shutdown,
+    Utility,
     UtilityCall,
     UtilityResult,
 )
 from pdserve.sampling import SamplingParams
 from pdserve.utils.process import child_env, stop_process
 from pdserve.utils.stale_ipc import ipc_folder_prefix, sweep_stale
+
+# The engine process's entry (named, not imported: the instance package composes the engine and sits above it)
+ENGINE_MODULE = "pdserve.instance.engine_process"
 
 
 class EngineError(RuntimeError):
@@ -60,7 +64,7 @@ class EngineClient:
         self.outputs = self.ctx.socket(zmq.PULL)
         self.outputs.setsockopt(zmq.LINGER, 0)
         self.outputs.bind(f"ipc://{Path(self._dir) / 'output'}")
-        self.proc = subprocess.Popen([sys.executable, "-m", "pdserve.engine", "--config", config.encode(),
+        self.proc = subprocess.Popen([sys.executable, "-m", ENGINE_MODULE, "--config", config.encode(),
                                       "--input", f"ipc://{Path(self._dir) / 'input'}",
                                       "--output", f"ipc://{Path(self._dir) / 'output'}",
                                       "--model-name", model_name, "--sockdir", str(Path(self._dir) / "engine")],
@@ -115,14 +119,14 @@ class EngineClient:
             raise EngineError(f"the engine died: {msg.error}")
         return []
 
-    def call(self, method: str, timeout: float = 60.0, args: dict[str, str] | None = None) -> Any:
-        """A utility call (stats, check_idle, reset_prefix_cache, load_lora ...); outputs that arrive meanwhile
+    def call(self, utility: Utility, timeout: float = 60.0) -> Any:
+        """A utility call (GetStats, CheckIdle, ResetPrefixCache, LoadLoRA ...); outputs that arrive meanwhile
         are kept."""
         call_id = next(self._call_ids)
-        self._send(UtilityCall(call_id, method, args or {}))
+        self._send(UtilityCall(call_id, utility))
         deadline = time.monotonic() + timeout
         while True:
-            msg = self._receive(max(deadline - time.monotonic(), 0.0), f"answer {method}")
+            msg = self._receive(max(deadline - time.monotonic(), 0.0), f"answer {type(utility).__name__}")
             if isinstance(msg, UtilityResult) and msg.call_id == call_id:
                 if msg.error is not None:
                     raise EngineError(msg.error)

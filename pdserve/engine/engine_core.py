@@ -16,36 +16,31 @@ from pdserve.admission.load import LoadReport, LoadTracker
 from pdserve.config.engine import EngineConfig
 from pdserve.config.roles import Role
 from pdserve.engine.block_copies import BlockCopies
+from pdserve.engine.intake import Intake
 from pdserve.engine.kv_connector import CacheService, KVConnector, NoCacheService
 from pdserve.engine.messages import (
-    AbortRequests,
-    AddRequest,
     EngineInput,
     EngineOutputs,
     RequestOutput,
     Shutdown,
     UtilityCall,
-    UtilityResult,
 )
 from pdserve.engine.request import Request
 from pdserve.engine.request_output import error_output, final_output
 from pdserve.engine.role_connectors import RoleConnectors
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.scheduler_output import SchedulerOutput
-from pdserve.engine.stats import EngineStats, copied
-from pdserve.engine.worker_client import WorkerClient
-from pdserve.kv.disk_writer import QUEUE_BYTES
+from pdserve.engine.tier_upkeep import TierUpkeep
+from pdserve.engine.utilities import EngineUtilities
+from pdserve.engine.worker_client import WorkerClient, WorkerFailed
 from pdserve.kv.layout import KVLayout
 from pdserve.kv.transfer_plan import TransferPlan
 from pdserve.kv_events.publisher import KVEventPublisher
-from pdserve.spec_decode.stats import SpecDecodeCounts
 from pdserve.utils.child_process import ChildDied
 from pdserve.utils.process import raise_if_stopping
 from pdserve.worker.protocol import Chunk, ExecuteStep, NewRequest, StepResult
 
 log = logging.getLogger("pdserve.engine")
-
-DISK_DUMP_S = 8.0  # a clean stop's writes to the disk tier, at most (the API server waits 15 s for the engine)
 
 
 def _prompt_and_decode_work(out: SchedulerOutput) -> tuple[int, int]:
@@ -88,6 +83,9 @@ class EngineCore:
         self.load = LoadTracker(config.max_num_seqs, config.max_num_batched_tokens)
         self._load_sent = 0.0  # monotonic time of the last report
         self._load_idle_sent = False  # the report after the last work went out
+        self.tiers = TierUpkeep(self.kv, copies, self.cache_service, layout.block_bytes, self._run_copies_only)
+        self.intake = Intake(self)
+        self.utilities = EngineUtilities(self)
 
     # ---- the loop ------------------------------------------------------------------------------
 
@@ -110,19 +108,19 @@ class EngineCore:
                 msg = decoder.decode(inputs.recv())
                 timeout = 0
                 if isinstance(msg, Shutdown):
-                    self._write_tiers_to_disk()
+                    self.tiers.write_to_disk_at_stop()
                     return
                 if isinstance(msg, UtilityCall):
-                    result, aborted = self._utility(msg)
+                    result, aborted = self.utilities.answer(msg)
                     if aborted:
                         outputs.send(encoder.encode(EngineOutputs(aborted)))
                     outputs.send(encoder.encode(result))
                 else:
-                    pending.extend(self._handle(msg))
+                    pending.extend(self.intake.handle(msg))
             if not self.worker.alive():
                 raise ChildDied(self.worker.exit_message())  # no traceback
             self._check_cache_service()
-            self._poll_host_tier()
+            self.tiers.poll()
             self.scheduler.poll_loads()
             pending.extend(self._poll_connector())
             if self.scheduler.has_work or self.copies.pending:
@@ -165,46 +163,6 @@ class EngineCore:
             self.kv_events.publish(self.kv.events.take())
             self.kv_events.serve_replays()
 
-    def _poll_host_tier(self) -> None:
-        """Saves to the host tier that completed give their device blocks back; disk writes that finished
-        make their blocks readable from the disk tier."""
-        if self.kv.host is not None:
-            for save_id, host_blocks in self.copies.blocks_saved():
-                self.kv.saved(save_id, host_blocks)
-        if self.kv.disk is not None and (done := self.copies.disk_written()) != ([], []):
-            self.kv.disk_written(*done)
-
-    def _write_tiers_to_disk(self, timeout: float = DISK_DUMP_S) -> None:
-        """A clean stop with a disk tier: the prefix blocks of the device cache and the host tier that the disk
-        lacks are written, for `timeout` seconds at most, so that a restart comes back with all it had."""
-        if self.kv.disk is None:
-            return
-        start = time.monotonic()
-        ordered: set[bytes] = set()
-        queue = QUEUE_BYTES // self.layout.block_bytes  # what the cache service's writer takes at once
-        while time.monotonic() - start < timeout:
-            more = self.kv.write_tiers_to_disk(ordered, queue // 2 - self.kv.disk_writes_in_flight)
-            if not more and not self.kv.saves_in_flight and not self.kv.disk_writes_in_flight:
-                break
-            if self.copies.pending:
-                self._run_copies_only()
-            else:
-                zmq.select(self.cache_service.sockets, [], [], 0.05)
-            self._poll_host_tier()
-        left = self.kv.saves_in_flight + self.kv.disk_writes_in_flight
-        log.info("disk KV tier: %d blocks the disk lacked ordered written at stop, in %.1f s%s", len(ordered),
-                 time.monotonic() - start, f"; {left} unfinished when the time ran out" if left else "")
-
-    def _wait_for_host_saves(self, timeout: float = 10.0) -> None:
-        """Until no device block is held for a copy to the host tier (they are seconds at most)."""
-        deadline = time.monotonic() + timeout
-        while self.kv.saves_in_flight and time.monotonic() < deadline:
-            if self.copies.pending:
-                self._run_copies_only()
-            else:
-                zmq.select(self.copies.sockets, [], [], 0.05)
-            self._poll_host_tier()
-
     def _run_copies_only(self) -> None:
         """A step with no chunks, for copies nothing scheduled would carry (a swap-in on an idle D,
         host-tier saves after the last request)."""
@@ -226,37 +184,6 @@ class EngineCore:
         if deadline is None or deadline == float("inf"):
             return self.IDLE_POLL_MS
         return max(0, min(self.IDLE_POLL_MS, int((deadline - time.time()) * 1000) + 1))
-
-    def _handle(self, msg: AddRequest | AbortRequests) -> list[RequestOutput]:
-        if isinstance(msg, AbortRequests):
-            return [final_output(r) for rid in msg.request_ids if (r := self.abort(rid)) is not None]
-        if not self.weights_loaded:
-            return [RequestOutput(msg.request_id, [], finish_reason="error",
-                                  error="the model weights are cleared; POST /update_model_weight loads them",
-                                  error_status=503,
-                                  num_prompt_tokens=len(msg.prompt_token_ids))]
-        if msg.lora_name is not None and msg.lora_name not in self.loras:  # unloaded since the API checked it
-            return [RequestOutput(msg.request_id, [], finish_reason="error",
-                                  error=f"the LoRA adapter '{msg.lora_name}' is not loaded",
-                                  num_prompt_tokens=len(msg.prompt_token_ids))]
-        request = Request(msg.request_id, msg.prompt_token_ids, msg.params, tuple(msg.eos_token_ids),
-                          num_resumed=msg.num_resumed, priority=msg.priority, lora_name=msg.lora_name,
-                          kv_pull=msg.kv_pull if self.kv.pulls is not None else None)
-        request.times.arrival = msg.arrival_time
-        if msg.trace_steps:
-            request.times.steps = []
-        try:
-            if msg.pd is None:
-                self.scheduler.add_request(request)
-                return []
-            if msg.params.prompt_logprobs is not None:
-                raise ValueError("prompt logprobs (echo with logprobs, prompt_logprobs) are not served by a PD pair: "
-                                 "send the request without `pd`, to one instance (pdserve's router does)")
-            return self.connector.add_request(request, msg.pd)
-        except ValueError as e:
-            return [RequestOutput(msg.request_id, [], finish_reason="error", error=str(e),
-                                  num_prompt_tokens=len(msg.prompt_token_ids))]
-        return []
 
     def abort(self, request_id: str) -> Request | None:
         request = self.connector.abort(request_id) or self.scheduler.abort(request_id)
@@ -295,11 +222,7 @@ class EngineCore:
         self._finished_on_worker = []
         try:
             result = self.worker.execute(step, while_waiting=self._during_step)
-        except ChildDied:  # the worker or the cache service is gone: so is this engine
-            raise
-        except RuntimeError as e:
-            if not self.worker.alive():
-                raise
+        except WorkerFailed as e:
             self.copies.done([c.copy_id for c in copies])
             raise StepFailed(str(e)) from None
         self.copies.done(result.copies_done)
@@ -367,97 +290,3 @@ class EngineCore:
         if request_id in self._on_worker:
             self._on_worker.discard(request_id)
             self._finished_on_worker.append(request_id)
-
-    def stats(self) -> EngineStats:
-        """Copies of the components' figures (they go on adding to their own), gauges read now."""
-        pool, kv = self.kv.pool, self.kv
-        return EngineStats(
-            num_blocks=pool.num_blocks, free_blocks=pool.num_free_blocks, cached_blocks=pool.num_cached_blocks,
-            kv_usage=pool.usage(), running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
-            preallocated=len(self.scheduler.preallocated), num_preemptions=self.scheduler.num_preemptions,
-            num_steps=self.num_steps, num_computed_tokens=self.num_computed_tokens,
-            prefix_cache=copied(kv.stats), weights_loaded=self.weights_loaded,
-            host_tier=None if kv.host is None else copied(kv.host.stats, blocks=kv.host.num_blocks,
-                                                          blocks_used=kv.host.num_used_blocks),
-            disk_tier=None if kv.disk is None else copied(kv.disk.stats, blocks=len(kv.disk),
-                                                          capacity_blocks=kv.disk.capacity_blocks),
-            prefix_pulls=None if kv.pulls is None else copied(kv.pulls.stats, bandwidth=kv.pulls.bandwidth),
-            prefill_rate=self.load.prompt_step_rate, spec_decode=self._spec_decode_stats(), pd=self.connector.stats())
-
-    def _spec_decode_stats(self) -> SpecDecodeCounts | None:
-        scheduler = self.scheduler
-        if scheduler.proposer is None:
-            return None
-        return scheduler.spec_stats.counts(scheduler.controller.as_dict() if scheduler.controller is not None else {})
-
-    def _utility(self, call: UtilityCall) -> tuple[UtilityResult, list[RequestOutput]]:
-        """Answer a utility call; also returns outputs of requests it ended (clear_weights aborts all)."""
-        aborted: list[RequestOutput] = []
-        try:
-            if call.method == "clear_weights":
-                aborted = [final_output(r) for rid in list(self.scheduler.requests) if (r := self.abort(rid))]
-                self.kv.reset_prefix_cache()  # cached KV dies with the cache memory
-                self.weights_loaded = False
-                while self.copies.pending:  # the aborts' host-tier saves, while the cache still exists
-                    self._run_copies_only()
-                self._poll_host_tier()
-                self.worker.weights("clear")
-                self.cache_service.worker_cache_freed()
-                return UtilityResult(call.call_id, {"aborted": len(aborted)}), aborted
-            if call.method == "set_role":
-                return self._set_role(call), []
-            if call.method in ("load_lora", "unload_lora"):
-                return self._lora(call), []
-            if call.method == "load_weights":
-                ok = self.worker.weights("load")
-                self.cache_service.worker_cache_created(self.layout, ok.kv_cache_name)
-                self.weights_loaded = True
-                return UtilityResult(call.call_id, {}), []
-        except RuntimeError as e:  # the worker reported a failure; it is still alive
-            return UtilityResult(call.call_id, error=str(e)), aborted
-        return self._query(call), []
-
-    def _set_role(self, call: UtilityCall) -> UtilityResult:
-        """Change role in place (--enable-role-switch): the weights and the KV cache (its prefix index too) stay,
-        and what is in flight goes on (role_connectors.py)."""
-        try:
-            role = Role(call.args.get("role", ""))
-        except ValueError:
-            return UtilityResult(call.call_id, error=f"role must be one of {', '.join(Role)}")
-        if (why := self.connector.can_take(role)) is not None:
-            return UtilityResult(call.call_id, error=why)
-        before, self.connector.role = self.connector.role, role
-        self.scheduler.set_role(role)
-        log.info("role changed in place: %s -> %s (%d requests and %d transfers in flight go on)", before, role,
-                 self.scheduler.num_unfinished, self.connector.held)
-        return UtilityResult(call.call_id, {"role": str(role), "sides": self.connector.sides})
-
-    def _lora(self, call: UtilityCall) -> UtilityResult:
-        name = call.args.get("name", "")
-        if call.method == "unload_lora":
-            in_use = sum(1 for r in self.scheduler.requests.values() if r.lora_name == name)
-            if in_use:
-                return UtilityResult(call.call_id, error=f"LoRA adapter {name!r} is in use by {in_use} requests")
-            self.worker.lora("unload", name)
-            self.loras.discard(name)
-        else:
-            self.worker.lora("load", name, call.args.get("path", ""))
-            self.loras.add(name)
-        return UtilityResult(call.call_id, {})
-
-    def _query(self, call: UtilityCall) -> UtilityResult:
-        try:
-            if call.method == "stats":
-                return UtilityResult(call.call_id, stats=self.stats())
-            if call.method == "check_idle":
-                if self.scheduler.num_unfinished:
-                    raise AssertionError(f"{self.scheduler.num_unfinished} requests are still unfinished")
-                self._wait_for_host_saves()
-                self.kv.pool.check_all_free()
-                return UtilityResult(call.call_id, stats=self.stats())
-            if call.method == "reset_prefix_cache":
-                self.kv.reset_prefix_cache()
-                return UtilityResult(call.call_id, {})
-            raise ValueError(f"unknown utility method {call.method!r}")
-        except (AssertionError, ValueError) as e:
-            return UtilityResult(call.call_id, error=str(e))

@@ -9,7 +9,7 @@ import time
 from pdserve.admission.calibration import CONTEXT, REPEATS, calibration_plan
 from pdserve.admission.load import LoadTracker
 from pdserve.config.engine import EngineConfig
-from pdserve.engine.worker_client import WorkerClient
+from pdserve.engine.worker_client import WorkerClient, WorkerDied, WorkerFailed
 from pdserve.worker.protocol import CalibrateCommand
 
 log = logging.getLogger("pdserve.engine")
@@ -28,7 +28,7 @@ def calibrate_load(tracker: LoadTracker, worker: WorkerClient, config: EngineCon
                                REPEATS)
     try:
         timed = worker.calibrate(command, config.startup_timeout)
-    except RuntimeError as e:
+    except (WorkerFailed, WorkerDied) as e:
         log.warning("load calibration failed, admission waits for real steps: %s", e)
         return
     tracker.calibrate([(s.decodes, s.prompt_tokens, t) for s, t in zip(plan, timed.seconds, strict=True)])

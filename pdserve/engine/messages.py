@@ -47,12 +47,47 @@ class AbortRequests(msgspec.Struct, tag=True):
     request_ids: list[str]
 
 
+class GetStats(msgspec.Struct, tag=True):
+    """Answered with the engine's figures (UtilityResult.stats)."""
+
+
+class CheckIdle(msgspec.Struct, tag=True):
+    """A debug check for an idle engine: nothing unfinished, every KV block free; answered with the figures."""
+
+
+class ResetPrefixCache(msgspec.Struct, tag=True):
+    pass
+
+
+class ClearWeights(msgspec.Struct, tag=True):
+    """Abort everything, free the weights and the KV cache (POST /clear_load_weight)."""
+
+
+class LoadWeights(msgspec.Struct, tag=True):
+    """Load the weights and make the KV cache again (POST /update_model_weight)."""
+
+
+class SetRole(msgspec.Struct, tag=True):
+    role: str  # mixed, prefill or decode (--enable-role-switch)
+
+
+class LoadLoRA(msgspec.Struct, tag=True):
+    name: str
+    path: str
+
+
+class UnloadLoRA(msgspec.Struct, tag=True):
+    name: str
+
+
+Utility = GetStats | CheckIdle | ResetPrefixCache | ClearWeights | LoadWeights | SetRole | LoadLoRA | UnloadLoRA
+
+
 class UtilityCall(msgspec.Struct, tag=True):
-    """A synchronous call answered by a UtilityResult with the same call_id (stats, debug checks)."""
+    """A synchronous call answered by a UtilityResult with the same call_id."""
 
     call_id: int
-    method: str
-    args: dict[str, str] = {}
+    call: Utility
 
 
 class Shutdown(msgspec.Struct, tag=True):

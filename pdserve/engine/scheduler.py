@@ -33,7 +33,7 @@ from pdserve.engine.waiting_queue import WaitingQueue
 from pdserve.sampling import check_stop
 from pdserve.spec_decode.controller import SpeculationController
 from pdserve.spec_decode.ngram_proposer import NgramProposer
-from pdserve.spec_decode.stats import SpecDecodeStats
+from pdserve.spec_decode.stats import SpecDecodeCounts, SpecDecodeStats
 
 _ENGINE = EngineConfig()  # the scheduler's defaults are the engine's
 
@@ -97,6 +97,12 @@ class Scheduler:
         self.config = replace(self.config, role=role)
         if self.proposer is None:
             self._speculate(self.config)
+
+    def spec_decode_counts(self) -> SpecDecodeCounts | None:
+        """Proposals and acceptances so far (None: this instance does not speculate)."""
+        if self.proposer is None:
+            return None
+        return self.spec_stats.counts(self.controller.as_dict() if self.controller is not None else {})
 
     # ---- admission and removal -------------------------------------------------------------
 

@@ -35,6 +35,11 @@ from pdserve.worker.protocol import (
 WorkerDied = ChildDied
 
 
+class WorkerFailed(Exception):
+    """The worker reported that it could not do what it was asked (a step, a LoRA adapter, loading weights);
+    it is alive and takes the next command. Its death is WorkerDied."""
+
+
 class WorkerClient:
     def __init__(self, config: EngineConfig, ctx: zmq.Context, address: str) -> None:
         """`address` is rank 0's socket; rank r's is `address` + r (for r > 0)."""
@@ -88,32 +93,32 @@ class WorkerClient:
         results = [rank.receive(None, what="finish a step", while_waiting=waiting, poll_ms=50) for rank in self.ranks]
         for msg in results:
             if isinstance(msg, WorkerError):
-                raise RuntimeError(msg.error)
+                raise WorkerFailed(msg.error)
         assert isinstance(results[0], StepResult)
         return results[0]
 
     def weights(self, action: str) -> WorkerOk:
         """Free or load every rank's weights; on a load, rank 0 makes the shared cache again first."""
         self.child.send(WeightsCommand(action))
-        ok = self._expect(self.child, WorkerOk, None, f"{action} its weights", RuntimeError)
+        ok = self._expect(self.child, WorkerOk, None, f"{action} its weights", WorkerFailed)
         for rank in self.ranks[1:]:
             rank.send(WeightsCommand(action, ok.kv_cache_name))
-            self._expect(rank, WorkerOk, None, f"{action} its weights", RuntimeError)
+            self._expect(rank, WorkerOk, None, f"{action} its weights", WorkerFailed)
         return ok
 
     def calibrate(self, command: CalibrateCommand, timeout: float) -> Calibration:
         """Every rank times the same steps (they meet in the all-reduces); the first rank's times."""
         for rank in self.ranks:
             rank.send(command)
-        times = [self._expect(rank, Calibration, timeout, "time the calibration steps", RuntimeError)
+        times = [self._expect(rank, Calibration, timeout, "time the calibration steps", WorkerFailed)
                  for rank in self.ranks]
         return times[0]
 
     def lora(self, action: str, name: str, path: str = "") -> None:
-        """Load or unload a LoRA adapter on every rank; a RuntimeError says why one could not."""
+        """Load or unload a LoRA adapter on every rank; WorkerFailed says why one could not."""
         for rank in self.ranks:
             rank.send(LoRACommand(action, name, path))
-            self._expect(rank, WorkerOk, None, f"{action} LoRA adapter {name!r}", RuntimeError)
+            self._expect(rank, WorkerOk, None, f"{action} LoRA adapter {name!r}", WorkerFailed)
 
     def alive(self) -> bool:
         return all(rank.alive() for rank in self.ranks)

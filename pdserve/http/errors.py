@@ -16,6 +16,15 @@ def error_body(message: str, status: int, err_type: str = "invalid_request_error
     return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
 
 
+def read_error(body: bytes | str | dict[str, Any]) -> dict[str, Any] | None:
+    """The `error` object of an OpenAI error body, or None when the body is not one."""
+    try:
+        error = (body if isinstance(body, dict) else json.loads(body)).get("error")
+    except (ValueError, AttributeError):
+        return None
+    return error if isinstance(error, dict) else None
+
+
 REQUEST_ID_HEADER = "x-request-id"  # the client's id for a request, else the router's; passed on to instances
 
 
@@ -23,10 +32,7 @@ def explain_error(log: logging.Logger, counter: Any, method: str, path: str, req
                   body: bytes | dict[str, Any]) -> None:
     """Log an error answer at INFO (what was asked, its id, status, type and message) and count it by type:
     the log alone says what happened to a request that got no answer."""
-    try:
-        error = (json.loads(body) if isinstance(body, bytes) else body).get("error") or {}
-    except (ValueError, AttributeError):
-        error = {}
+    error = read_error(body) or {}
     reason = str(error.get("type") or f"http_{status}")
     counter.labels(reason).inc()
     verb = "refused" if status < 500 else "failed"

@@ -20,9 +20,10 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from pdserve.utils.shm_room import shm_room
 
@@ -64,29 +65,38 @@ PROFILE_THEN_SERVICE = (_W, _C, Step.SERVICE_CREATES_CACHE, Step.WORKER_ATTACHES
 SERVICE_FIRST = (_C, Step.SERVICE_CREATES_CACHE, _W, Step.WORKER_ATTACHES)
 DEVICE_CACHE = (_W, _C, Step.SERVICE_CREATES_HOST_MEMORY, Step.WORKER_CREATES_CACHE)
 
-#  (profile run, mixed role, prefix cache, cache in device memory) -> steps. A cache in host shared
+class Row(NamedTuple):
+    """Which row of the table an instance starts by."""
+
+    profile_run: bool  # the block count is measured (no --num-gpu-blocks-override)
+    mixed_role: bool
+    prefix_caching: bool
+    device_cache: bool  # the worker's cache is private to it (CUDA, or the CPU test mode)
+
+
+#  Row -> steps. A cache in host shared
 #  memory: mixed, the worker owns it (nothing is sent), and without prefix caching it runs alone; PD,
 #  the cache service owns it (it sends or receives KV), after the worker's profile run when there is
 #  one (the block count comes from it), else first. A cache in device memory: the worker owns it in
 #  every role, after the cache service made the host memory it maps (a mixed instance without prefix
 #  caching has none and runs alone; with it, the service starts only for a host tier, --swap-space).
-TRUTH_TABLE: dict[tuple[bool, bool, bool, bool], tuple[Step, ...]] = {
-    (True, True, True, False): WORKER_OWNS,
-    (True, True, False, False): WORKER_ALONE,
-    (True, False, True, False): PROFILE_THEN_SERVICE,
-    (True, False, False, False): PROFILE_THEN_SERVICE,
-    (False, True, True, False): WORKER_OWNS,
-    (False, True, False, False): WORKER_ALONE,
-    (False, False, True, False): SERVICE_FIRST,
-    (False, False, False, False): SERVICE_FIRST,
-    (True, True, True, True): DEVICE_CACHE,
-    (True, True, False, True): WORKER_ALONE,
-    (True, False, True, True): DEVICE_CACHE,
-    (True, False, False, True): DEVICE_CACHE,
-    (False, True, True, True): DEVICE_CACHE,
-    (False, True, False, True): WORKER_ALONE,
-    (False, False, True, True): DEVICE_CACHE,
-    (False, False, False, True): DEVICE_CACHE,
+TRUTH_TABLE: dict[Row, tuple[Step, ...]] = {
+    Row(True, True, True, False): WORKER_OWNS,
+    Row(True, True, False, False): WORKER_ALONE,
+    Row(True, False, True, False): PROFILE_THEN_SERVICE,
+    Row(True, False, False, False): PROFILE_THEN_SERVICE,
+    Row(False, True, True, False): WORKER_OWNS,
+    Row(False, True, False, False): WORKER_ALONE,
+    Row(False, False, True, False): SERVICE_FIRST,
+    Row(False, False, False, False): SERVICE_FIRST,
+    Row(True, True, True, True): DEVICE_CACHE,
+    Row(True, True, False, True): WORKER_ALONE,
+    Row(True, False, True, True): DEVICE_CACHE,
+    Row(True, False, False, True): DEVICE_CACHE,
+    Row(False, True, True, True): DEVICE_CACHE,
+    Row(False, True, False, True): WORKER_ALONE,
+    Row(False, False, True, True): DEVICE_CACHE,
+    Row(False, False, False, True): DEVICE_CACHE,
 }
 
 
@@ -119,11 +129,10 @@ def processes(steps: tuple[Step, ...]) -> list[str]:
 class StartupLog:
     """What happened in which order, for people (the log) and tests (JSON lines in --startup-log)."""
 
-    def __init__(self, path: str | None, steps: tuple[Step, ...], key: tuple[bool, bool, bool, bool]) -> None:
+    def __init__(self, path: str | None, steps: tuple[Step, ...], row: Row) -> None:
         self.path = path
         self.events: list[dict] = []
-        self.record("plan", profile_run=key[0], mixed_role=key[1], prefix_caching=key[2], device_cache=key[3],
-                    steps=[step.name for step in steps])
+        self.record("plan", **row._asdict(), steps=[step.name for step in steps])
 
     def record(self, event: str, process: str | None = None, **detail: object) -> None:
         entry = {"t": time.time(), "event": event, **({"process": process} if process else {}), **detail}
@@ -229,16 +238,16 @@ def start_processes(config: EngineConfig, ctx: zmq.Context, sockdir: str) -> Sta
 
     if refusal := tensor_parallel_refusal(config.model, config.tensor_parallel_size):  # before any process
         raise ValueError(refusal)
-    key = (config.num_gpu_blocks_override is None, not config.has_pd_parts, config.enable_prefix_caching,
-           cache_in_device_memory(config))
-    steps = TRUTH_TABLE[key]
-    start = _Startup(config, ctx, sockdir, StartupLog(config.startup_log, steps, key), key[3])
+    row = Row(config.num_gpu_blocks_override is None, not config.has_pd_parts, config.enable_prefix_caching,
+              cache_in_device_memory(config))
+    steps = TRUTH_TABLE[row]
+    start = _Startup(config, ctx, sockdir, StartupLog(config.startup_log, steps, row), row.device_cache)
     try:
         for step in steps:
             if start.service_has_nothing_to_keep(step):
                 continue
             start.log.record("step", step=step.name)
-            getattr(start, step.name.lower())()
+            STEP_ACTIONS[step](start)
         start.log.record("ready")
         return start.result()
     except BaseException as e:
@@ -252,7 +261,7 @@ def start_processes(config: EngineConfig, ctx: zmq.Context, sockdir: str) -> Sta
 
 
 class _Startup:
-    """What the steps share; one method per Step, named after it."""
+    """What the steps share; one method per Step (STEP_ACTIONS)."""
 
     def service_has_nothing_to_keep(self, step: Step) -> bool:
         """A mixed instance whose cache is in device memory needs the cache service only for a host tier
@@ -401,7 +410,21 @@ class _Startup:
         return self.disk_folder
 
     def result(self) -> StartedProcesses:
-        return StartedProcesses(self.worker, self.service, self.layout, self.loaded.max_model_len,
-                                self.loaded.vocab_size, self.loaded.profile, self.endpoints, self.log, self.segment,
-                                self.buffer_blocks, self.buffer_segment, self.host_blocks, self.host_segment,
-                                self.device_cache, self.disk_folder, self.pull_port)
+        return StartedProcesses(
+            worker=self.worker, cache_service=self.service, layout=self.layout,
+            max_model_len=self.loaded.max_model_len, vocab_size=self.loaded.vocab_size, profile=self.loaded.profile,
+            endpoints=self.endpoints, log=self.log, segment=self.segment, buffer_blocks=self.buffer_blocks,
+            buffer_segment=self.buffer_segment, host_blocks=self.host_blocks, host_segment=self.host_segment,
+            device_cache=self.device_cache, disk_folder=self.disk_folder, pull_port=self.pull_port)
+
+
+# What each step does: one method of _Startup per Step.
+STEP_ACTIONS: dict[Step, Callable[[_Startup], None]] = {
+    Step.START_WORKER: _Startup.start_worker,
+    Step.START_CACHE_SERVICE: _Startup.start_cache_service,
+    Step.WORKER_CREATES_CACHE: _Startup.worker_creates_cache,
+    Step.SERVICE_CREATES_CACHE: _Startup.service_creates_cache,
+    Step.WORKER_ATTACHES: _Startup.worker_attaches,
+    Step.SERVICE_ATTACHES: _Startup.service_attaches,
+    Step.SERVICE_CREATES_HOST_MEMORY: _Startup.service_creates_host_memory,
+}

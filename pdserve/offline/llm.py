@@ -22,6 +22,7 @@ import msgspec
 from pdserve.config.engine import EngineConfig
 from pdserve.config.lora import LoRARequest
 from pdserve.engine.engine_client import EngineClient
+from pdserve.engine.messages import CheckIdle, GetStats, LoadLoRA
 from pdserve.engine.messages import RequestOutput as EngineOutput
 from pdserve.engine.stats import EngineStats
 from pdserve.loader import model_name, resolve_model_folder, tensor_parallel_refusal
@@ -84,11 +85,11 @@ class LLM:
 
     def stats(self) -> EngineStats:
         """Engine counters: blocks, prefix-cache hits, computed tokens, preemptions (engine/stats.py)."""
-        return self.engine.call("stats")
+        return self.engine.call(GetStats())
 
     def check_idle(self) -> EngineStats:
         """Debug check: with nothing in flight, every KV block is free. Raises if one leaked."""
-        return self.engine.call("check_idle")
+        return self.engine.call(CheckIdle())
 
     def close(self) -> None:
         self._finalizer()
@@ -118,7 +119,7 @@ class LLM:
             if r is not None and r.lora_name not in self._loras:
                 if not self.config.enable_lora:
                     raise ValueError("a LoRA request needs LLM(enable_lora=True, ...)")
-                self.engine.call("load_lora", args={"name": r.lora_name, "path": r.lora_path})
+                self.engine.call(LoadLoRA(r.lora_name, r.lora_path))
                 self._loras[r.lora_name] = r.lora_path
         return [None if r is None else r.lora_name for r in requests]
 

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 
+from pdserve.http.errors import read_error
 from pdserve.http.wire import TOKENS_COMMENT
 from pdserve.router.exchange import drain
 
@@ -46,12 +47,11 @@ def take_token_ids(event: bytes) -> tuple[bytes, list[int] | None]:
 def server_error(event: bytes) -> str | None:
     """The message of an error event the instance sent for its own failure (5xx), else None.
     A 4xx error event (the request's fault) is relayed as it is."""
-    if not event.startswith(b'data: {"error"'):
+    if not event.startswith(b'data: {"error"') or (error := read_error(event[len(b"data: "):])) is None:
         return None
     try:
-        error = json.loads(event[len(b"data: "):])["error"]
         code = int(error.get("code") or 500)
-    except (ValueError, KeyError, TypeError, AttributeError):
+    except (ValueError, TypeError):
         return None
     return str(error.get("message", "")) if code >= 500 else None
 

@@ -12,6 +12,7 @@ from pdserve.api.async_engine import EngineError
 from pdserve.api.lora import LoRAServing
 from pdserve.api.state import APIError, ServerDep, ServerState
 from pdserve.config.lora import RUNTIME_LOADING_ENV, LoRAModule
+from pdserve.engine import messages
 
 router = APIRouter()
 
@@ -34,7 +35,7 @@ async def load_lora_adapter(body: LoadLoRA, state: ServerDep) -> PlainTextRespon
     if body.lora_name in lora.adapters or body.lora_name == state.model_name:
         raise APIError(f"the LoRA adapter '{body.lora_name}' has already been loaded", param="lora_name")
     try:
-        await state.engine.call("load_lora", timeout=120, args={"name": body.lora_name, "path": body.lora_path})
+        await state.engine.call(messages.LoadLoRA(body.lora_name, body.lora_path), timeout=120)
     except EngineError as e:
         raise APIError(str(e), param="lora_path") from None
     lora.adapters[body.lora_name] = LoRAModule(body.lora_name, body.lora_path)
@@ -49,7 +50,7 @@ async def unload_lora_adapter(body: UnloadLoRA, state: ServerDep) -> PlainTextRe
         raise APIError(f"the LoRA adapter '{body.lora_name}' cannot be found", 404, "model_not_found",
                        param="lora_name")
     try:
-        await state.engine.call("unload_lora", args={"name": body.lora_name})
+        await state.engine.call(messages.UnloadLoRA(body.lora_name))
     except EngineError as e:
         raise APIError(str(e), 409, "conflict", param="lora_name") from None
     del lora.adapters[body.lora_name]

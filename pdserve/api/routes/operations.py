@@ -11,6 +11,7 @@ from pdserve.api.data_parallel import ROUTED_RANK, DataParallelEngine
 from pdserve.api.state import APIError, ServerDep
 from pdserve.api.status import instance_status
 from pdserve.engine.engine_client import EngineError
+from pdserve.engine.messages import ClearWeights, LoadWeights
 from pdserve.http.errors import error_body
 
 router = APIRouter()
@@ -46,7 +47,7 @@ async def clear_load_weight(state: ServerDep) -> dict:
     """Free the weights and the KV cache (mixed role); requests get 503 until they are loaded again."""
     state.weights_cleared = True
     try:
-        result = await state.engine.call("clear_weights", timeout=120)
+        result = await state.engine.call(ClearWeights(), timeout=120)
     except EngineError as e:
         raise APIError(str(e), 500, "internal_server_error") from None
     return {"status": "cleared", **result}
@@ -56,7 +57,7 @@ async def clear_load_weight(state: ServerDep) -> dict:
 async def update_model_weight(state: ServerDep) -> dict:
     """Load the weights from disk again and recreate the KV cache."""
     try:
-        await state.engine.call("load_weights", timeout=600)
+        await state.engine.call(LoadWeights(), timeout=600)
     except EngineError as e:
         raise APIError(str(e), 500, "internal_server_error") from None
     state.weights_cleared = False

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from pdserve.config.roles import Role
 from pdserve.http.wire import Registration
-from pdserve.router.forward import error_response
+from pdserve.router.outcome import error_response
 from pdserve.router.state import RouterDep, RouterState
 from pdserve.utils.cluster_auth import SIGNATURE_HEADER, AuthError
 

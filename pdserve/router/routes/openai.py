@@ -18,7 +18,7 @@ from pdserve.admission.predictor import Refusal
 from pdserve.http.disconnect import until_disconnect
 from pdserve.http.errors import REQUEST_ID_HEADER, error_body, explain_error
 from pdserve.router.admission import Admitted
-from pdserve.router.forward import error_response, response_message
+from pdserve.router.outcome import error_response, response_message
 from pdserve.router.state import RouterDep, RouterState
 
 if TYPE_CHECKING:  # OpenTelemetry is imported only when tracing is on

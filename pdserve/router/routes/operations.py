@@ -7,7 +7,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pdserve.router.cluster import cluster_view
-from pdserve.router.forward import error_response
+from pdserve.router.outcome import error_response
 from pdserve.router.state import RouterDep
 
 router = APIRouter()

@@ -1,4 +1,5 @@
-"""Engine process entry: `python -m pdserve.engine --config B64 --input ADDR --output ADDR --sockdir DIR`.
+"""The engine process of an instance, put together: `python -m pdserve.instance.engine_process --config B64
+--input ADDR --output ADDR --sockdir DIR` (engine/engine_client.py starts it).
 
 Starts the worker (and, per the startup truth table, the cache service), waits until the KV cache
 exists and both are attached, then serves the frontend. Any failure is reported to the frontend as
@@ -19,6 +20,8 @@ import zmq
 
 from pdserve.config.engine import EngineConfig
 from pdserve.engine.messages import EngineDead, EngineReady
+from pdserve.instance.build import build_engine_core
+from pdserve.instance.startup import start_processes
 from pdserve.utils.process import child_entry, parent_gone, when_parent_gone
 
 if TYPE_CHECKING:
@@ -48,9 +51,6 @@ def main(argv: list[str] | None = None) -> int:
     # its client was killed: nobody else removes the client's IPC folder
     when_parent_gone(lambda: shutil.rmtree(sockdir.parent, ignore_errors=True))
     try:
-        from pdserve.instance.build import build_engine_core
-        from pdserve.instance.startup import start_processes
-
         started = start_processes(config, ctx, str(sockdir))
         layout = started.layout
         core = build_engine_core(config, started, ctx)
