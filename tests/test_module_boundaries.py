@@ -39,7 +39,8 @@ def test_packages_do_not_import_each_other(package: str, forbidden: str):
 
 
 def test_the_engine_does_not_import_disagg():
-    offenders = {f"{p.relative_to(PKG)}: {m}" for p in (PKG / "engine").rglob("*.py") for m in _imports(p) if m == "pdserve.disagg" or m.startswith("pdserve.disagg.")}
+    offenders = {f"{p.relative_to(PKG)}: {m}" for p in (PKG / "engine").rglob("*.py") for m in _imports(p)
+                 if m == "pdserve.disagg" or m.startswith("pdserve.disagg.")}
     assert not offenders, offenders
 
 

@@ -79,7 +79,8 @@ def _startup(monkeypatch, room_blocks: int, **config):  # noqa: ANN202
 
     layout = KVLayout(num_blocks=1000, num_layers=3, block_size=4, num_kv_heads=2, head_dim=8, dtype="float32")
     monkeypatch.setattr(startup, "shm_room", lambda: room_blocks * layout.block_bytes)
-    start = startup._Startup(EngineConfig(**config), None, "", startup.StartupLog(None, (), startup.Row(True, False, True, True)), True)
+    slog = startup.StartupLog(None, (), startup.Row(True, False, True, True))
+    start = startup._Startup(EngineConfig(**config), None, "", slog, True)
     start.layout = layout
     start._size_host_memory()
     return start

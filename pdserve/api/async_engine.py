@@ -20,6 +20,7 @@ from pdserve.engine.messages import (
     EngineDead,
     EngineMessage,
     EngineOutputs,
+    EngineReady,
     GetStats,
     PDParams,
     RequestOutput,
@@ -33,7 +34,10 @@ from pdserve.sampling import SamplingParams
 
 
 class AsyncEngine:
+    """One engine; DataParallelEngine has the same face for N of them (`data_parallel`, `rank_clients`...)."""
+
     POLL_MS = 500
+    data_parallel = False
 
     def __init__(self, client: EngineClient) -> None:
         self.client = client
@@ -52,6 +56,23 @@ class AsyncEngine:
     @property
     def healthy(self) -> bool:
         return self.error is None and self.client.alive()
+
+    @property
+    def ready(self) -> EngineReady:
+        return self.client.ready
+
+    def close(self) -> None:
+        self.client.close()
+
+    def load_reports(self) -> list[LoadReport | None]:
+        return [self.load]
+
+    def rank_clients(self) -> list[tuple[int, EngineClient]]:
+        return [(0, self.client)]
+
+    def rank_counts(self) -> list[tuple[int, int, int]]:
+        """(rank, requests sent to it, restarts) of each data-parallel rank: none here."""
+        return []
 
     def start(self) -> None:
         self._pump = asyncio.get_running_loop().create_task(self._run())

@@ -16,11 +16,12 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextvars import ContextVar
 
+from pdserve.admission.load import LoadReport
 from pdserve.api.async_engine import AsyncEngine
 from pdserve.balancing.policies import CacheAware, RoutedRequest
 from pdserve.config.engine import EngineConfig
 from pdserve.engine.engine_client import EngineClient, EngineError
-from pdserve.engine.messages import GetStats, PDParams, RequestOutput, Utility
+from pdserve.engine.messages import EngineReady, GetStats, PDParams, RequestOutput, Utility
 from pdserve.engine.prefix_pull import PullHint
 from pdserve.engine.stats import EngineStats
 from pdserve.sampling import SamplingParams
@@ -61,6 +62,8 @@ class EngineRank:
 
 
 class DataParallelEngine:
+    data_parallel = True
+
     def __init__(self, ranks: list[EngineRank], start_client: Callable[[EngineConfig, int], EngineClient]) -> None:
         self.ranks = ranks
         self._start_client = start_client  # (config, rank) -> an EngineClient whose process has started
@@ -107,6 +110,20 @@ class DataParallelEngine:
     def close(self) -> None:
         for rank in self.ranks:
             rank.engine.client.close()
+
+    @property
+    def ready(self) -> EngineReady:
+        return self.ranks[0].engine.client.ready
+
+    def load_reports(self) -> list[LoadReport | None]:
+        return [r.engine.load for r in self.ranks]
+
+    def rank_clients(self) -> list[tuple[int, EngineClient]]:
+        return [(r.rank, r.engine.client) for r in self.ranks]
+
+    def rank_counts(self) -> list[tuple[int, int, int]]:
+        """(rank, requests sent to it, restarts) of each rank."""
+        return [(r.rank, r.served, len(r.restarts)) for r in self.ranks]
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        eos_token_ids: list[int], pd: PDParams | None = None, num_resumed: int = 0,

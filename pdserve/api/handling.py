@@ -15,7 +15,6 @@ from starlette.background import BackgroundTask
 
 from pdserve.admission.predictor import Refusal
 from pdserve.api.answers import StreamRelease, complete, stream
-from pdserve.api.data_parallel import DataParallelEngine
 from pdserve.api.generation import Generation
 from pdserve.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, NamedToolChoice, Tool
 from pdserve.api.responses_api import respond_stream, respond_whole
@@ -52,7 +51,7 @@ def check_length(state: ServerState, prompt_ids: list[int]) -> None:
 
 def admit(state: ServerState, raw: Request, body: Any, gen: Generation, decodes: bool) -> None:
     engine = state.engine
-    reports = [r.engine.load for r in engine.ranks] if isinstance(engine, DataParallelEngine) else [engine.load]
+    reports = engine.load_reports()
     verdict = state.admission.admit(raw, getattr(body, "user", None), reports, len(gen.prompt_token_ids),
                                     gen.priority, gen.created, decodes)
     if isinstance(verdict, Refusal):

@@ -79,8 +79,7 @@ class ServerMetrics:
         for rank, stats in await engine.stats_by_rank():
             if stats is not None:
                 self.engine.latest[str(rank)] = stats
-        if isinstance(engine, DataParallelEngine):
-            self.data_parallel.ranks = [(str(r.rank), r.served, len(r.restarts)) for r in engine.ranks]
+        self.data_parallel.ranks = [(str(rank), served, restarts) for rank, served, restarts in engine.rank_counts()]
 
 
 class _DataParallelCollector:

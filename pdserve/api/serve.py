@@ -9,12 +9,15 @@ import dataclasses
 import logging
 import os
 import socket
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import msgspec
 import uvicorn
 
 from pdserve.admission.metrics import AdmissionMetrics
+from pdserve.admission.predictor import SLO
+from pdserve.admission.rate_limit import RateLimits
 from pdserve.admission.settings import admission_from_flags
 from pdserve.api.admission import ServerAdmission
 from pdserve.api.async_engine import AsyncEngine
@@ -75,20 +78,73 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+@dataclasses.dataclass
+class Door:
+    """What `serve` settled before the engine starts: its settings and engine config (the flags read once), the
+    sockets it holds, and the model's name and folder (resolved once)."""
+
+    settings: ServerSettings
+    config: EngineConfig
+    http_socket: socket.socket
+    metrics_port: int
+    metrics_reservation: socket.socket
+    advertise: str
+    name: str
+    folder: Path
+    slo: SLO
+    rate_limits: RateLimits | None
+
+
 def serve(args: argparse.Namespace) -> int:
+    _settle_process()
+    settings = from_args(ServerSettings, args)
+    _export_secrets(settings)
+    if refusals := _refusals(args, settings):
+        raise ValueError("\n".join(refusals))
+    tracing = instance_tracing(settings)  # before the model loads: a missing SDK fails at once
+    door = _open_door(args, settings)
+    engine = start_engines(door.config, door.name, settings.data_parallel_size, args.pd_comm_port or [])
+    try:
+        state = _server_state(door, engine, tracing)
+        from prometheus_client import start_http_server
+
+        door.metrics_reservation.close()
+        start_http_server(door.metrics_port, addr=settings.host, registry=state.metrics.registry)
+        server = uvicorn.Server(server_config(build_app(state), settings.host, settings.port))
+        state.request_shutdown = lambda: setattr(server, "should_exit", True)
+        ready = engine.ready
+        asyncio.run(serve_and_announce(server, _announcement(settings.host, settings.port, door.metrics_port,
+                                                             door.name, ready.role, ready.pd_comm_port,
+                                                             settings.data_parallel_size),
+                                       sockets=[door.http_socket]))
+    finally:
+        engine.close()
+        door.http_socket.close()
+        door.metrics_reservation.close()
+        if tracing is not None:
+            tracing.tracing.shutdown()
+    return state.exit_code
+
+
+def _settle_process() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per router registration
     # uvicorn re-raises SIGTERM after its graceful shutdown; as SystemExit it unwinds through the
-    # `finally` below, so the engine is stopped (not orphaned) and its IPC directory removed.
+    # `finally` of serve, so the engine is stopped (not orphaned) and its IPC directory removed.
     exit_on_sigterm()
     if "PDSERVE_PARENT_PID" in os.environ:  # started by `pdserve launch`: do not outlive it
         die_with_parent()
-    settings = from_args(ServerSettings, args)
-    host, port = settings.host, settings.port
-    if settings.cluster_secret:  # children (engine, cache service) read it from the environment
+
+
+def _export_secrets(settings: ServerSettings) -> None:
+    """Children (engine, cache service) read these from the environment."""
+    if settings.cluster_secret:
         os.environ[ENV] = settings.cluster_secret
     if settings.host_id:
         os.environ[HOST_ID_ENV] = settings.host_id
+
+
+def _refusals(args: argparse.Namespace, settings: ServerSettings) -> list[str]:
     refusals = fastdeploy_refusals(args)
     if split := tensor_parallel_refusal(args.model, args.tensor_parallel_size):
         refusals.append(split)
@@ -97,14 +153,16 @@ def serve(args: argparse.Namespace) -> int:
                         "rank of a PD server as its own instance; a role is the server's)")
     if settings.collect_detailed_traces is not None and not settings.otlp_traces_endpoint:
         refusals.append("--collect-detailed-traces needs --otlp-traces-endpoint (where the spans go)")
-    if refusals:
-        raise ValueError("\n".join(refusals))
-    tracing = instance_tracing(settings)  # before the model loads: a missing SDK fails at once
+    return refusals
+
+
+def _open_door(args: argparse.Namespace, settings: ServerSettings) -> Door:
+    """Bind the ports before the engine loads for seconds: a port picked free by whoever started us cannot be
+    taken meanwhile by a bind to port 0 of our own children (the cache service's listener could get the HTTP
+    port), and a port in use fails at once, not after the model has loaded."""
     slo, rate_limits = admission_from_flags(settings.ttft_slo_ms, settings.tpot_slo_ms, settings.rate_limit)
-    # Bound now, before the engine loads for seconds: a port picked free by whoever started us cannot be
-    # taken meanwhile by a bind to port 0 of our own children (the cache service's listener could get
-    # the HTTP port), and a port in use fails at once, not after the model has loaded.
-    http_socket = listening_socket(host, port)
+    host = settings.host
+    http_socket = listening_socket(host, settings.port)
     http_socket.set_inheritable(False)
     metrics_port = settings.metrics_port or free_port(host)
     metrics_reservation = listening_socket(host, metrics_port)  # prometheus binds its own; held until then
@@ -114,49 +172,37 @@ def serve(args: argparse.Namespace) -> int:
         config = dataclasses.replace(config, calibrate_load=True)
     if settings.router and config.kv_events_config is None:  # the routers index what it caches
         config = dataclasses.replace(config, kv_events_config=on_free_ports(host))
-    name = settings.served_model_name or model_name(args.model)
-    folder = resolve_model_folder(args.model)
-    tokenizer = Tokenizer(folder)
-    release_freed_memory()  # what parsing tokenizer.json left in the heap
-    sampling_defaults = load_sampling_defaults(settings.generation_config, folder)
-    engine = start_engines(config, name, settings.data_parallel_size, args.pd_comm_port or [])
-    try:
-        ready = engine.ranks[0].engine.client.ready if isinstance(engine, DataParallelEngine) else engine.client.ready
-        metrics = ServerMetrics()
-        state = ServerState(engine, tokenizer, name, ready.max_model_len, settings.max_concurrency, metrics,
-                            api_key=settings.api_key, sampling_defaults=sampling_defaults,
-                            tool_call_parser=settings.tool_call_parser, data_parallel_size=settings.data_parallel_size,
-                            scheduling_policy=config.scheduling_policy)
-        state.kv_pull, state.role, state.tracing = config.enable_kv_pull, ready.role, tracing
-        if config.enable_lora:
-            state.lora = LoRAServing.of(config.lora_modules, config.enable_lora_runtime_loading)
-        if slo.enabled or rate_limits is not None:
-            state.admission = ServerAdmission(slo, rate_limits, AdmissionMetrics(metrics.registry, "pdserve"),
-                                              settings.api_key, state.taken)
-        if settings.router:
-            state.router_urls = settings.router
-            state.instances = registrations(engine, f"http://{advertise}:{port}", advertise, metrics_port, name,
-                                            config.tensor_parallel_size)
-            state.announce_loras()
-        if config.enable_role_switch:
-            state.role_changer = RoleChanger(ready.role, engine, metrics, lambda: state.in_flight, state.instances,
-                                             state.router_urls)
-        from prometheus_client import start_http_server
+    return Door(settings, config, http_socket, metrics_port, metrics_reservation, advertise,
+                settings.served_model_name or model_name(args.model), resolve_model_folder(args.model), slo,
+                rate_limits)
 
-        metrics_reservation.close()
-        start_http_server(metrics_port, addr=host, registry=metrics.registry)
-        server = uvicorn.Server(server_config(build_app(state), host, port))
-        state.request_shutdown = lambda: setattr(server, "should_exit", True)
-        asyncio.run(serve_and_announce(server, _announcement(host, port, metrics_port, name, ready.role,
-                                                             ready.pd_comm_port, settings.data_parallel_size),
-                                       sockets=[http_socket]))
-    finally:
-        engine.close() if isinstance(engine, DataParallelEngine) else engine.client.close()
-        http_socket.close()
-        metrics_reservation.close()
-        if tracing is not None:
-            tracing.tracing.shutdown()
-    return state.exit_code
+
+def _server_state(door: Door, engine: AsyncEngine | DataParallelEngine, tracing: InstanceTracing | None
+                  ) -> ServerState:
+    settings, config, ready = door.settings, door.config, engine.ready
+    tokenizer = Tokenizer(door.folder)
+    release_freed_memory()  # what parsing tokenizer.json left in the heap
+    state = ServerState(engine, tokenizer, door.name, ready.max_model_len, settings.max_concurrency, ServerMetrics(),
+                        api_key=settings.api_key,
+                        sampling_defaults=load_sampling_defaults(settings.generation_config, door.folder),
+                        tool_call_parser=settings.tool_call_parser, data_parallel_size=settings.data_parallel_size,
+                        scheduling_policy=config.scheduling_policy)
+    state.kv_pull, state.role, state.tracing = config.enable_kv_pull, ready.role, tracing
+    if config.enable_lora:
+        state.lora = LoRAServing.of(config.lora_modules, config.enable_lora_runtime_loading)
+    if door.slo.enabled or door.rate_limits is not None:
+        state.admission = ServerAdmission(door.slo, door.rate_limits,
+                                          AdmissionMetrics(state.metrics.registry, "pdserve"), settings.api_key,
+                                          state.taken)
+    if settings.router:
+        state.router_urls = settings.router
+        state.instances = registrations(engine, f"http://{door.advertise}:{settings.port}", door.advertise,
+                                        door.metrics_port, door.name, config.tensor_parallel_size)
+        state.announce_loras()
+    if config.enable_role_switch:
+        state.role_changer = RoleChanger(ready.role, engine, state.metrics, lambda: state.in_flight,
+                                         state.instances, state.router_urls)
+    return state
 
 
 def instance_tracing(settings: ServerSettings) -> InstanceTracing | None:
@@ -218,8 +264,7 @@ def registrations(engine: AsyncEngine | DataParallelEngine, url: str, advertise:
                   tp_size: int) -> list[dict]:
     """What this server registers with the router: itself, or in PD roles each data-parallel rank as its own
     endpoint (`/dp/R`, its own control-plane port), since the router pairs ranks, not servers."""
-    clients = ([(f"{url}/dp/{r.rank}", r.engine.client) for r in engine.ranks] if isinstance(engine, DataParallelEngine)
-               else [(url, engine.client)])
+    clients = [(f"{url}/dp/{rank}" if engine.data_parallel else url, c) for rank, c in engine.rank_clients()]
     if clients[0][1].ready.role == Role.MIXED:  # the server balances its ranks itself: the router sees their union
         return [_registration(url, clients[0][1].ready, [c.ready for _, c in clients], advertise, metrics_port, name,
                               tp_size)]

@@ -23,7 +23,9 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import zmq
@@ -293,77 +295,92 @@ DISK_FLUSH_S = 10.0  # a stopping service finishes its queued disk writes for th
 
 
 def _serve(engine: zmq.Socket, service: CacheService) -> None:
-    poller = zmq.Poller()
-    poller.register(engine, zmq.POLLIN)
-    if service.inbox is not None:
-        poller.register(service.inbox, zmq.POLLIN)
-    if service.block_server is not None:
-        poller.register(service.block_server.socket, zmq.POLLIN)
-    polled_peers: set[zmq.Socket] = set()
-    inbox_decoder = msgspec.msgpack.Decoder(MessagerInput)
-    reported_refusals = 0
-    next_check = 0.0
-    while True:
-        raise_if_stopping()
-        if service.pulls is not None:  # the peers this service asked for blocks: their answers wake it
-            for dealer in set(service.pulls.sockets) - polled_peers:
-                poller.register(dealer, zmq.POLLIN)
-            for dealer in polled_peers - set(service.pulls.sockets):
-                poller.unregister(dealer)
-            polled_peers = set(service.pulls.sockets)
-        writing = service.disk_writer is not None and service.disk_writer.busy
-        events = dict(poller.poll(DISK_WRITES_POLL_MS if writing else STOP_CHECK_MS))
+    _ServiceLoop(engine, service).run()
+
+
+class _ServiceLoop:
+    """The cache service's loop: the engine's orders, the worker's signals, peers' pulls, and what it reports."""
+
+    def __init__(self, engine: zmq.Socket, service: CacheService) -> None:
+        self.engine, self.service = engine, service
+        self.poller = zmq.Poller()
+        for sock in (engine, service.inbox, service.block_server and service.block_server.socket):
+            if sock is not None:
+                self.poller.register(sock, zmq.POLLIN)
+        self.polled_peers: set[zmq.Socket] = set()
+        self.inbox_decoder = msgspec.msgpack.Decoder(MessagerInput)
+        self.reported_refusals = 0
+        self.next_check = 0.0
+        # orders answered with a message (None: nothing to answer)
+        self.orders: dict[type, Callable[[Any], msgspec.Struct | None]] = {
+            ExtendDeadline: self._extend, DetachCache: lambda _: service.cache.close(),
+            AttachCache: self._attach, SwapIn: service.swap_in, SaveBlocks: service.save, LoadBlocks: service.load,
+            LoadFromDisk: service.load_from_disk, PullFrom: service.pull,
+            ForgetHostBlocks: lambda _: service.forget_host_blocks(), WriteToDisk: service.write_to_disk,
+            HostBlocksFilled: service.host_filled, RemoveFromDisk: service.remove_from_disk}
+
+    def run(self) -> None:
+        service = self.service
+        while True:
+            raise_if_stopping()
+            self._follow_pull_peers()
+            writing = service.disk_writer is not None and service.disk_writer.busy
+            events = dict(self.poller.poll(DISK_WRITES_POLL_MS if writing else STOP_CHECK_MS))
+            self._report()
+            if service.block_server is not None and service.block_server.socket in events:
+                service.block_server.handle_waiting()
+            if service.messager is not None and time.monotonic() >= self.next_check:
+                service.messager.drop_gone_writers()
+                self.next_check = time.monotonic() + GONE_WRITER_CHECK_S
+            if service.inbox in events:
+                self._drain_inbox()  # first: the worker's signals are what the decode instances wait on
+            if self.engine in events:
+                msg = msgspec.msgpack.decode(self.engine.recv(), type=ServiceInput)
+                if isinstance(msg, ServiceShutdown):
+                    return
+                if (reply := self.orders[type(msg)](msg)) is not None:
+                    self._send(reply)
+
+    def _follow_pull_peers(self) -> None:
+        """The peers this service asked for blocks: their answers wake it."""
+        if self.service.pulls is None:
+            return
+        peers = set(self.service.pulls.sockets)
+        for dealer in peers - self.polled_peers:
+            self.poller.register(dealer, zmq.POLLIN)
+        for dealer in self.polled_peers - peers:
+            self.poller.unregister(dealer)
+        self.polled_peers = peers
+
+    def _report(self) -> None:
+        """Finished disk writes and pulls, and a change in the receivers' refusals."""
+        service = self.service
         if (written := service.disk_written()) is not None:
-            engine.send(msgspec.msgpack.encode(written))
+            self._send(written)
         if service.pulls is not None:
             for done in service.pulls.answers():
-                engine.send(msgspec.msgpack.encode(done))
-        if service.block_server is not None and service.block_server.socket in events:
-            service.block_server.handle_waiting()
-        if service.messager is not None and time.monotonic() >= next_check:
-            service.messager.drop_gone_writers()
-            next_check = time.monotonic() + GONE_WRITER_CHECK_S
-        if (refused := service.refused()) != reported_refusals:
-            engine.send(msgspec.msgpack.encode(ReceiverStats(refused)))
-            reported_refusals = refused
-        if service.inbox in events:
-            # Drain the worker's signals first: they are what the decode instances wait on.
-            while True:
-                try:
-                    raw = service.inbox.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                service.messager.handle(inbox_decoder.decode(raw))
-        if engine in events:
-            msg = msgspec.msgpack.decode(engine.recv(), type=ServiceInput)
-            if isinstance(msg, ServiceShutdown):
+                self._send(done)
+        if (refused := service.refused()) != self.reported_refusals:
+            self._send(ReceiverStats(refused))
+            self.reported_refusals = refused
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                raw = self.service.inbox.recv(zmq.NOBLOCK)
+            except zmq.Again:
                 return
-            if isinstance(msg, ExtendDeadline):
-                if service.messager is not None:
-                    service.messager.extend(msg.transfer_id, msg.deadline)
-            elif isinstance(msg, DetachCache):  # mixed role only: nothing but the mapping to drop
-                service.cache.close()
-            elif isinstance(msg, AttachCache):
-                service.cache = KVSegment.attach(msg.segment, msg.layout.nbytes)
-            elif isinstance(msg, SwapIn):
-                engine.send(msgspec.msgpack.encode(service.swap_in(msg)))
-            elif isinstance(msg, SaveBlocks):
-                engine.send(msgspec.msgpack.encode(service.save(msg)))
-            elif isinstance(msg, LoadBlocks):
-                engine.send(msgspec.msgpack.encode(service.load(msg)))
-            elif isinstance(msg, LoadFromDisk):
-                engine.send(msgspec.msgpack.encode(service.load_from_disk(msg)))
-            elif isinstance(msg, PullFrom):
-                if (done := service.pull(msg)) is not None:
-                    engine.send(msgspec.msgpack.encode(done))
-            elif isinstance(msg, ForgetHostBlocks):
-                service.forget_host_blocks()
-            elif isinstance(msg, WriteToDisk):
-                service.write_to_disk(msg)
-            elif isinstance(msg, HostBlocksFilled):
-                service.host_filled(msg)
-            elif isinstance(msg, RemoveFromDisk):
-                service.remove_from_disk(msg)
+            self.service.messager.handle(self.inbox_decoder.decode(raw))
+
+    def _extend(self, msg: ExtendDeadline) -> None:
+        if self.service.messager is not None:
+            self.service.messager.extend(msg.transfer_id, msg.deadline)
+
+    def _attach(self, msg: AttachCache) -> None:
+        self.service.cache = KVSegment.attach(msg.segment, msg.layout.nbytes)
+
+    def _send(self, msg: msgspec.Struct) -> None:
+        self.engine.send(msgspec.msgpack.encode(msg))
 
 
 def _exit(code: int) -> None:

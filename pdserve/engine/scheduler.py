@@ -226,24 +226,23 @@ class Scheduler:
     # ---- one step ----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        """Running requests first (oldest first, preempting the newest for blocks), then waiting ones in order."""
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
-        loras: set[str] = set()  # the step's adapters: at most max_loras (the worker's slots)
+        loras = _StepLoRAs(self.config.max_loras)
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens, loras)
+        self._schedule_waiting(out, budget, loras)
+        if out.chunks:
+            self.step_loras = {c.request.lora_name for c in out.chunks if c.request.lora_name is not None}
+        return out
 
-        def lora_fits(r: Request) -> bool:
-            if r.lora_name is None or r.lora_name in loras:
-                return True
-            if len(loras) < self.config.max_loras:
-                loras.add(r.lora_name)
-                return True
-            return False
-
+    def _schedule_running(self, out: SchedulerOutput, budget: int, loras: _StepLoRAs) -> int:
+        """The running requests' next chunks (with their proposals); the budget left."""
         for request in list(self.running):
             if budget == 0:
                 break
             if request not in self.running:  # preempted below to make room for an older request
                 continue
-            if not lora_fits(request):  # (a decode instance's streams came in past admission) next step
+            if not loras.fits(request):  # (a decode instance's streams came in past admission) next step
                 continue
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             drafts, request.spec_token_ids = request.spec_token_ids[:budget - n], []
@@ -260,10 +259,13 @@ class Scheduler:
             else:
                 out.chunks.append(ScheduledChunk(request, n + len(drafts), drafts))
                 budget -= n + len(drafts)
+        return budget
 
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, loras: _StepLoRAs) -> None:
+        """Waiting requests in order while the budget, the blocks and max_num_seqs allow (none after a preemption)."""
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            if not lora_fits(request):  # its adapter waits for one of the step's to finish
+            if not loras.fits(request):  # its adapter waits for one of the step's to finish
                 break
             cached = self.kv.find_cached_prefix(request) if request.num_computed_tokens == 0 else []
             if cached is None:  # blocks of its prefix are on their way into the host tier: it waits aside
@@ -276,19 +278,19 @@ class Scheduler:
             if not self.kv.allocate(request, n, cached):
                 break
             self.waiting.popleft()
-            if request.status is RequestStatus.WAITING:  # first admission, not a resume after preemption
-                request.num_cached_tokens = len(cached) * self.kv.block_size
-                self.kv.record_hits(request, request.num_tokens)
-            request.num_computed_tokens = len(cached) * self.kv.block_size
-            request.status = RequestStatus.RUNNING
-            if request.times.first_scheduled is None:
-                request.times.first_scheduled = time.time()
-            self.running.append(request)
+            self._admit(request, len(cached) * self.kv.block_size)
             out.chunks.append(ScheduledChunk(request, n))
             budget -= n
-        if out.chunks:
-            self.step_loras = {c.request.lora_name for c in out.chunks if c.request.lora_name is not None}
-        return out
+
+    def _admit(self, request: Request, num_cached_tokens: int) -> None:
+        if request.status is RequestStatus.WAITING:  # first admission, not a resume after preemption
+            request.num_cached_tokens = num_cached_tokens
+            self.kv.record_hits(request, request.num_tokens)
+        request.num_computed_tokens = num_cached_tokens
+        request.status = RequestStatus.RUNNING
+        if request.times.first_scheduled is None:
+            request.times.first_scheduled = time.time()
+        self.running.append(request)
 
     def update(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[tuple[Request, int]]:
         """Apply a finished step: advance computed tokens, append sampled tokens, finish requests.
@@ -408,3 +410,19 @@ class Scheduler:
         if request.num_prompt_tokens >= limit:
             raise ValueError(f"the prompt has {request.num_prompt_tokens} tokens, but this model's maximum "
                              f"context length (--max-model-len) is {limit}, which leaves no room to generate")
+
+
+class _StepLoRAs:
+    """The adapters of the step being built: at most max_loras (the worker's slots)."""
+
+    def __init__(self, max_loras: int) -> None:
+        self.max_loras = max_loras
+        self.names: set[str] = set()
+
+    def fits(self, request: Request) -> bool:
+        if request.lora_name is None or request.lora_name in self.names:
+            return True
+        if len(self.names) < self.max_loras:
+            self.names.add(request.lora_name)
+            return True
+        return False

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
@@ -29,6 +30,9 @@ from pdserve.worker.protocol import (
     WorkerInput,
     WorkerShutdown,
 )
+
+if TYPE_CHECKING:  # torch is imported only once the process has started
+    from pdserve.worker.worker import Worker
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,27 +69,9 @@ def main(argv: list[str] | None = None) -> int:
             sock.send(encoder.encode(WorkerError(error=str(e))))
             return 1
         loan = core_loan.from_env()  # pdserve launch: a prefill worker lends its cores to a decode worker
-        while True:
-            msg = decoder.decode(recv_until_stopped(sock))
-            if isinstance(msg, WorkerShutdown):
-                return 0
-            try:
-                if isinstance(msg, ExecuteStep):
-                    reply = loan.run(lambda: worker.execute(msg)) if loan else worker.execute(msg)  # noqa: B023
-                elif isinstance(msg, CalibrateCommand):
-                    reply = (loan.run_timed(lambda each: worker.calibrate(msg, each)) if loan  # noqa: B023
-                             else worker.calibrate(msg))
-                elif isinstance(msg, LoRACommand):
-                    try:
-                        reply = worker.lora(msg)
-                    except (ValueError, OSError) as e:  # a bad adapter: the caller's 400, no traceback
-                        reply = WorkerError(error=str(e))
-                else:
-                    reply = worker.weights(msg)
-            except Exception as e:  # report and keep serving; the engine fails this step's requests
-                logging.exception("step failed")
-                reply = WorkerError(error=f"{type(e).__name__}: {e}")
-            sock.send(encoder.encode(reply))
+        while not isinstance(msg := decoder.decode(recv_until_stopped(sock)), WorkerShutdown):
+            sock.send(encoder.encode(_answer(worker, msg, loan)))
+        return 0
     finally:
         if worker is not None:
             worker.close()
@@ -93,6 +79,25 @@ def main(argv: list[str] | None = None) -> int:
             leave_ranks(tp)
         sock.close()
         ctx.term()
+
+
+def _answer(worker: Worker, msg: WorkerInput, loan: core_loan.Lender | core_loan.Borrower | None) -> msgspec.Struct:
+    """A command's reply; a failure is reported (WorkerError) and the worker keeps serving: the engine fails
+    this step's requests."""
+    try:
+        if isinstance(msg, ExecuteStep):
+            return loan.run(lambda: worker.execute(msg)) if loan else worker.execute(msg)
+        if isinstance(msg, CalibrateCommand):
+            return loan.run_timed(lambda each: worker.calibrate(msg, each)) if loan else worker.calibrate(msg)
+        if isinstance(msg, LoRACommand):
+            try:
+                return worker.lora(msg)
+            except (ValueError, OSError) as e:  # a bad adapter: the caller's 400, no traceback
+                return WorkerError(error=str(e))
+        return worker.weights(msg)
+    except Exception as e:
+        logging.exception("step failed")
+        return WorkerError(error=f"{type(e).__name__}: {e}")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ import msgspec
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
-from pdserve.api.data_parallel import ROUTED_RANK, DataParallelEngine
+from pdserve.api.data_parallel import ROUTED_RANK
 from pdserve.api.state import APIError, ServerDep
 from pdserve.api.status import instance_status
 from pdserve.engine.engine_client import EngineError
@@ -33,11 +33,11 @@ async def load(state: ServerDep, router: str | None = None) -> Response:
     """The engine's latest load report (JSON; null before its first), for routers that admit by SLO, with what
     this server handed the engine since and, for `router`, the highest of its sequence numbers taken. On a
     data-parallel server, /dp/R/load is rank R's own report."""
-    engine = state.engine
-    if isinstance(engine, DataParallelEngine):
+    reports = state.engine.load_reports()
+    if state.engine.data_parallel:
         rank = ROUTED_RANK.get()
-        report = engine.ranks[rank].engine.load if rank is not None and rank < len(engine.ranks) else None
-    elif (report := engine.load) is not None:
+        report = reports[rank] if rank is not None and rank < len(reports) else None
+    elif (report := reports[0]) is not None:
         report = state.taken.fold_into(report, state.acked.get(router, 0) if router else -1)
     return Response(msgspec.json.encode(report), media_type="application/json")
 
