@@ -33,6 +33,19 @@ def embedded_tokenizer(embedded_folder: Path):
 
 
 @pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """The flags that serve a tiny random llama (2 layers, the embedded model's tokenizer and chat template:
+    tests/tiny_models.py) in fp32 as "tiny": for tests of protocol, lifecycle, routing and failover, which any
+    model shows. It starts and steps in a fraction of the embedded model's time, and in fp32 two routes to the same
+    answer (a prefill here, a decode there, a stream resumed elsewhere) agree but for the last bits."""
+    from tests.tiny_models import make_tiny_servable
+
+    folder = tmp_path_factory.mktemp("tiny-servable") / "model"
+    make_tiny_servable(folder)
+    return ["--model", str(folder), "--served-model-name", "tiny", "--dtype", "float32"]
+
+
+@pytest.fixture(scope="session")
 def embedded_runner():
     from pdserve.worker.model_runner import ModelRunner
 

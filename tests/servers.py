@@ -156,7 +156,7 @@ class Server(CliProcess):
         return f"the server on port {self.port}"
 
     def engine(self) -> psutil.Process:
-        (engine,) = self.children("pdserve.engine")
+        (engine,) = self.children("pdserve.instance.engine_process")
         return engine
 
     def worker(self) -> psutil.Process:

@@ -171,8 +171,14 @@ def test_reading_status_during_pd_load_takes_nothing_from_the_metrics(pd: dict) 
         stop = True
         reader.result()
     assert reads >= len(names)
-    got = {n: metrics(pd[n].metrics_port).get(count, 0) - before[n] for n in names}
-    assert got["prefill"] == 8 and sum(got[n] for n in DECODES) == 8, got
+
+    def got() -> dict[str, float]:
+        return {n: metrics(pd[n].metrics_port).get(count, 0) - before[n] for n in names}
+
+    # the --metrics-port exporter shows the engines' figures of up to a second ago
+    wait_for(lambda: (g := got())["prefill"] >= 8 and sum(g[n] for n in DECODES) >= 8, 10,
+             f"every transfer in the histograms: {got()}")
+    assert got()["prefill"] == 8 and sum(got()[n] for n in DECODES) == 8, got()
     text = httpx.get(f"http://127.0.0.1:{pd['prefill'].metrics_port}/metrics", timeout=10).text
     for counter in ("pdserve_kv_transfers_ok", "pdserve_kv_transfer_bytes_sent", "pdserve_prefix_cache_hits",
                     "pdserve_num_preemptions"):

@@ -27,7 +27,7 @@ from tests.servers import Router, Server, metrics, segments, stop_all, wait_for
 
 pytestmark = pytest.mark.e2e  # starts pdserve processes or loads the model: not in `make test-fast`
 
-MODEL = "SmolLM2-135M-Instruct"
+MODEL = "tiny"  # conftest.tiny_model: protocol and failover, in fp32 so routes agree exactly
 SECRET = "cluster-test-secret"
 COMMON = ["--max-model-len", "1024", "--max-num-batched-tokens", "128", "--max-num-seqs", "32",
           "--num-gpu-blocks-override", "200", "--pd-transfer-timeout", "10"]  # abandoned blocks back in 11 s
@@ -47,27 +47,27 @@ SPECULATIVE = ["--speculative-config",
                '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}']
 
 
-def _instance_flags(name: str, router: Router) -> list[str]:
+def _instance_flags(name: str, router: Router, model: list[str]) -> list[str]:
     role, _, host_id = INSTANCES[name]
-    return ["--splitwise-role", role, "--host-id", host_id, "--cache-transfer-protocol", "ipc,tcp",
+    return [*model, "--splitwise-role", role, "--host-id", host_id, "--cache-transfer-protocol", "ipc,tcp",
             "--router", router.url, "--cluster-secret", SECRET, *COMMON, *(SPECULATIVE if name == "d1" else [])]
 
 
-def _start(tmp: Path, name: str, router: Router, wait: bool, port: int | None = None,
+def _start(tmp: Path, name: str, router: Router, model: list[str], wait: bool, port: int | None = None,
            metrics_port: int | None = None, workdir: str | None = None) -> Server:
-    return Server(tmp / (workdir or name), *_instance_flags(name, router), host=INSTANCES[name][1], wait=wait,
+    return Server(tmp / (workdir or name), *_instance_flags(name, router, model), host=INSTANCES[name][1], wait=wait,
                   port=port, metrics_port=metrics_port, env={"OMP_NUM_THREADS": "1"})
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_model: list[str]) -> Iterator[dict]:
     before = segments()
     tmp = tmp_path_factory.mktemp("cluster")
     router = Router(tmp / "router", "--cluster-secret", SECRET, "--health-interval", "0.5",
                     "--health-failure-threshold", "2")
-    servers = {name: _start(tmp, name, router, wait=False) for name in INSTANCES}
-    servers["mixed"] = Server(tmp / "mixed", *COMMON, wait=False)
-    state = {"router": router, "tmp": tmp, **servers}
+    servers = {name: _start(tmp, name, router, tiny_model, wait=False) for name in INSTANCES}
+    servers["mixed"] = Server(tmp / "mixed", *tiny_model, *COMMON, wait=False)
+    state = {"router": router, "tmp": tmp, "model": tiny_model, **servers}
     try:
         for s in servers.values():
             s.wait_ready(300)
@@ -230,21 +230,31 @@ def test_a_kv_connection_without_the_secret_is_refused_and_counted(cluster: dict
 
 def test_a_client_that_goes_away_stops_the_work_on_the_instances(cluster: dict) -> None:
     """A non-streamed request whose client hangs up: the router cancels it on P and D (which free
-    their blocks) instead of generating 900 tokens for nobody (5-10 s of decoding on the packed model)."""
+    their blocks) instead of generating 400 tokens for nobody. The decode workers are stopped meanwhile, so the
+    answer cannot come before the client leaves, however fast the model."""
     router = cluster["router"]
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{router.url}/v1/completions", timeout=3, json={
-            "prompt": "Write a long story about a dragon.", "max_tokens": 900, "temperature": 0, "ignore_eos": True})
+    workers = [w for d in ("d0", "d1") for w in cluster[d].children("pdserve.worker")]
+    for w in workers:
+        w.suspend()
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{router.url}/v1/completions", timeout=3, json={
+                "prompt": "Write a long story about a dragon.", "max_tokens": 400, "temperature": 0,
+                "ignore_eos": True})
+    finally:
+        for w in workers:
+            w.resume()
     wait_for(lambda: all(i["in_flight_requests"] == 0 for i in router.registered()), 5,
              "the router kept the abandoned request")
     _blocks_free(cluster, list(INSTANCES), 10)
 
 
 STORY_PROMPT = "Write a long story about a dragon."
+STREAMED = 160  # tokens of the killed streams: the tiny model is still decoding when the kill lands
 
 
 def _streamed(client: openai.OpenAI, victim_of: Callable[[], None] | None = None, after: int = 3,
-              max_tokens: int = 48) -> SimpleNamespace:
+              max_tokens: int = STREAMED) -> SimpleNamespace:
     """A greedy stream (logprobs 2, usage) read to its end, `victim_of()` called after `after` chunks;
     joined into the shape of a whole completion, with every chunk's id."""
     stream = client.completions.create(model=MODEL, prompt=STORY_PROMPT, max_tokens=max_tokens, temperature=0,
@@ -264,7 +274,7 @@ def _streamed(client: openai.OpenAI, victim_of: Callable[[], None] | None = None
     return SimpleNamespace(choices=[SimpleNamespace(logprobs=logprobs, finish_reason=finish)], ids=ids, usage=usage)
 
 
-def _reference(cluster: dict, max_tokens: int = 48) -> openai.types.Completion:
+def _reference(cluster: dict, max_tokens: int = STREAMED) -> openai.types.Completion:
     return _client(cluster["mixed"].url).completions.create(
         model=MODEL, prompt=STORY_PROMPT, max_tokens=max_tokens, temperature=0, logprobs=2,
         extra_body={"ignore_eos": True})
@@ -280,7 +290,8 @@ def _restart(cluster: dict, name: str, old: Server) -> None:
     router = cluster["router"]
     wait_for(lambda: old.url not in router.healthy_urls(), 5, f"the router kept a dead {name}")
     old.wait_gone(20)
-    cluster[name] = _start(cluster["tmp"], name, router, wait=True, port=old.port, metrics_port=old.metrics_port,
+    cluster[name] = _start(cluster["tmp"], name, router, cluster["model"], wait=True, port=old.port,
+                           metrics_port=old.metrics_port,
                            workdir=f"{name}-restarted-{time.monotonic_ns()}")
     wait_for(lambda: old.url in router.healthy_urls(), 20, f"the restarted {name} did not rejoin")
 
@@ -298,7 +309,7 @@ def test_decode_killed_mid_stream_the_stream_goes_on_elsewhere_as_if_unbroken(cl
     before = metrics(router.port).get('pdserve_router_migrations_total{outcome="resumed"}', 0.0)
     out = _streamed(_client(router.url), kill_the_busy_decode)
     assert_same_greedy_completion(out, _reference(cluster), f"the stream whose decode {what} was killed")
-    assert len(out.ids) == 1 and out.usage.completion_tokens == 48 and out.choices[0].finish_reason == "length"
+    assert len(out.ids) == 1 and out.usage.completion_tokens == STREAMED and out.choices[0].finish_reason == "length"
     after = metrics(router.port)
     assert after['pdserve_router_migrations_total{outcome="resumed"}'] == before + 1
     assert after["pdserve_router_migration_seconds_count"] >= 1
@@ -322,25 +333,33 @@ def test_prefill_killed_after_its_first_token_the_stream_goes_on(cluster: dict) 
 
     out = _streamed(_client(router.url), kill_the_prefill_that_served, after=1)
     assert_same_greedy_completion(out, _reference(cluster), "the stream whose prefill instance was killed")
-    assert out.usage.completion_tokens == 48
+    assert out.usage.completion_tokens == STREAMED
     _restart(cluster, killed[0], cluster[killed[0]])
 
 
 def test_prefill_killed_with_requests_queued_they_complete_on_the_other(cluster: dict, embedded_tokenizer) -> None:
     router = cluster["router"]
     ids = embedded_tokenizer.encode(STORY * 12)
-    prompts = [ids[i * 11:i * 11 + 400] for i in range(12)]  # 4 chunks each: they queue on the prefill instances
+    prompts = [ids[i * 11:i * 11 + 400] for i in range(12)]  # 4 chunks each
+    workers = {p: cluster[p].children("pdserve.worker") for p in ("p0", "p1")}
+    for w in workers["p0"] + workers["p1"]:  # neither prefill computes: what each takes queues there
+        w.suspend()
+    in_flight = {}
     with ThreadPoolExecutor(len(prompts)) as pool:
         futures = [pool.submit(_complete, _client(router.url), p, 4) for p in prompts]
-        wait_for(lambda: any(i["url"] == cluster["p1"].url and i["in_flight_requests"] >= 2
-                             for i in router.registered()), 30, "no requests queued on p1")
-        cluster["p1"].kill()
-        outs = [f.result() for f in futures]  # none fails: p1's are retried on p0
-    wait_for(lambda: cluster["p1"].url not in router.healthy_urls(), 5, "the router kept a dead prefill instance")
-    cluster["p1"].wait_gone(20)
+        wait_for(lambda: in_flight.update({p: i["in_flight_requests"] for p in ("p0", "p1")
+                                           for i in router.registered() if i["url"] == cluster[p].url})
+                 or max(in_flight.values()) >= 2, 30, "no requests queued on a prefill instance")
+        victim, other = sorted(in_flight, key=in_flight.get, reverse=True)
+        cluster[victim].kill()
+        for w in workers["p0"] + workers["p1"]:  # the victim's too: they follow their dead parent out
+            w.resume()
+        outs = [f.result() for f in futures]  # none fails: the victim's are retried on the other
+    wait_for(lambda: cluster[victim].url not in router.healthy_urls(), 5, "the router kept a dead prefill instance")
+    cluster[victim].wait_gone(20)
     with ThreadPoolExecutor(len(prompts)) as pool:
         reference = list(pool.map(lambda p: _complete(_client(cluster["mixed"].url), p, 4), prompts))
     assert_same_greedy_completions(outs, reference, min_share=0.8)  # prompts cut anywhere: a few start at a tie
     assert metrics(router.port)["pdserve_router_retries_total"] >= 1
     # the decode side of each abandoned attempt is released when its lease (10 s here) ends
-    _blocks_free(cluster, ["p0", "d0", "d1"], 30)
+    _blocks_free(cluster, [other, "d0", "d1"], 30)

@@ -79,7 +79,7 @@ def test_a_prefix_evicted_from_the_cache_is_served_from_the_host_tier(tmp_path: 
         _, warm_plain = _cycle(plain.url)
         assert warm_plain.usage.prompt_tokens_details.cached_tokens == 0  # evicted: computed again
         assert_same_greedy_completion(warm_plain, cold, "the same prompt on an instance without the tier")
-        assert metrics(plain.metrics_port)["pdserve_host_cache_blocks"] == 0
+        assert "pdserve_host_cache_blocks" not in metrics(plain.metrics_port)  # no tier, no series of one
         for s in (tiered, plain):
             wait_for(lambda s=s: _all_free(s), 10, f"{s} did not give every block back")
     finally:

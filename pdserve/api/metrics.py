@@ -44,6 +44,12 @@ class ServerMetrics:
         self.role_change_seconds = Histogram("pdserve_role_change_seconds", "drain, switch and announce",
                                              buckets=LATENCY_BUCKETS, registry=r)
 
+    def seed(self, engine: AsyncEngine | DataParallelEngine) -> None:
+        """Every rank's figures as it reported them when ready: each series is there before the first refresh."""
+        for rank, client in engine.rank_clients():
+            if client.ready is not None and client.ready.stats is not None:
+                self.engine.latest.setdefault(str(rank), client.ready.stats)
+
     def role_change(self, before: str, after: str, outcome: str, seconds: float) -> None:
         self.role_changes.labels(before, after, outcome).inc()
         self.role_change_seconds.observe(seconds)

@@ -108,6 +108,7 @@ def serve(args: argparse.Namespace) -> int:
         state = _server_state(door, engine, tracing)
         from prometheus_client import start_http_server
 
+        state.metrics.seed(engine)
         door.metrics_reservation.close()
         start_http_server(door.metrics_port, addr=settings.host, registry=state.metrics.registry)
         server = uvicorn.Server(server_config(build_app(state), settings.host, settings.port))
@@ -120,6 +121,7 @@ def serve(args: argparse.Namespace) -> int:
     finally:
         engine.close()
         door.http_socket.close()
+        state.metrics.seed(engine)
         door.metrics_reservation.close()
         if tracing is not None:
             tracing.tracing.shutdown()

@@ -177,6 +177,7 @@ class EngineReady(msgspec.Struct, tag=True):
     kv_events_replay: str | None = None  # ... and replayed
     kv_pull_port: int | None = None  # --enable-kv-pull: the cache service's block server (peers pull from it)
     pd_sides: list[str] = []  # the PD sides its role takes ("prefill", "decode"; a switchable mixed one: decode)
+    stats: EngineStats | None = None  # its figures when ready: /metrics has every series from the start
 
 
 class EngineDead(msgspec.Struct, tag=True):

@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
             layout.num_blocks, config.block_size, started.max_model_len, args.model_name, started.profile,
             config.splitwise_role, core.connector.port, list(config.cache_transfer_protocol), started.log.events,
             layout.compatibility_key(args.model_name), *_kv_event_endpoints(core), started.pull_port,
-            core.connector.sides)))
+            core.connector.sides, core.utilities.stats())))
         core.run(inputs, outputs)
         return 0
     except Exception as e:  # anything: the frontend must hear why the engine is gone
