@@ -41,7 +41,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     from tests.tiny_models import make_tiny_servable
 
     folder = tmp_path_factory.mktemp("tiny-servable") / "model"
-    make_tiny_servable(folder)
+    make_tiny_servable(folder, max_position_embeddings=4096)
     return ["--model", str(folder), "--served-model-name", "tiny", "--dtype", "float32"]
 
 

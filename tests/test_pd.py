@@ -47,7 +47,7 @@ from tests.servers import (
 pytestmark = pytest.mark.e2e  # starts pdserve processes or loads the model: not in `make test-fast`
 NEEDS_NIXL = pytest.mark.skipif(not rdma_available(), reason="NIXL is not installed (make venv installs it)")
 
-MODEL = "SmolLM2-135M-Instruct"
+MODEL = "tiny"  # conftest.tiny_model, in fp32: P, D and mixed agree but for the last bits
 CHUNK = 128  # --max-num-batched-tokens: prompts longer than this are prefilled in chunks
 # A 10 s lease (30 by default): blocks of an aborted transfer come back 11 s later, not 31.
 COMMON = ["--max-model-len", "1024", "--max-num-batched-tokens", str(CHUNK), "--max-num-seqs", "32",
@@ -61,7 +61,7 @@ PARAGRAPH = ("The river runs past the old mill, where the miller keeps a ledger 
              "In spring the water rises, and the wheel turns faster than in any other season of the year. ")
 
 
-SPECULATIVE = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+SPECULATIVE = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}'
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,7 @@ def tokenizer():
 
 
 @pytest.fixture(scope="module")
-def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+def pd(tmp_path_factory: pytest.TempPathFactory, tiny_model: list[str]) -> Iterator[dict]:
     before = segments()
     tmp = tmp_path_factory.mktemp("pd")
     router = Router(tmp / "router")
@@ -94,7 +94,7 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
                                 "--num-gpu-blocks-override", "250", *reg]
         specs["decode_rdma_tcp"] = [*specs["decode_rdma"], "--rdma-comm-ports", str(RDMA_PORT)]
         env["decode_rdma_tcp"] = {"UCX_TLS": "tcp"}  # as between hosts without RDMA NICs
-    servers = {name: Server(tmp / name, *flags, *COMMON, wait=False, env=env.get(name))
+    servers = {name: Server(tmp / name, *tiny_model, *flags, *COMMON, wait=False, env=env.get(name))
                for name, flags in specs.items()}
     try:
         for s in servers.values():
@@ -137,12 +137,20 @@ def test_pd_output_equals_mixed_for_20_concurrent_prompts(pd: dict, tokenizer) -
     with ThreadPoolExecutor(len(prompts)) as pool:
         mixed_outs = list(pool.map(lambda p: _complete(mixed, p), prompts))
     assert_same_greedy_completions(pd_outs, mixed_outs, min_share=0.8)
-    # Every transport carried KV: each decode instance offers only one.
-    sent = metrics(pd["prefill"].metrics_port)["pdserve_kv_transfer_bytes_sent_total"]
-    got = {n: metrics(pd[n].metrics_port)["pdserve_kv_transfer_bytes_received_total"] for n in DECODES}
+    # Every transport carried KV (each decode instance offers only one): the tiny model answers so fast that the
+    # burst may miss one, so a few more, one at a time (the router breaks ties toward the less used). The API
+    # port's /metrics asks the engine afresh (the --metrics-port exporter's figures are up to a second old).
+    def received() -> dict[str, float]:
+        return {n: metrics(pd[n].port)["pdserve_kv_transfer_bytes_received_total"] for n in DECODES}
+
+    for i in range(2 * len(DECODES)):
+        if all(v > 0 for v in received().values()):
+            break
+        assert_same_greedy_completions([_complete(router, prompts[i])], [mixed_outs[i]], min_share=0.8)
+    got = received()
     assert all(v > 0 for v in got.values()), got
-    assert sent == sum(got.values())
-    drafts = sum(metrics(pd[n].metrics_port)["pdserve_spec_decode_num_drafts_total"]
+    assert metrics(pd["prefill"].port)["pdserve_kv_transfer_bytes_sent_total"] == sum(got.values())
+    drafts = sum(metrics(pd[n].port)["pdserve_spec_decode_num_drafts_total"]
                  for n in ("decode_ipc", "decode_tcp"))
     assert drafts > 0, "the speculating decode instances proposed nothing"
     _assert_all_blocks_free(pd)
@@ -153,7 +161,7 @@ def test_reading_status_during_pd_load_takes_nothing_from_the_metrics(pd: dict) 
     histograms however often /status is read meanwhile, and what only grows is typed counter."""
     names = ["prefill", *DECODES]
     count = "pdserve_kv_transfer_seconds_count"
-    before = {n: metrics(pd[n].metrics_port).get(count, 0) for n in names}
+    before = {n: metrics(pd[n].port).get(count, 0) for n in names}  # the API port's: asked afresh
     stop, reads = False, 0
 
     def read_status() -> None:
@@ -173,9 +181,9 @@ def test_reading_status_during_pd_load_takes_nothing_from_the_metrics(pd: dict) 
     assert reads >= len(names)
 
     def got() -> dict[str, float]:
-        return {n: metrics(pd[n].metrics_port).get(count, 0) - before[n] for n in names}
+        return {n: metrics(pd[n].port).get(count, 0) - before[n] for n in names}
 
-    # the --metrics-port exporter shows the engines' figures of up to a second ago
+    # D's histogram gets a transfer when P's prefill-done arrives, which can come just after the answer
     wait_for(lambda: (g := got())["prefill"] >= 8 and sum(g[n] for n in DECODES) >= 8, 10,
              f"every transfer in the histograms: {got()}")
     assert got()["prefill"] == 8 and sum(got()[n] for n in DECODES) == 8, got()
@@ -317,9 +325,10 @@ def _assert_all_blocks_free(pd: dict, timeout: float = 15) -> None:
 # ---- faults and small caches -----------------------------------------------------------------
 
 
-def _pair(tmp: Path, protocol: str, d_blocks: int, timeout: float = 4) -> tuple[Router, Server, Server]:
+def _pair(tmp: Path, model: list[str], protocol: str, d_blocks: int, timeout: float = 4
+          ) -> tuple[Router, Server, Server]:
     router = Router(tmp / "router")
-    flags = [*COMMON, "--max-model-len", "512", "--cache-transfer-protocol", protocol, "--router", router.url,
+    flags = [*model, *COMMON, "--max-model-len", "512", "--cache-transfer-protocol", protocol, "--router", router.url,
              "--pd-transfer-timeout", str(timeout)]
     p = Server(tmp / "p", "--splitwise-role", "prefill", "--num-gpu-blocks-override", "200", *flags, wait=False)
     d = Server(tmp / "d", "--splitwise-role", "decode", "--num-gpu-blocks-override", str(d_blocks), *flags, wait=False)
@@ -369,9 +378,10 @@ def _stream_error(url: str, prompt: list[int]) -> tuple[str, float]:
 
 @pytest.mark.parametrize("protocol", ["ipc"])  # queueing is the engine's; rdma's failures: killed_decode below
 def test_small_decode_cache_queues_then_serves_and_killed_prefill_frees_decode_blocks(tmp_path: Path, tokenizer,
-                                                                                         protocol: str) -> None:
+                                                                                         protocol: str,
+                                                                                         tiny_model: list[str]) -> None:
     before = segments()
-    router, p, d = _pair(tmp_path, protocol, d_blocks=40)  # one 450-token prompt takes 29 of D's 40 blocks
+    router, p, d = _pair(tmp_path, tiny_model, protocol, d_blocks=40)  # one 450-token prompt takes 29 of D's 40 blocks
     try:
         # different starts: D's prefix cache must not share blocks between them (it would, from one start)
         prompts = [_long_prompt(tokenizer, 450 + i, offset=5 * i) for i in range(3)]
@@ -413,9 +423,9 @@ def test_small_decode_cache_queues_then_serves_and_killed_prefill_frees_decode_b
 
 
 @pytest.mark.parametrize("protocol", ["tcp", pytest.param("rdma", marks=NEEDS_NIXL)])
-def test_killed_decode_frees_prefill_blocks(tmp_path: Path, tokenizer, protocol: str) -> None:
+def test_killed_decode_frees_prefill_blocks(tmp_path: Path, tokenizer, protocol: str, tiny_model: list[str]) -> None:
     before = segments()
-    router, p, d = _pair(tmp_path, protocol, d_blocks=100)
+    router, p, d = _pair(tmp_path, tiny_model, protocol, d_blocks=100)
     try:
         # P's worker resumes once D is dead, so the KV has nowhere to go.
         def kill_decode(worker: psutil.Process) -> None:

@@ -30,7 +30,7 @@ from tests.test_launch import Launch
 
 pytestmark = pytest.mark.e2e
 
-MODEL = "SmolLM2-135M-Instruct"
+MODEL = "tiny"  # conftest.tiny_model: the loop under test is the planner's, not the model's
 INTERVAL = 3.0
 PROFILE = DeploymentProfile(prefill_tokens_per_s=1000.0, itl_base_s=0.010, itl_per_stream_s=0.002, max_streams=32)
 PROMPTS = ["The capital of France is", "Water boils at a temperature of", "The three primary colors are",
@@ -78,10 +78,10 @@ def greedy(url: str) -> list:
             for p in PROMPTS]
 
 
-def test_the_planner_moves_capacity_the_way_each_phase_needs(tmp_path: Path) -> None:
+def test_the_planner_moves_capacity_the_way_each_phase_needs(tmp_path: Path, tiny_model: list[str]) -> None:
     before = segments()
     PROFILE.save(tmp_path / "profile.json")
-    launch = Launch(tmp_path, "--prefill", "1", "--decode", "1", "--routers", "1", "--planner",
+    launch = Launch(tmp_path, *tiny_model, "--prefill", "1", "--decode", "1", "--routers", "1", "--planner",
                     "--planner-interval", str(INTERVAL), "--planner-profile", str(tmp_path / "profile.json"),
                     "--planner-ttft-slo-ms", "2000", "--planner-tpot-slo-ms", "30",
                     "--num-gpu-blocks-override", "600", "--max-model-len", "2048", "--max-num-seqs", "32")

@@ -44,7 +44,7 @@ STORY = ("A lighthouse keeper on a northern island writes down the ships that pa
 
 # d1 speculates (n-gram): answers that move to or from it mid-stream still read as one unbroken answer
 SPECULATIVE = ["--speculative-config",
-               '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}']
+               '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}']
 
 
 def _instance_flags(name: str, router: Router, model: list[str]) -> list[str]:
