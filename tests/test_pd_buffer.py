@@ -24,6 +24,7 @@ from tests.greedy import assert_same_greedy_completions
 from tests.servers import Router, Server, metrics, segments, stop_all, wait_for
 
 pytestmark = pytest.mark.e2e  # starts pdserve processes
+MODEL = "tiny"  # conftest.tiny_model: what is tested is the protocol, in fp32 exactly
 
 COMMON = ["--max-model-len", "256", "--max-num-batched-tokens", "256", "--max-num-seqs", "16"]
 PROMPT_LEN, NEW_TOKENS, REQUESTS = 128, 48, 5  # 5 x 8 buffer blocks, one request at a time in D's 16
@@ -46,7 +47,7 @@ def _run(url: str, prompts: list[list[int]]) -> list[openai.types.Completion]:
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=180)
 
     def one(prompt: list[int]) -> openai.types.Completion:
-        return client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=NEW_TOKENS,
+        return client.completions.create(model=MODEL, prompt=prompt, max_tokens=NEW_TOKENS,
                                          temperature=0, logprobs=2,
                                          extra_body={"ignore_eos": True, "collect_metrics": True})
 
@@ -54,16 +55,17 @@ def _run(url: str, prompts: list[list[int]]) -> list[openai.types.Completion]:
         return list(pool.map(one, prompts))
 
 
-def test_decode_buffer_releases_prefill_early_and_decodes_like_mixed(tmp_path: Path) -> None:
+def test_decode_buffer_releases_prefill_early_and_decodes_like_mixed(tmp_path: Path, tiny_model: list[str]) -> None:
     before = segments()
     router = Router(tmp_path / "router")
     reg = ["--router", router.url, "--cache-transfer-protocol", "ipc"]
     # D's cache: 16 blocks of 16 tokens = one 176-token request at a time; the buffer takes all five prompts
-    p = Server(tmp_path / "p", "--splitwise-role", "prefill", "--num-gpu-blocks-override", "200", *reg, *COMMON,
+    p = Server(tmp_path / "p", *tiny_model,
+               "--splitwise-role", "prefill", "--num-gpu-blocks-override", "200", *reg, *COMMON,
                "--max-num-batched-tokens", "1280", wait=False)  # all five prompts in one step
-    d = Server(tmp_path / "d", "--splitwise-role", "decode", "--num-gpu-blocks-override", "16",
+    d = Server(tmp_path / "d", *tiny_model, "--splitwise-role", "decode", "--num-gpu-blocks-override", "16",
                "--splitwise-cache-buffer-size", "0.25", *reg, *COMMON, wait=False)
-    mixed = Server(tmp_path / "mixed", "--num-gpu-blocks-override", "200", *COMMON, wait=False)
+    mixed = Server(tmp_path / "mixed", *tiny_model, "--num-gpu-blocks-override", "200", *COMMON, wait=False)
     try:
         for s in (p, d, mixed):
             s.wait_ready(240)
@@ -120,15 +122,16 @@ def test_the_buffer_flag_on_a_prefill_instance_exits_2() -> None:
     assert "--splitwise-cache-buffer-size is for decode instances" in out.stderr
 
 
-def test_decode_killed_with_requests_in_its_buffer_leaves_prefill_whole(tmp_path: Path) -> None:
+def test_decode_killed_with_requests_in_its_buffer_leaves_prefill_whole(tmp_path: Path, tiny_model: list[str]) -> None:
     before = segments()
     router = Router(tmp_path / "router")
     # A short lease, so P gives up soon after D dies. On a slow box P's first step (six 128-token prompts,
     # fp32, D beside P) outlasted it in stop 21 and every transfer failed; P now renews from inside a step.
     reg = ["--router", router.url, "--cache-transfer-protocol", "ipc", "--pd-transfer-timeout", "4"]
-    p = Server(tmp_path / "p", "--splitwise-role", "prefill", "--num-gpu-blocks-override", "200", *reg, *COMMON,
+    p = Server(tmp_path / "p", *tiny_model,
+               "--splitwise-role", "prefill", "--num-gpu-blocks-override", "200", *reg, *COMMON,
                "--max-num-batched-tokens", "1280", wait=False)
-    d = Server(tmp_path / "d", "--splitwise-role", "decode", "--num-gpu-blocks-override", "16",
+    d = Server(tmp_path / "d", *tiny_model, "--splitwise-role", "decode", "--num-gpu-blocks-override", "16",
                "--splitwise-cache-buffer-size", "0.25", *reg, *COMMON, wait=False)
     try:
         for s in (p, d):

@@ -19,6 +19,7 @@ from tests.greedy import assert_same_greedy_completion
 from tests.servers import Router, Server, metrics, segments, stop_all, wait_for
 
 pytestmark = pytest.mark.e2e  # starts pdserve processes
+MODEL = "tiny"  # conftest.tiny_model: what is tested is the protocol, in fp32 exactly
 
 # 8 blocks of 16 tokens; a 96-token prompt + 8 new tokens takes 7 of them, so each new prompt evicts the last
 COMMON = ["--num-gpu-blocks-override", "8", "--max-model-len", "128", "--max-num-batched-tokens", "128"]
@@ -39,7 +40,7 @@ def _prompts() -> list[list[int]]:
 
 def _complete(url: str, prompt: list[int]) -> openai.types.Completion:
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
-    return client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=8, temperature=0,
+    return client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
                                      logprobs=2)
 
 
@@ -57,10 +58,10 @@ def _all_free(s: Server) -> bool:
     return m["pdserve_kv_cache_free_blocks"] == m["pdserve_kv_cache_total_blocks"]
 
 
-def test_a_prefix_evicted_from_the_cache_is_served_from_the_host_tier(tmp_path: Path) -> None:
+def test_a_prefix_evicted_from_the_cache_is_served_from_the_host_tier(tmp_path: Path, tiny_model: list[str]) -> None:
     before = segments()
-    tiered = Server(tmp_path / "tiered", *COMMON, "--swap-space", "0.1", wait=False)
-    plain = Server(tmp_path / "plain", *COMMON, wait=False)
+    tiered = Server(tmp_path / "tiered", *tiny_model, *COMMON, "--swap-space", "0.1", wait=False)
+    plain = Server(tmp_path / "plain", *tiny_model, *COMMON, wait=False)
     try:
         for s in (tiered, plain):
             s.wait_ready(240)
@@ -87,13 +88,16 @@ def test_a_prefix_evicted_from_the_cache_is_served_from_the_host_tier(tmp_path: 
     assert segments() <= before, f"left behind: {segments() - before}"
 
 
-def test_a_decode_instance_reuses_a_prompt_from_its_host_tier_and_p_sends_only_the_rest(tmp_path: Path) -> None:
+def test_a_decode_instance_reuses_a_prompt_from_its_host_tier_and_p_sends_only_the_rest(tmp_path: Path,
+                                                                                        tiny_model: list[str]) -> None:
     before = segments()
     router = Router(tmp_path / "router")
     reg = ["--router", router.url, "--cache-transfer-protocol", "ipc"]
-    p = Server(tmp_path / "p", "--splitwise-role", "prefill", *reg, *COMMON, "--num-gpu-blocks-override", "64",
+    p = Server(tmp_path / "p", *tiny_model,
+               "--splitwise-role", "prefill", *reg, *COMMON, "--num-gpu-blocks-override", "64",
                wait=False)
-    d = Server(tmp_path / "d", "--splitwise-role", "decode", *reg, *COMMON, "--swap-space", "0.1", wait=False)
+    d = Server(tmp_path / "d", *tiny_model,
+               "--splitwise-role", "decode", *reg, *COMMON, "--swap-space", "0.1", wait=False)
     try:
         for s in (p, d):
             s.wait_ready(240)
