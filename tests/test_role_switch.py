@@ -125,7 +125,14 @@ def test_a_change_that_cannot_drain_is_undone_and_bad_asks_are_refused(deploymen
     with ThreadPoolExecutor(1) as pool:
         running = pool.submit(long_answer)
         wait_for(lambda: _metric(d, "pdserve_num_requests_running") > 0, 30, "the long answer did not start on D")
-        refused = change_role(d.url, "mixed", drain_timeout=0.5)
+        workers = d.children("pdserve.worker")
+        for w in workers:  # the answer cannot finish while the change waits, however fast the model
+            w.suspend()
+        try:
+            refused = change_role(d.url, "mixed", drain_timeout=0.5)
+        finally:
+            for w in workers:
+                w.resume()
         assert refused.status_code == 409, refused.text
         assert "stays decode" in refused.json()["error"]["message"]
         assert roles(router)[d.url] == ("decode", False), "the instance was not put back as it was"

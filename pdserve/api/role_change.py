@@ -77,15 +77,19 @@ class RoleChanger:
 
     async def _drain(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        while (left := await self._in_flight()) > 0:
+        while (left := await self._in_flight(max(deadline - time.monotonic(), DRAIN_POLL_S))) != 0:
             if time.monotonic() >= deadline:
-                raise RoleChangeFailed(f"{left} requests were still in flight after the {timeout:g} s drain "
-                                       "timeout", 409)
+                what = "the engine was inside a step" if left is None else f"{left} requests were still in flight"
+                raise RoleChangeFailed(f"{what} after the {timeout:g} s drain timeout", 409)
             await asyncio.sleep(DRAIN_POLL_S)
 
-    async def _in_flight(self) -> int:
-        """The requests this server answers, or the engine holds if more (a PD side's is the engine's alone)."""
-        stats = await self.engine.call(GetStats())
+    async def _in_flight(self, timeout: float) -> int | None:
+        """The requests this server answers, or the engine holds if more (a PD side's is the engine's alone);
+        None when the engine could not answer within `timeout` (a step longer than that)."""
+        try:
+            stats = await self.engine.call(GetStats(), timeout=timeout)
+        except TimeoutError:
+            return None
         return max(self.in_flight(), stats.running + stats.waiting + stats.preallocated)
 
     async def _switch(self, role: str) -> dict:
@@ -93,6 +97,8 @@ class RoleChanger:
             return await self.engine.call(SetRole(role), timeout=30)
         except EngineError as e:
             raise RoleChangeFailed(f"the engine refused: {e}", 500) from None
+        except TimeoutError:
+            raise RoleChangeFailed("the engine did not answer the change within 30 s", 503) from None
 
     async def _announce(self, draining: bool) -> None:
         """Registrations now, not at the next heartbeat: the routers stop (or resume) choosing it at once."""
