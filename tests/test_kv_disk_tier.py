@@ -10,11 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import openai
 import pytest
 
 from tests.greedy import assert_same_greedy_completion
 from tests.servers import Server, metrics, segments, stop_all, wait_for
-from tests.test_swap_space import COMMON, _complete, _prompts
+from tests.test_swap_space import COMMON, _prompts
 
 pytestmark = pytest.mark.e2e  # starts pdserve processes
 
@@ -24,6 +25,12 @@ def _server(tmp_path: Path, name: str, disk: Path, *extra: str, env: dict[str, s
                env=env)
     s.wait_ready(240)
     return s
+
+
+def _complete(url: str, prompt: list[int]) -> openai.types.Completion:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
+    return client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=8, temperature=0,
+                                     logprobs=2)
 
 
 def _block_files(disk: Path) -> list[Path]:
