@@ -150,9 +150,19 @@ def test_pd_output_equals_mixed_for_20_concurrent_prompts(pd: dict, tokenizer) -
     got = received()
     assert all(v > 0 for v in got.values()), got
     assert metrics(pd["prefill"].port)["pdserve_kv_transfer_bytes_sent_total"] == sum(got.values())
-    drafts = sum(metrics(pd[n].port)["pdserve_spec_decode_num_drafts_total"]
-                 for n in ("decode_ipc", "decode_tcp"))
-    assert drafts > 0, "the speculating decode instances proposed nothing"
+    # The n-gram decode instances propose once a token recurs. A random model's 12-token answers may hold none, so
+    # long answers follow until one did (400 tokens after a 300-token prompt: a repeat is all but certain).
+    def drafts() -> float:
+        return sum(metrics(pd[n].port)["pdserve_spec_decode_num_drafts_total"] for n in ("decode_ipc", "decode_tcp"))
+
+    long = tokenizer.encode(PARAGRAPH * 12)[:300]
+    for _ in range(6):
+        if drafts() > 0:
+            break
+        ask = dict(model=MODEL, prompt=long, max_tokens=400, temperature=0, logprobs=2, extra_body={"ignore_eos": True})
+        assert_same_greedy_completion(router.completions.create(**ask), mixed.completions.create(**ask),
+                                      "a long answer through a speculating decode instance")
+    assert drafts() > 0, "the speculating decode instances proposed nothing"
     _assert_all_blocks_free(pd)
 
 
@@ -206,11 +216,10 @@ def test_prefix_cache_hits_on_prefill_are_sent_whole(pd: dict, tokenizer) -> Non
     ids = tokenizer.encode(PARAGRAPH * 10)
     first, second = ids[:300], ids[:300] + tokenizer.encode(" And so the story of the mill ends")
     router, mixed = _client(pd["router"].url), _client(pd["mixed"].url)
-    hits_before = metrics(pd["prefill"].metrics_port)["pdserve_prefix_cache_hits_total"]
+    hits_before = metrics(pd["prefill"].port)["pdserve_prefix_cache_hits_total"]  # the API port's: fresh
     for prompt in (first, second, second):  # the second `second` goes to the other decode instance
         assert_same_greedy_completion(_complete(router, prompt), _complete(mixed, prompt), "prefix prompt")
-    # The metrics port refreshes its engine gauges once a second.
-    wait_for(lambda: metrics(pd["prefill"].metrics_port)["pdserve_prefix_cache_hits_total"] - hits_before >= 2 * 288,
+    wait_for(lambda: metrics(pd["prefill"].port)["pdserve_prefix_cache_hits_total"] - hits_before >= 2 * 288,
              5, "P did not serve 18 full blocks of 16 from its prefix cache, twice at least")
     _assert_all_blocks_free(pd)
 
@@ -574,7 +583,7 @@ def test_conditional_pd_prefills_short_and_cached_prompts_on_decode(pd: dict, to
         ids = tokenizer.encode(PARAGRAPH * 10)
         short, long = "The largest planet in the solar system is", ids[5:305]
         cached = long + tokenizer.encode(" And so the story of the mill ends")
-        hits_before = metrics(pd["decode_ipc"].metrics_port)["pdserve_prefix_cache_hits_total"]
+        hits_before = metrics(pd["decode_ipc"].port)["pdserve_prefix_cache_hits_total"]  # the API port's: fresh
         for prompt, where in ((short, "local"), (long, "remote"), (cached, "local")):
             out = conditional.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
                                                  logprobs=2, extra_body={"collect_metrics": True})
@@ -586,7 +595,7 @@ def test_conditional_pd_prefills_short_and_cached_prompts_on_decode(pd: dict, to
                      for w, r in (("local", "short"), ("remote", "long"), ("local", "cached"))}
         assert decisions == {("local", "short"): 1, ("remote", "long"): 1, ("local", "cached"): 1}, m
         # D computed only the new tail of `cached`: the blocks P had sent it came from its prefix cache
-        wait_for(lambda: metrics(pd["decode_ipc"].metrics_port)["pdserve_prefix_cache_hits_total"] - hits_before
+        wait_for(lambda: metrics(pd["decode_ipc"].port)["pdserve_prefix_cache_hits_total"] - hits_before
                  >= (300 // BLOCK) * BLOCK, 5, "D did not serve the long prompt's blocks from its prefix cache")
     finally:
         stop_all([router])

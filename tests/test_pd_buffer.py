@@ -92,22 +92,22 @@ def test_decode_buffer_releases_prefill_early_and_decodes_like_mixed(tmp_path: P
                     and md["pdserve_splitwise_buffer_blocks_used"] == 0)
 
         wait_for(all_free, 15, "a cache or buffer block was not given back")
-        m = metrics(d.metrics_port)
+        # From here the API ports' /metrics, which ask the engines afresh (the exporters' figures lag a second).
+        m = metrics(d.port)
         assert m["pdserve_splitwise_buffer_blocks"] >= REQUESTS * PROMPT_LEN // 16
         assert m["pdserve_kv_swap_in_bytes_total"] > 0
 
         # A later turn with the same prefix on the same D: D's prefix cache has its first blocks, so P
         # sends only the rest, and the answer is the same.
         last = max(range(REQUESTS), key=lambda i: times[i]["finished"])
-        sent_before = metrics(p.metrics_port)["pdserve_kv_transfer_bytes_sent_total"]
+        sent_before = metrics(p.port)["pdserve_kv_transfer_bytes_sent_total"]
         (again,) = _run(router.url, [prompts[last]])
         assert again.choices[0].text == pd_out[last].choices[0].text
         skipped = (PROMPT_LEN - 1) // 16  # full blocks, one token left for P's logits
-        wait_for(lambda: metrics(d.metrics_port)["pdserve_kv_blocks_skipped_total"] == skipped, 10,
-                 "D did not use its prefix cache")  # the metrics port refreshes every second
-        wait_for(lambda: metrics(p.metrics_port)["pdserve_kv_transfer_bytes_sent_total"] > sent_before, 10,
-                 "P sent nothing")
-        sent = metrics(p.metrics_port)["pdserve_kv_transfer_bytes_sent_total"] - sent_before
+        wait_for(lambda: metrics(d.port)["pdserve_kv_blocks_skipped_total"] == skipped, 10,
+                 "D did not use its prefix cache")
+        wait_for(lambda: metrics(p.port)["pdserve_kv_transfer_bytes_sent_total"] > sent_before, 10, "P sent nothing")
+        sent = metrics(p.port)["pdserve_kv_transfer_bytes_sent_total"] - sent_before
         block_bytes = m["pdserve_kv_swap_in_bytes_total"] / REQUESTS / (PROMPT_LEN // 16)
         assert sent == block_bytes * (PROMPT_LEN // 16 - skipped)  # the one block D lacked
     finally:
