@@ -42,6 +42,7 @@ class Leg:
     ex: Exchange
     upstream: aiohttp.ClientResponse
     reader: asyncio.Task | None = None
+    queue: asyncio.Queue | None = None  # where `reader` puts the body's chunks
 
     def close(self) -> None:
         if self.reader is not None:

@@ -67,9 +67,11 @@ class PairForwarder:
             await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
             if p_task.done() and (failure := _prefill_failure(p_ex, p_task)) is not None:
                 return failure
-            outcome, handed_over = await self._decode_answer(route, d_ex, d_task, p_ex, p_task,
-                                                             body.get("stream", False))
-            return outcome
+            held = await self._decode_answer(route, d_ex, d_task, p_ex, p_task)
+            if not isinstance(held, Leg):
+                return held
+            handed_over = True  # before the relay: it owns D's exchange even if it is cancelled
+            return await relay(d_ex, held.upstream, body.get("stream", False), held.queue, held.reader)
         finally:
             if not handed_over:
                 p_task.cancel()
@@ -89,37 +91,37 @@ class PairForwarder:
         return p_body, d_body
 
     async def _decode_answer(self, route: Route, d_ex: Exchange, d_task: asyncio.Task, p_ex: Exchange,
-                             p_task: asyncio.Task, stream: bool) -> tuple[Outcome, bool]:
-        """D's answer, held until P has answered, and whether the relay owns D's exchange now (both succeeded)."""
+                             p_task: asyncio.Task) -> Outcome | Leg:
+        """D's answer held until P has answered: its leg, to relay, when both succeeded; else the outcome."""
         decode = d_ex.instance
         try:
             upstream = await d_task
         except BROKEN as e:
             d_ex.broken(e)
             return await _blame(p_ex, p_task, Retry(decode, error_response(
-                f"PD error: the decode instance {decode.url} is unreachable: {e}", 502, PD_ERROR))), False
+                f"PD error: the decode instance {decode.url} is unreachable: {e}", 502, PD_ERROR)))
         if upstream.status != 200:  # D refused it (bad request, overloaded)
             answer = await read_error_answer(upstream, d_ex)
             if upstream.status in RETRYABLE_STATUS:
-                return await _blame(p_ex, p_task, Retry(decode, answer)), False
-            return answer, False
+                return await _blame(p_ex, p_task, Retry(decode, answer))
+            return answer
         queue: asyncio.Queue = asyncio.Queue()
-        leg = Leg(d_ex, upstream, asyncio.create_task(pump(d_ex.chunks(upstream), queue)))
+        leg = Leg(d_ex, upstream, asyncio.create_task(pump(d_ex.chunks(upstream), queue)), queue)
         if not p_task.done():
             await asyncio.wait({p_task, leg.reader}, return_when=asyncio.FIRST_COMPLETED)
         if not p_task.done() and (error := leg.reader.result()) is not None:  # D broke before P answered
             d_ex.broken(error)
             leg.upstream.close()
             return await _blame(p_ex, p_task, Retry(decode, error_response(
-                f"PD error: the decode instance {decode.url} failed: {error}", 502, PD_ERROR))), False
+                f"PD error: the decode instance {decode.url} failed: {error}", 502, PD_ERROR)))
         if not p_task.done():  # D already finished (a one-token answer): P's answer is on its way
             await asyncio.wait({p_task})
         if (failure := _prefill_failure(p_ex, p_task)) is not None:
             leg.reader.cancel()
             leg.upstream.close()
-            return failure, False
+            return failure
         self.count_cached(route, p_task.result().body)
-        return await relay(d_ex, upstream, stream, queue, leg.reader), True
+        return leg
 
 
 async def _blame(p_ex: Exchange, p_task: asyncio.Task, d_failure: Retry) -> Retry:

@@ -29,7 +29,7 @@ async def relay(ex: Exchange, upstream: aiohttp.ClientResponse, stream: bool, qu
     if queue is None or reader is None:
         queue = asyncio.Queue()
         reader = asyncio.create_task(pump(ex.chunks(upstream), queue))
-    leg = Leg(ex, upstream, reader)
+    leg = Leg(ex, upstream, reader, queue)
     return await (_first_event(leg, queue) if stream else _whole(leg, queue))
 
 
