@@ -6,7 +6,8 @@ A block is in exactly one of three states:
   the same prefix can take it back; evicted least-recently-freed first when blocks run out;
 - clean: ref_cnt == 0 and nothing indexed.
 Clean blocks are reused last-freed-first, so a large pool is only touched (faulted in, on CPU) as
-far as the load needs it.
+far as the load needs it; a block's record is made when it is first handed out (a small model profiled
+into a large memory has millions of blocks, and making them all took seconds and hundreds of MB).
 """
 
 from __future__ import annotations
@@ -39,15 +40,19 @@ class BlockPool:
             raise ValueError("the KV cache needs at least one block")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self._clean: list[int] = list(range(num_blocks - 1, -1, -1))  # a stack: pop() gives block 0 first
+        self.blocks: list[Block] = []  # block ids 0..len-1 have been handed out at least once
+        self._clean: list[int] = []  # a stack of freed clean blocks; past them, those never handed out
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; oldest first
         self._by_hash: dict[BlockHash, int] = {}
         self.events: KVEventRecorder | None = None  # told of each eviction (kv_cache_manager.py: stores)
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._clean) + len(self._evictable)
+        return len(self._clean) + self._never_used + len(self._evictable)
+
+    @property
+    def _never_used(self) -> int:
+        return self.num_blocks - len(self.blocks)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -63,6 +68,9 @@ class BlockPool:
         for _ in range(n):
             if self._clean:
                 block = self.blocks[self._clean.pop()]
+            elif self._never_used:
+                block = Block(len(self.blocks))
+                self.blocks.append(block)
             else:
                 block_id, _ = self._evictable.popitem(last=False)
                 block = self.blocks[block_id]
