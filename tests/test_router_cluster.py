@@ -347,13 +347,15 @@ def test_prefill_killed_with_requests_queued_they_complete_on_the_other(cluster:
     in_flight = {}
     with ThreadPoolExecutor(len(prompts)) as pool:
         futures = [pool.submit(_complete, _client(router.url), p, 4) for p in prompts]
-        wait_for(lambda: in_flight.update({p: i["in_flight_requests"] for p in ("p0", "p1")
-                                           for i in router.registered() if i["url"] == cluster[p].url})
-                 or max(in_flight.values()) >= 2, 30, "no requests queued on a prefill instance")
-        victim, other = sorted(in_flight, key=in_flight.get, reverse=True)
-        cluster[victim].kill()
-        for w in workers["p0"] + workers["p1"]:  # the victim's too: they follow their dead parent out
-            w.resume()
+        try:
+            wait_for(lambda: in_flight.update({p: i["in_flight_requests"] for p in ("p0", "p1")
+                                               for i in router.registered() if i["url"] == cluster[p].url})
+                     or max(in_flight.values()) >= 2, 30, "no requests queued on a prefill instance")
+            victim, other = sorted(in_flight, key=in_flight.get, reverse=True)
+            cluster[victim].kill()
+        finally:
+            for w in workers["p0"] + workers["p1"]:  # the victim's too: they follow their dead parent out
+                w.resume()
         outs = [f.result() for f in futures]  # none fails: the victim's are retried on the other
     wait_for(lambda: cluster[victim].url not in router.healthy_urls(), 5, "the router kept a dead prefill instance")
     cluster[victim].wait_gone(20)
