@@ -106,8 +106,9 @@ def test_two_ranks_of_packed_weights_equal_the_unsplit_model(gguf_file, tmp_path
     """Every block format split at whole blocks of 32 (K-quants inside their super-blocks of 256)."""
     from pdserve.loader import resolve_model_folder
 
-    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    folder = resolve_model_folder(gguf_file)
+    with monkeypatch.context() as m:  # the converted folder in tmp_path; the ranks find the kernels where they are
+        m.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+        folder = resolve_model_folder(gguf_file)
     whole = load_decoder(folder, torch.float32, torch.device("cpu"), quantization="gguf", gguf_file=gguf_file)
     expected = whole(ForwardBatch.build([SequenceChunk(TOKENS, 0, [0])], 64, is_dummy_or_profile_run=True), None)[0]
     mp.spawn(_rank, args=(gguf_file, folder, tmp_path / "rendezvous", expected), nprocs=2, join=True)
