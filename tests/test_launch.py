@@ -99,11 +99,11 @@ class Load(threading.Thread):
 
 
 @pytest.mark.e2e
-def test_launch_restarts_killed_instances_and_ctrl_c_stops_all(tmp_path: Path):
+def test_launch_restarts_killed_instances_and_ctrl_c_stops_all(tmp_path: Path, tiny_model: list[str]):
     before = segments()
     # Admission off: on a slow box the TPOT objective refuses some of this steady load while an instance is
     # down, and this test counts every answer that is not a 200 (tests/test_admission.py tests admission).
-    launch = Launch(tmp_path, "--prefill", "1", "--decode", "2", "--num-gpu-blocks-override", "200",
+    launch = Launch(tmp_path, *tiny_model, "--prefill", "1", "--decode", "2", "--num-gpu-blocks-override", "200",
                     "--max-model-len", "1024", "--ttft-slo-ms", "0", "--tpot-slo-ms", "0")
     try:
         _restarts_and_ctrl_c(launch, tmp_path, before)
