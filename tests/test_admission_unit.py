@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.admission.load import LoadReport, LoadTracker
+from pdserve.admission.load import LoadReport, LoadTracker, fit_step_costs, implausible_fit
 from pdserve.admission.predictor import SLO, TPOT_MARGIN, Refusal, judge_tpot, judge_ttft, predict_ttft
 from pdserve.admission.rate_limit import RateLimits, client_key
 from pdserve.admission.sent import SentSince
@@ -92,10 +92,29 @@ def test_the_fit_never_makes_a_cost_negative() -> None:
     t.observe(prefill_tokens=292, decodes=0, seconds=0.90)
     for _ in range(110):
         t.observe(prefill_tokens=0, decodes=1, seconds=0.026)
-    base, per_stream, per_token = t.step_costs()
+    base, per_stream, per_token = fit_step_costs(list(t._steps))
     assert 0 < base < 0.001 and per_stream == pytest.approx(0.026, rel=0.01) and 0.0025 < per_token < 0.0035
+    # and a fit without a base is no step's cost: the tracker reports none (the predictions fall back to the rates)
+    assert "base is zero" in implausible_fit((base, per_stream, per_token), t._steps)
+    assert t.step_costs() == (0.0, 0.0, 0.0)
     r = t.report({}, decoding=1, waiting_streams=0, min_tokens_left=None)
-    assert judge_tpot(SLO(tpot=0.1), r) is None  # two streams: 52 ms
+    assert judge_tpot(SLO(tpot=0.1), r) is None
+
+
+def test_a_calibration_timed_beside_another_is_refused() -> None:
+    """Two instances calibrating at once on two cores: the one-stream steps took what four streams take alone, and
+    the fit said `step 0.0 ms + 3.45 ms per stream`. Such a fit seeds nothing; a calibration timed alone does."""
+    spoiled = [(1, 0, 0.0030), (4, 0, 0.0135), (16, 0, 0.055), (0, 256, 0.36), (0, 1024, 1.44), (4, 256, 0.374)]
+    t = LoadTracker(max_num_seqs=16)
+    assert "base is zero" in t.calibrate(spoiled)
+    assert t.report({}, 0, 0, None).quiet_step_base == 0.0 and t.prefill_rate == 0.0  # admission waits for steps
+    alone = [(1, 0, 0.012), (4, 0, 0.015), (16, 0, 0.027), (0, 256, 0.18), (0, 1024, 0.70), (4, 256, 0.19)]
+    assert t.calibrate(alone) is None
+    base, per_stream, _ = t.step_costs()
+    assert base == pytest.approx(0.011, abs=0.002) and per_stream == pytest.approx(0.001, abs=0.0005)
+    assert t.prefill_rate == pytest.approx(1024 / 0.70)
+    slow_stream = [(1, 0, 0.004), (4, 0, 0.060), (8, 0, 0.100), (16, 0, 0.180)]  # 11 ms a stream; one took 4 ms
+    assert "more than a measured one-stream step" in LoadTracker(max_num_seqs=4).calibrate(slow_stream)
 
 
 def test_a_stream_that_would_decode_alone_is_never_refused_on_tpot() -> None:
@@ -367,3 +386,22 @@ def test_tpot_is_corrected_by_how_far_the_steps_lately_ran_from_the_fit() -> Non
     slowed = tracker.report({}, 8, 0, None)
     assert slowed.tpot_error > 1.4
     assert judge_tpot(SLO(tpot=0.04), slowed) is not None
+
+
+def test_a_server_counts_the_prompt_tokens_its_engine_will_compute() -> None:
+    """A burst on one prefix is judged as one prefix and many tails (the engine finds the blocks handed over
+    before cached); an adapter's blocks are its own; without prefix caching every prompt counts whole."""
+    from pdserve.api.prompt_work import PromptWork
+
+    work = PromptWork(block_size=16, num_blocks=100)
+    prefix = list(range(1000, 1064))  # 4 blocks
+    first, second = prefix + [1, 2, 3], prefix + [4, 5, 6]
+    assert work.tokens(first) == 67
+    work.handed_over(first)
+    assert work.tokens(second) == 3
+    assert work.tokens(second, lora="sql") == 67  # another adapter's KV differs
+    assert work.tokens(prefix) == 16  # a prompt of whole blocks computes its last block: its logits are needed
+    assert work.tokens(list(range(2000, 2067))) == 67
+    off = PromptWork(block_size=16, num_blocks=100, prefix_caching=False)
+    off.handed_over(first)
+    assert off.tokens(second) == 67

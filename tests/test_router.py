@@ -246,6 +246,36 @@ def test_conditional_pd_leaves_the_prompt_to_p_where_d_would_be_late() -> None:
     assert [(x.local, x.reason) for x in seen] == [(False, "slow_locally"), (True, "decode_idle")]
 
 
+def test_a_burst_on_one_prefix_is_judged_as_one_prefix_and_many_tails() -> None:
+    """With a TTFT objective, each request of a burst that shares a long prefix counts the prefix once: the
+    instance computes it for the first and finds it cached for the others. Counted whole, the third of these was
+    refused (three 410-token prompts at 1,000 tokens/s miss 1 s); a prompt of its own still counts whole."""
+    from prometheus_client import CollectorRegistry
+
+    from pdserve.admission.load import LoadReport
+    from pdserve.admission.metrics import AdmissionMetrics
+    from pdserve.admission.predictor import SLO
+    from pdserve.router.admission import Admitted, RouterAdmission
+
+    m = _instance("m", "mixed")
+    registry = Registry()
+    registry._instances[m.url] = m
+    selector = Selector(registry, LeastTokens(), LeastRequests())
+    m.load = LoadReport(time.time(), [], 0, 0, 64, prefill_rate=1000.0, step_time=0.02, decode_cost=0.001,
+                        next_finish=0.0, acked=0)
+    admission = RouterAdmission(SLO(ttft=1.0), None, AdmissionMetrics(CollectorRegistry(), "t"), registry, selector,
+                                None)
+    prefix = list(range(1000, 1400))
+    for i in range(8):
+        request = RoutedRequest(prefix + list(range(i * 10, i * 10 + 10)), 410)
+        verdict = admission.admit({}, {}, request, time.monotonic())
+        assert isinstance(verdict, Admitted), (i, verdict)
+        admission.routed(selector.pick(request), request)
+    assert m.sent.since(0.0) == (410 + 7 * 10, 8)  # what the instance will compute, not 8 x 410
+    own = RoutedRequest(list(range(5000, 5700)), 700)
+    assert not isinstance(admission.admit({}, {}, own, time.monotonic()), Admitted)  # 480 queued + 700 > 1 s
+
+
 def test_routes_follow_roles_changed_in_place() -> None:
     """A switchable mixed instance is a prefill instance's partner; with no prefill instance, decode instances take
     whole requests; a draining instance gets nothing new; a role change keeps the instance in the pool."""

@@ -430,6 +430,24 @@ def test_shared_prefix_computed_count_starts_after_the_hit() -> None:
     run_until_idle(sched)
 
 
+def test_the_load_report_counts_only_the_prompt_tokens_that_will_be_computed() -> None:
+    """A burst on one prefix: the first prompt computes it, every later one finds it cached (admission predicts
+    the time to first token from these counts); a prefix already cached counts for none of them."""
+    sched = make_scheduler(num_blocks=64, max_num_batched_tokens=8)
+    prefix = list(range(100, 116))  # 4 full blocks
+    burst = [Request(f"r{i}", prefix + [200 + i, 300 + i], SamplingParams(max_tokens=2)) for i in range(5)]
+    for r in burst:
+        sched.add_request(r)
+    assert sched.load()[0] == {0: 18 + 4 * 2}  # one whole prompt, then the tails
+    other = make_request("other", 10, start=500)
+    sched.add_request(other)
+    assert sched.load()[0] == {0: 18 + 4 * 2 + 10}  # nothing of its prefix is cached or coming
+    run_until_idle(sched)
+    again = Request("again", prefix + [400, 401, 402], SamplingParams(max_tokens=2))
+    sched.add_request(again)
+    assert sched.load()[0] == {0: 3}  # its prefix stays cached from the burst
+
+
 def test_exact_block_multiple_prompt_is_not_fully_hit() -> None:
     sched = make_scheduler(num_blocks=32)
     a = make_request("a", 12, max_tokens=1)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Iterable
 
 import msgspec
 
@@ -60,12 +61,14 @@ class LoadReport(msgspec.Struct):
         return sum(tokens for p, tokens in self.queued if p <= priority)
 
 
+MIN_BASE = 1e-6  # seconds: a fitted base of 0 would read as "no fit yet"
+
+
 class LoadTracker:
     """The engine's side: step timings in, a LoadReport out."""
 
     ALPHA = 0.2  # weight of the newest step in the moving averages
     FIT_STEPS = 256  # steps kept for the cost fit
-    MIN_BASE = 1e-6  # seconds: a fitted base of 0 would read as "no fit yet"
     PROMPT_STEP_TOKENS = 64  # a step with this many prompt tokens or more times what computing a prefix costs
 
     def __init__(self, max_num_seqs: int, step_tokens: int = 0) -> None:
@@ -109,10 +112,12 @@ class LoadTracker:
             self._decodes_per_step = decodes if first else a * decodes + (1 - a) * self._decodes_per_step
         self._steps.append((decodes, prefill_tokens, seconds))
 
-    def calibrate(self, steps: list[tuple[int, int, float]]) -> None:
+    def calibrate(self, steps: list[tuple[int, int, float]]) -> str | None:
         """Seed the fit with timed (streams, prompt tokens, seconds) steps taken before any request came: the
         prefill rate from the largest prompt-only step, the step time from the decode-only ones; real steps
-        then push them out of the fit."""
+        then push them out of the fit. Steps whose fit cannot be right seed nothing: why, or None."""
+        if refusal := implausible_fit(fit_step_costs(steps), steps):
+            return refusal
         self._steps.extend((decodes, prompt, seconds) for decodes, prompt, seconds in steps)
         prompts = [(p, s) for n, p, s in steps if p and not n]
         if prompts:
@@ -123,6 +128,7 @@ class LoadTracker:
             self._decodes_per_step = sum(n for n, _ in decodes) / len(decodes)
         base, per_stream, _ = self.step_costs()
         self._quiet = (base, per_stream, self.prefill_rate)
+        return None
 
     @property
     def prefill_rate(self) -> float:
@@ -137,26 +143,10 @@ class LoadTracker:
         return self._prompt_step_rate
 
     def step_costs(self) -> tuple[float, float, float]:
-        """(base, per stream, per prompt token) seconds of a step; zeros until the steps seen vary in their
-        stream counts. A prompt-token cost is fitted only where prompt tokens varied. No cost is negative: a term
-        the fit makes negative is left out and the others fitted again (a decode instance that computed two
-        prompts of nearly one length under conditional PD once gave base -3.3 s and 3.3 s per stream, and every
-        request after was refused). A fit's base is at least MIN_BASE, so a report shows that it has one."""
-        steps = self._steps
-        if len({n for n, _, _ in steps}) < 2:
-            return 0.0, 0.0, 0.0
-        terms = [0, 1, 2] if len({p for _, p, _ in steps}) >= 2 else [0, 1]
-        all_rows = [(1.0, float(n), float(p)) for n, p, _ in steps]
-        while True:
-            coef = _least_squares([tuple(r[t] for t in terms) for r in all_rows], [s for _, _, s in steps])
-            worst = min(range(len(terms)), key=lambda i: coef[i])
-            if coef[worst] >= 0 or len(terms) == 1:
-                break
-            del terms[worst]
-        costs = [0.0, 0.0, 0.0]
-        for t, c in zip(terms, coef, strict=True):
-            costs[t] = max(0.0, c)
-        return max(self.MIN_BASE, costs[0]), costs[1], costs[2]
+        """(base, per stream, per prompt token) seconds of a step, fitted over the last FIT_STEPS steps; zeros
+        until they vary in their stream counts, and while the fit is implausible (implausible_fit)."""
+        costs = fit_step_costs(list(self._steps))
+        return (0.0, 0.0, 0.0) if implausible_fit(costs, self._steps) else costs
 
     def report(self, queued: dict[int, int], decoding: int, waiting_streams: int, min_tokens_left: int | None,
                loras: list[str] | None = None) -> LoadReport:
@@ -167,6 +157,44 @@ class LoadTracker:
                           self.prefill_rate, self._step_time, per_stream, next_finish, self.step_tokens, base,
                           per_token, self._prompt_per_step, loras or [], decodes_per_step=self._decodes_per_step,
                           quiet_step_base=quiet_base, quiet_decode_cost=quiet_cost, quiet_prefill_rate=quiet_rate)
+
+
+def fit_step_costs(steps: list[tuple[int, int, float]]) -> tuple[float, float, float]:
+    """(base, per stream, per prompt token) seconds of a step; zeros until the steps seen vary in their
+    stream counts. A prompt-token cost is fitted only where prompt tokens varied. No cost is negative: a term
+    the fit makes negative is left out and the others fitted again (a decode instance that computed two
+    prompts of nearly one length under conditional PD once gave base -3.3 s and 3.3 s per stream, and every
+    request after was refused). A fit's base is at least MIN_BASE, so a report shows that it has one."""
+    if len({n for n, _, _ in steps}) < 2:
+        return 0.0, 0.0, 0.0
+    terms = [0, 1, 2] if len({p for _, p, _ in steps}) >= 2 else [0, 1]
+    all_rows = [(1.0, float(n), float(p)) for n, p, _ in steps]
+    while True:
+        coef = _least_squares([tuple(r[t] for t in terms) for r in all_rows], [s for _, _, s in steps])
+        worst = min(range(len(terms)), key=lambda i: coef[i])
+        if coef[worst] >= 0 or len(terms) == 1:
+            break
+        del terms[worst]
+    costs = [0.0, 0.0, 0.0]
+    for t, c in zip(terms, coef, strict=True):
+        costs[t] = max(0.0, c)
+    return max(MIN_BASE, costs[0]), costs[1], costs[2]
+
+
+def implausible_fit(costs: tuple[float, float, float], steps: Iterable[tuple[int, int, float]]) -> str | None:
+    """Why a fit of these steps cannot be a step's cost, or None: a base of zero (the fit dropped it: every step
+    costs something before its streams), or one stream costing more than a whole step of one stream measured
+    (calibrated beside another instance's calibration: `step 0.0 ms + 3.45 ms per stream`)."""
+    base, per_stream, _ = costs
+    if base == 0.0 and per_stream == 0.0:
+        return None  # no fit yet: nothing to judge
+    if base <= MIN_BASE:
+        return f"the fitted step base is zero ({per_stream * 1e3:.2f} ms per stream)"
+    single = [s for n, p, s in steps if n == 1 and p == 0]
+    if single and per_stream > min(single):
+        return (f"one more stream costs {per_stream * 1e3:.2f} ms in the fit, more than a measured one-stream step "
+                f"({min(single) * 1e3:.2f} ms)")
+    return None
 
 
 def _least_squares(rows: list[tuple[float, ...]], y: list[float]) -> list[float]:

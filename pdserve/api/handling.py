@@ -52,7 +52,7 @@ def check_length(state: ServerState, prompt_ids: list[int]) -> None:
 def admit(state: ServerState, raw: Request, body: Any, gen: Generation, decodes: bool) -> None:
     engine = state.engine
     reports = engine.load_reports()
-    verdict = state.admission.admit(raw, getattr(body, "user", None), reports, len(gen.prompt_token_ids),
+    verdict = state.admission.admit(raw, getattr(body, "user", None), reports, state.prompt_tokens_to_compute(gen),
                                     gen.priority, gen.created, decodes)
     if isinstance(verdict, Refusal):
         raise APIError(verdict.message, 429, verdict.error_type, headers={"Retry-After": verdict.retry_after_header})
@@ -63,7 +63,9 @@ def took(state: ServerState, raw: Request, body: Any, gen: Generation) -> None:
     """The request goes to the engine: counted in the load this server reports until the engine's own report
     has it, and acknowledged to the router that sent it."""
     decode_side = body.pd is not None and body.pd.role == "decode"  # its prompt is computed elsewhere
-    state.taken.add(0 if decode_side else len(gen.prompt_token_ids), gen.priority)
+    state.taken.add(0 if decode_side else state.prompt_tokens_to_compute(gen), gen.priority)
+    if state.prompt_work is not None:  # either side caches its blocks
+        state.prompt_work.handed_over(gen.prompt_token_ids, gen.lora_name)
     if sent := parse_sent(raw.headers.get(SENT_HEADER)):
         router, seq = sent
         state.acked[router] = max(seq, state.acked.get(router, 0))

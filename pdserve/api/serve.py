@@ -24,6 +24,7 @@ from pdserve.api.async_engine import AsyncEngine
 from pdserve.api.data_parallel import DataParallelEngine, EngineRank
 from pdserve.api.lora import LoRAServing
 from pdserve.api.metrics import ServerMetrics
+from pdserve.api.prompt_work import PromptWork
 from pdserve.api.role_change import RoleChanger
 from pdserve.api.sampling_defaults import load_sampling_defaults
 from pdserve.api.server import build_app
@@ -190,6 +191,7 @@ def _server_state(door: Door, engine: AsyncEngine | DataParallelEngine, tracing:
                         tool_call_parser=settings.tool_call_parser, data_parallel_size=settings.data_parallel_size,
                         scheduling_policy=config.scheduling_policy)
     state.kv_pull, state.role, state.tracing = config.enable_kv_pull, ready.role, tracing
+    state.prompt_work = PromptWork(ready.block_size, ready.num_blocks, config.enable_prefix_caching)
     if config.enable_lora:
         state.lora = LoRAServing.of(config.lora_modules, config.enable_lora_runtime_loading)
     if door.slo.enabled or door.rate_limits is not None:

@@ -17,6 +17,7 @@ from pdserve.api.data_parallel import DataParallelEngine
 from pdserve.api.generation import Generation
 from pdserve.api.lora import LoRAServing
 from pdserve.api.metrics import ServerMetrics
+from pdserve.api.prompt_work import PromptWork
 from pdserve.api.role_change import RoleChanger
 from pdserve.api.status import RecentRequests
 from pdserve.tokenization.tokenizer import Tokenizer
@@ -57,6 +58,7 @@ class ServerState:
     # Requests handed to the engine lately, which its last load report may not include yet (admission/sent.py),
     # and per router the highest of its sequence numbers taken.
     taken: SentSince = field(default_factory=SentSince)
+    prompt_work: PromptWork | None = None  # what the engine will compute of a prompt (set once it is ready)
     acked: dict[str, int] = field(default_factory=dict)
     lora: LoRAServing | None = None  # --enable-lora: the adapters a request may name in `model`
     kv_pull: bool = False  # --enable-kv-pull: a request's `kv_pull` is followed
@@ -65,6 +67,10 @@ class ServerState:
     signatures: SignatureCheck = field(default_factory=lambda: SignatureCheck(cluster_secret()))
     tracing: InstanceTracing | None = None  # --otlp-traces-endpoint
     recent: RecentRequests = field(default_factory=RecentRequests)  # the last minute, for GET /status
+
+    def prompt_tokens_to_compute(self, gen: Generation) -> int:
+        prompt = gen.prompt_token_ids
+        return len(prompt) if self.prompt_work is None else self.prompt_work.tokens(prompt, gen.lora_name)
 
     @property
     def current_role(self) -> str:

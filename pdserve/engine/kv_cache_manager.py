@@ -23,7 +23,7 @@ from pdserve.engine.prefix_loads import LoadResult, PrefixLoad
 from pdserve.engine.prefix_pull import QUARANTINE_S, PullCost
 from pdserve.engine.request import Request
 from pdserve.engine.stats import PrefixCacheStats
-from pdserve.kv.block_hash import hash_block
+from pdserve.kv.block_hash import BlockHash, hash_block
 from pdserve.kv_events.events import DEVICE, DISK, HOST, BlockStored, KVEvent
 from pdserve.kv_events.recorder import KVEventRecorder
 
@@ -93,6 +93,23 @@ class KVCacheManager:
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def expected_cached_blocks(self, request: Request, coming: set[BlockHash]) -> int:
+        """How many leading full blocks of a waiting request's prompt it will find cached when it is scheduled:
+        held on the device or in the host tier now, or in `coming` (blocks that requests ahead of it compute
+        first). For the load report; takes and moves nothing (the disk tier, which costs a read, is not
+        counted)."""
+        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
+            return 0
+        self._hash_full_blocks(request, request.num_tokens - 1)
+        hashes = request.block_hashes[:(request.num_tokens - 1) // self.block_size]
+        n = 0
+        for block_hash in hashes:
+            if not (block_hash in coming or self.pool.lookup(block_hash) is not None
+                    or (self.host is not None and block_hash in self.host)):
+                break
+            n += 1
+        return n
 
     def find_cached_prefix(self, request: Request) -> list[Block] | None:
         """The longest run of cached full blocks at the start of the request's tokens; None while blocks of the

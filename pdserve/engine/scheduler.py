@@ -30,6 +30,7 @@ from pdserve.engine.messages import StepTime
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from pdserve.engine.waiting_queue import WaitingQueue
+from pdserve.kv.block_hash import BlockHash
 from pdserve.sampling import check_stop
 from pdserve.spec_decode.controller import SpeculationController
 from pdserve.spec_decode.ngram_proposer import NgramProposer
@@ -204,14 +205,21 @@ class Scheduler:
         return request
 
     def load(self) -> tuple[dict[int, int], int, int, int | None, list[str]]:
-        """For the load report: prompt tokens still to compute by priority, streams decoding, streams that
-        will join them (queued, mid-prefill, awaiting KV; none on a prefill instance), the fewest
-        tokens a decoding stream has left before its limit (None when none decodes), and the LoRA adapters of
+        """For the load report: prompt tokens still to compute by priority (a waiting prompt's without the prefix
+        it will find cached, computed by a request ahead of it if need be), streams decoding, streams that will
+        join them (queued, mid-prefill, awaiting KV; none on a prefill instance), the fewest tokens a decoding
+        stream has left before its limit (None when none decodes), and the LoRA adapters of
         the last step."""
         queued: dict[int, int] = {}
         decoding, joining, fewest_left = 0, 0, None
-        for r in (*self.waiting, *self.loading.values(), *self.running):
+        coming: set[BlockHash] = set()  # blocks the requests before this one compute: it will find them cached
+        for r in (*self.running, *self.loading.values(), *self.waiting):
             todo = r.num_tokens - r.num_computed_tokens
+            if r.num_computed_tokens == 0 and r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+                todo -= self.kv.expected_cached_blocks(r, coming) * self.kv.block_size
+                coming.update(r.block_hashes)
+            elif r.status is not RequestStatus.RUNNING or todo > 1:
+                coming.update(r.block_hashes)
             if r.status is RequestStatus.RUNNING and todo == 1:
                 decoding += 1
                 limit = self.config.max_model_len - r.num_tokens

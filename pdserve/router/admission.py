@@ -27,6 +27,7 @@ from pdserve.admission.metrics import AdmissionMetrics
 from pdserve.admission.predictor import SLO, Refusal, judge_tpot, judge_ttft
 from pdserve.admission.rate_limit import RateLimits, client_key
 from pdserve.balancing.policies import RoutedRequest
+from pdserve.balancing.prefix_index import PrefixIndex
 from pdserve.config.roles import Role
 from pdserve.kv_events.index import KVIndex
 from pdserve.router.registry import Instance, Registry
@@ -54,6 +55,7 @@ class RouterAdmission:
         self.router_id = uuid.uuid4().hex[:12]  # the instances acknowledge what they took of ours (admission/sent.py)
         self._seq = itertools.count(1)
         self.ttft_correction: dict[str, Correction] = {}  # by instance url
+        self.recent = PrefixIndex()  # the prompt blocks this router sent each instance lately (see _cached_tokens)
 
     def admit(self, headers: Mapping[str, str], body: dict, request: RoutedRequest, received: float
               ) -> Admitted | Refusal:
@@ -111,10 +113,16 @@ class RouterAdmission:
             request.slow_local_prefill.add(instance.url)
 
     def _cached_tokens(self, instance: Instance, request: RoutedRequest) -> int:
+        """The prompt tokens the instance will find cached: what its KV events say it holds, or what this router
+        sent it lately (a prompt still queued or computing there is cached by the time this one is scheduled)."""
         bs = instance.block_size
-        if self.kv_index is None or not bs or not self.kv_index.tracks(instance.url):
+        if not bs:
             return 0
-        return self.kv_index.cached_blocks(instance.url, request.lookup_hashes(bs)) * bs
+        hashes = request.lookup_hashes(bs)
+        held = 0
+        if self.kv_index is not None and self.kv_index.tracks(instance.url):
+            held = self.kv_index.cached_blocks(instance.url, hashes)
+        return max(held, self.recent.matched(instance.url, hashes)) * bs
 
     def routed(self, route: Route, request: RoutedRequest) -> None:
         """A route was taken: its instances' queues grow by this request until their reports acknowledge it."""
@@ -122,9 +130,12 @@ class RouterAdmission:
             request.admitted.routed.append(route.first.url)
         seq = next(self._seq)
         request.sent_tag = f"{self.router_id}:{seq}"
-        route.first.sent.add(request.num_tokens, request.priority, seq=seq)
+        route.first.sent.add(request.num_tokens - self._cached_tokens(route.first, request), request.priority, seq=seq)
         if route.decode is not None:
             route.decode.sent.add(0, request.priority, seq=seq)
+        for instance in (route.first, route.decode):  # either caches the prompt's blocks
+            if instance is not None and instance.block_size:
+                self.recent.remember(instance.url, request.lookup_hashes(instance.block_size))
 
     def _correction(self, url: str) -> Correction:
         return self.ttft_correction.setdefault(url, Correction())

@@ -1,0 +1,43 @@
+"""The prompt tokens this server's engine will compute for a request: its whole prompt but the leading full
+blocks it will find in the prefix cache.
+
+What the cache holds is read from what this server handed its engine lately (an LRU of block hashes as large as
+the cache; it sees no eviction, as a router without KV events does): a prompt that a request ahead of it is
+still computing counts as cached too, since by the time this one is scheduled it is. Admission judges the time to
+first token from these tokens, and the load this server reports counts them, so a burst on one prefix is
+predicted as one prefix and many tails, not as many whole prompts.
+"""
+
+from __future__ import annotations
+
+from pdserve.balancing.prefix_index import PrefixIndex
+from pdserve.config.lora import lora_hash_root
+from pdserve.kv.block_hash import hash_block
+
+_SELF = ""  # the one target in the index: this server's engine
+
+
+class PromptWork:
+    def __init__(self, block_size: int, num_blocks: int, prefix_caching: bool = True) -> None:
+        self.block_size, self.prefix_caching = block_size, prefix_caching
+        self._recent = PrefixIndex(num_blocks)
+
+    def tokens(self, prompt_ids: list[int], lora: str | None = None) -> int:
+        """The prompt tokens it will compute (at least one: the last token's logits give the first new one)."""
+        if not self.prefix_caching:
+            return len(prompt_ids)
+        cached = self._recent.matched(_SELF, self._lookup_hashes(prompt_ids, lora))
+        return len(prompt_ids) - cached * self.block_size
+
+    def handed_over(self, prompt_ids: list[int], lora: str | None = None) -> None:
+        """The engine has the prompt: its full blocks will be cached."""
+        if self.prefix_caching:
+            self._recent.remember(_SELF, self._lookup_hashes(prompt_ids, lora))
+
+    def _lookup_hashes(self, prompt_ids: list[int], lora: str | None) -> list[bytes]:
+        """The engine's chained hashes of the full blocks a lookup may take: all but one that ends with the last
+        token (kv_cache_manager.find_cached_prefix)."""
+        bs, hashes = self.block_size, []
+        for i in range((len(prompt_ids) - 1) // bs):
+            hashes.append(hash_block(hashes[-1] if hashes else lora_hash_root(lora), prompt_ids[i * bs:(i + 1) * bs]))
+        return hashes
