@@ -1,12 +1,17 @@
 """A fresh server's first over-capacity burst, with admission by SLO and without (issue 52).
 
     .venv/bin/python bench/first_burst.py [--requests 64] [--prompt-words 450] [--rounds 1]
-        [--out bench-results/first_burst.md]
+        [--shared-prefix WORDS] [--max-tokens 64] [--deployment serve|launch] [--out bench-results/first_burst.md]
+
+    # issue 68's case: 48 chats on one ~250-word prefix (distinct ~20-word tails) against make demo's deployment
+    .venv/bin/python bench/first_burst.py --deployment launch --requests 48 --shared-prefix 250 --prompt-words 20 \
+        --max-tokens 32 --rounds 2 --out bench-results/first_burst_shared.md
 
 The burst that matters most comes right after a deploy or a restart, before an engine has measured a step.
 Each round starts `pdserve serve --kv-cache-memory 2G --max-model-len 4096` (or with --deployment launch, make
 demo's 1P1D deployment: its router admits) afresh, with `--ttft-slo-ms 2000 --tpot-slo-ms 100` and without, and
-sends it --requests streamed chats at once, each a distinct prompt of about 600 tokens (64 tokens each answer),
+sends it --requests streamed chats at once, each a distinct prompt of about 600 tokens (64 tokens each answer;
+with --shared-prefix, every prompt begins with the same text of that many words: a burst the prefix cache serves),
 with the openai client (no retries). Prints per setting: answered, refused (429) and failed requests, how many
 got their first token within the 2 s objective, the admitted TTFT p50 / p90, how long the refusals took
 (p50 / p99) and whether each carried Retry-After.
@@ -33,19 +38,22 @@ WORDS = ("harbour lantern orchard meadow river quarry granite willow ember falco
          "marble pepper violet timber compass glacier").split()
 
 
-def prompt(i: int, words: int) -> str:
+def prompt(i: int, words: int, shared_words: int = 0) -> str:
     text = " ".join(WORDS[(i * 7 + k * 3) % len(WORDS)] for k in range(words))
-    return f"Request {i}: summarise these notes in one sentence. {text}"
+    shared = " ".join(WORDS[(k * 11) % len(WORDS)] for k in range(shared_words))
+    own = f"Request {i}: summarise these notes in one sentence. {text}"
+    return f"Background for every request: {shared}\n\n{own}" if shared_words else own
 
 
-async def one(client: openai.AsyncOpenAI, model: str, i: int, words: int) -> tuple[str, float, float | None, bool]:
+async def one(client: openai.AsyncOpenAI, model: str, i: int, args: argparse.Namespace
+              ) -> tuple[str, float, float | None, bool]:
     """(outcome, seconds to the answer's end or the refusal, TTFT, Retry-After given)."""
     start = time.perf_counter()
     ttft = None
     try:
         stream = await client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": prompt(i, words)}], max_tokens=64, stream=True,
-            temperature=0)
+            model=model, messages=[{"role": "user", "content": prompt(i, args.prompt_words, args.shared_prefix)}],
+            max_tokens=args.max_tokens, stream=True, temperature=0)
         async for _ in stream:
             ttft = ttft or time.perf_counter() - start
         return "answered", time.perf_counter() - start, ttft, False
@@ -55,11 +63,11 @@ async def one(client: openai.AsyncOpenAI, model: str, i: int, words: int) -> tup
         return "failed", time.perf_counter() - start, ttft, False
 
 
-async def burst(url: str, n: int, words: int) -> list[tuple[str, float, float | None, bool]]:
+async def burst(url: str, args: argparse.Namespace) -> list[tuple[str, float, float | None, bool]]:
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
     try:
         model = (await client.models.list()).data[0].id
-        return await asyncio.gather(*(one(client, model, i, words) for i in range(n)))
+        return await asyncio.gather(*(one(client, model, i, args) for i in range(args.requests)))
     finally:
         await client.close()
 
@@ -85,6 +93,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--prompt-words", type=int, default=450, help="about 600 tokens with the default model")
+    parser.add_argument("--shared-prefix", type=int, default=0, metavar="WORDS",
+                        help="every prompt begins with the same text of this many words (0: none)")
+    parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--deployment", choices=sorted(DEPLOYMENTS), default="serve",
                         help="one server, or make demo's 1P1D deployment (its router admits)")
@@ -97,7 +108,7 @@ def main() -> None:
         for i, (name, flags) in enumerate(SETTINGS.items()):
             command = [*DEPLOYMENTS[args.deployment], *flags]
             with served(name, command, {}, args.out.with_suffix(f".{round_}.{i}.log")) as url:  # one log each
-                lines.append(row(name, round_, asyncio.run(burst(url, args.requests, args.prompt_words))))
+                lines.append(row(name, round_, asyncio.run(burst(url, args))))
             print(lines[-1], flush=True)
     args.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
