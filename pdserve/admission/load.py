@@ -160,17 +160,36 @@ class LoadTracker:
 
 
 def fit_step_costs(steps: list[tuple[int, int, float]]) -> tuple[float, float, float]:
-    """(base, per stream, per prompt token) seconds of a step; zeros until the steps seen vary in their
-    stream counts. A prompt-token cost is fitted only where prompt tokens varied. No cost is negative: a term
-    the fit makes negative is left out and the others fitted again (a decode instance that computed two
-    prompts of nearly one length under conditional PD once gave base -3.3 s and 3.3 s per stream, and every
-    request after was refused). A fit's base is at least MIN_BASE, so a report shows that it has one."""
+    """(base, per stream, per prompt token) seconds of a step; zeros until the steps seen vary in their stream
+    counts. Where decode-only steps of two or more batch sizes exist, base and per stream come from them and the
+    per-token cost from what the prompt steps took beyond that: a prompt's cost grows faster than its length
+    (attention), so one straight line through both kinds of step put the base below zero (a 2-core box: 256 and
+    1,024-token chunks in 0.16 and 0.74 s) and dropped it. Else one fit of the three, a prompt-token cost only
+    where prompt tokens varied. No cost is negative: a term the fit makes negative is left out and the others
+    fitted again (a decode instance that computed two prompts of nearly one length under conditional PD once gave
+    base -3.3 s and 3.3 s per stream, and every request after was refused). A fit's base is at least MIN_BASE,
+    so a report shows that it has one."""
     if len({n for n, _, _ in steps}) < 2:
         return 0.0, 0.0, 0.0
+    decode_only = [(n, s) for n, p, s in steps if n and not p]
+    if len({n for n, _ in decode_only}) >= 2:
+        base, per_stream, _ = _fit_nonnegative([(1.0, float(n), 0.0) for n, _ in decode_only],
+                                               [s for _, s in decode_only], [0, 1])
+        beyond = [(p, s - base - per_stream * n) for n, p, s in steps if p]
+        per_token = max(0.0, sum(p * r for p, r in beyond) / sum(p * p for p, _ in beyond)) if beyond else 0.0
+        return max(MIN_BASE, base), per_stream, per_token
     terms = [0, 1, 2] if len({p for _, p, _ in steps}) >= 2 else [0, 1]
-    all_rows = [(1.0, float(n), float(p)) for n, p, _ in steps]
+    base, per_stream, per_token = _fit_nonnegative([(1.0, float(n), float(p)) for n, p, _ in steps],
+                                                   [s for _, _, s in steps], terms)
+    return max(MIN_BASE, base), per_stream, per_token
+
+
+def _fit_nonnegative(rows: list[tuple[float, float, float]], y: list[float], terms: list[int]
+                     ) -> tuple[float, float, float]:
+    """Least squares over the columns `terms` of rows; a negative coefficient's column is left out and the rest
+    fitted again."""
     while True:
-        coef = _least_squares([tuple(r[t] for t in terms) for r in all_rows], [s for _, _, s in steps])
+        coef = _least_squares([tuple(r[t] for t in terms) for r in rows], y)
         worst = min(range(len(terms)), key=lambda i: coef[i])
         if coef[worst] >= 0 or len(terms) == 1:
             break
@@ -178,7 +197,7 @@ def fit_step_costs(steps: list[tuple[int, int, float]]) -> tuple[float, float, f
     costs = [0.0, 0.0, 0.0]
     for t, c in zip(terms, coef, strict=True):
         costs[t] = max(0.0, c)
-    return max(MIN_BASE, costs[0]), costs[1], costs[2]
+    return costs[0], costs[1], costs[2]
 
 
 def implausible_fit(costs: tuple[float, float, float], steps: Iterable[tuple[int, int, float]]) -> str | None:
