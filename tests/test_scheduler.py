@@ -448,6 +448,25 @@ def test_the_load_report_counts_only_the_prompt_tokens_that_will_be_computed() -
     assert sched.load()[0] == {0: 3}  # its prefix stays cached from the burst
 
 
+def test_a_burst_on_one_prefix_computes_the_prefix_once() -> None:
+    """Prompts that share a prefix, all waiting at once with room for all in one step: the first computes the
+    prefix alone, and the others take it from the cache the next step (one step later, arrival order kept),
+    instead of computing it again beside it."""
+    sched = make_scheduler(num_blocks=64, max_num_batched_tokens=64)
+    prefix = list(range(100, 116))  # 4 full blocks
+    burst = [Request(f"r{i}", prefix + [200 + i, 300 + i], SamplingParams(max_tokens=2)) for i in range(5)]
+    for r in burst:
+        sched.add_request(r)
+    first = step(sched)
+    assert [(c.request.request_id, c.num_new_tokens) for c in first.chunks] == [("r0", 18)]
+    second = step(sched)
+    assert [(c.request.request_id, c.num_new_tokens) for c in second.chunks] == [
+        ("r0", 1), *((f"r{i}", 2) for i in range(1, 5))]
+    assert all(r.num_cached_tokens == 16 for r in burst[1:])
+    run_until_idle(sched)
+    assert sched.kv.stats.hit_tokens == 4 * 16
+
+
 def test_exact_block_multiple_prompt_is_not_fully_hit() -> None:
     sched = make_scheduler(num_blocks=32)
     a = make_request("a", 12, max_tokens=1)

@@ -270,7 +270,11 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, loras: _StepLoRAs) -> None:
-        """Waiting requests in order while the budget, the blocks and max_num_seqs allow (none after a preemption)."""
+        """Waiting requests in order while the budget, the blocks and max_num_seqs allow (none after a preemption),
+        and until one whose prompt goes on into blocks this step computes for another: next step it finds them
+        cached (a burst on one prefix computes the prefix once, then the tails, where it computed the prefix
+        again for every prompt that fit beside the first)."""
+        computing = self._blocks_computing(out)
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if not loras.fits(request):  # its adapter waits for one of the step's to finish
@@ -279,6 +283,8 @@ class Scheduler:
             if cached is None:  # blocks of its prefix are on their way into the host tier: it waits aside
                 self.loading[self.waiting.popleft().request_id] = request
                 continue
+            if len(cached) < len(request.block_hashes) and request.block_hashes[len(cached)] in computing:
+                break
             todo = request.num_tokens - len(cached) * self.kv.block_size
             if todo > budget and not self.config.enable_chunked_prefill:
                 break
@@ -289,6 +295,15 @@ class Scheduler:
             self._admit(request, len(cached) * self.kv.block_size)
             out.chunks.append(ScheduledChunk(request, n))
             budget -= n
+            computing.update(request.block_hashes[len(cached):])
+
+    def _blocks_computing(self, out: SchedulerOutput) -> set[BlockHash]:
+        """The prompt blocks the step's chunks so far compute or that their requests compute later (empty without
+        prefix caching: nobody would find them)."""
+        if not self.kv.enable_prefix_caching:
+            return set()
+        bs = self.kv.block_size
+        return {h for c in out.chunks for h in c.request.block_hashes[c.request.num_computed_tokens // bs:]}
 
     def _admit(self, request: Request, num_cached_tokens: int) -> None:
         if request.status is RequestStatus.WAITING:  # first admission, not a resume after preemption
