@@ -119,9 +119,11 @@ def test_proposals_stop_at_max_tokens_and_at_large_batches() -> None:
     sched.update(sched.schedule(), {"r": [3]})
     assert request.spec_token_ids == [1]  # 3 tokens at most: the last is never a proposal
     busy = _speculating_scheduler(num_blocks=64, up_to=3)
-    for i in range(4):
-        busy.add_request(Request(f"r{i}", [1, 2, 3, 1, 2], SamplingParams(max_tokens=10), eos_token_ids=(0,)))
+    for i in range(4):  # prompts of their own: one prefix would be computed once, the others waiting a step
+        busy.add_request(Request(f"r{i}", [5 + i, 2, 3, 5 + i, 2], SamplingParams(max_tokens=10),
+                                 eos_token_ids=(0,)))
     out = busy.schedule()
+    assert len(out.chunks) == 4
     busy.update(out, {c.request.request_id: [3] for c in out.chunks})
     assert all(not r.spec_token_ids for r in busy.running)
 
