@@ -63,9 +63,10 @@ def took(state: ServerState, raw: Request, body: Any, gen: Generation) -> None:
     """The request goes to the engine: counted in the load this server reports until the engine's own report
     has it, and acknowledged to the router that sent it."""
     decode_side = body.pd is not None and body.pd.role == "decode"  # its prompt is computed elsewhere
-    state.taken.add(0 if decode_side else state.prompt_tokens_to_compute(gen), gen.priority)
+    todo = len(gen.prompt_token_ids)
     if state.prompt_work is not None:  # either side caches its blocks
-        state.prompt_work.handed_over(gen.prompt_token_ids, gen.lora_name)
+        todo = state.prompt_work.handed_over(gen.prompt_token_ids, gen.lora_name)
+    state.taken.add(0 if decode_side else todo, gen.priority)
     if sent := parse_sent(raw.headers.get(SENT_HEADER)):
         router, seq = sent
         state.acked[router] = max(seq, state.acked.get(router, 0))

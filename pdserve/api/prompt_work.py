@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pdserve.balancing.prefix_index import PrefixIndex
 from pdserve.config.lora import lora_hash_root
-from pdserve.kv.block_hash import hash_block
+from pdserve.kv.block_hash import chained_hashes
 
 _SELF = ""  # the one target in the index: this server's engine
 
@@ -24,20 +24,21 @@ class PromptWork:
 
     def tokens(self, prompt_ids: list[int], lora: str | None = None) -> int:
         """The prompt tokens it will compute (at least one: the last token's logits give the first new one)."""
-        if not self.prefix_caching:
-            return len(prompt_ids)
-        cached = self._recent.matched(_SELF, self._lookup_hashes(prompt_ids, lora))
-        return len(prompt_ids) - cached * self.block_size
+        return self._tokens(prompt_ids, self._lookup_hashes(prompt_ids, lora))
 
-    def handed_over(self, prompt_ids: list[int], lora: str | None = None) -> None:
-        """The engine has the prompt: its full blocks will be cached."""
-        if self.prefix_caching:
-            self._recent.remember(_SELF, self._lookup_hashes(prompt_ids, lora))
+    def handed_over(self, prompt_ids: list[int], lora: str | None = None) -> int:
+        """The engine has the prompt: its full blocks will be cached. The prompt tokens it computes (as tokens())."""
+        hashes = self._lookup_hashes(prompt_ids, lora)
+        todo = self._tokens(prompt_ids, hashes)
+        self._recent.remember(_SELF, hashes)
+        return todo
+
+    def _tokens(self, prompt_ids: list[int], hashes: list[bytes]) -> int:
+        return len(prompt_ids) - self._recent.matched(_SELF, hashes) * self.block_size
 
     def _lookup_hashes(self, prompt_ids: list[int], lora: str | None) -> list[bytes]:
         """The engine's chained hashes of the full blocks a lookup may take: all but one that ends with the last
-        token (kv_cache_manager.find_cached_prefix)."""
-        bs, hashes = self.block_size, []
-        for i in range((len(prompt_ids) - 1) // bs):
-            hashes.append(hash_block(hashes[-1] if hashes else lora_hash_root(lora), prompt_ids[i * bs:(i + 1) * bs]))
-        return hashes
+        token (kv_cache_manager.find_cached_prefix); none without prefix caching."""
+        if not self.prefix_caching:
+            return []
+        return chained_hashes(prompt_ids[:len(prompt_ids) - 1], self.block_size, lora_hash_root(lora))

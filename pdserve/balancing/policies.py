@@ -15,7 +15,7 @@ from typing import Any, Protocol, TypeVar
 
 from pdserve.balancing.prefix_index import CacheView
 from pdserve.config.lora import lora_hash_root
-from pdserve.kv.block_hash import hash_block
+from pdserve.kv.block_hash import chained_hashes
 from pdserve.kv_events.index import KVIndex
 
 DEFAULT_BLOCK_SIZE = 64  # an instance that did not say its block size (a static list without it)
@@ -67,11 +67,7 @@ class RoutedRequest:
         if self.token_ids is None:
             return []
         if block_size not in self._hashes:
-            hashes: list[bytes] = []
-            for i in range(len(self.token_ids) // block_size):
-                hashes.append(hash_block(hashes[-1] if hashes else lora_hash_root(self.lora),
-                                         self.token_ids[i * block_size:(i + 1) * block_size]))
-            self._hashes[block_size] = hashes
+            self._hashes[block_size] = chained_hashes(self.token_ids, block_size, lora_hash_root(self.lora))
         return self._hashes[block_size]
 
     def lookup_hashes(self, block_size: int) -> list[bytes]:

@@ -299,8 +299,8 @@ class Scheduler:
 
     def _blocks_computing(self, out: SchedulerOutput) -> set[BlockHash]:
         """The prompt blocks the step's chunks so far compute or that their requests compute later (empty without
-        prefix caching: nobody would find them)."""
-        if not self.kv.enable_prefix_caching:
+        prefix caching, nobody would find them, or without a waiting request to ask)."""
+        if not self.kv.enable_prefix_caching or not self.waiting:
             return set()
         bs = self.kv.block_size
         return {h for c in out.chunks for h in c.request.block_hashes[c.request.num_computed_tokens // bs:]}
