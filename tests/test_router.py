@@ -15,6 +15,7 @@ import openai
 import pytest
 import yaml
 
+from pdserve.admission.load import LoadReport
 from pdserve.balancing.policies import CacheAware, LeastRequests, LeastTokens, PowerOfTwo, RoundRobin, RoutedRequest
 from pdserve.http.wire import Registration
 from pdserve.router.prefill_decider import PrefillDecider
@@ -274,6 +275,69 @@ def test_a_burst_on_one_prefix_is_judged_as_one_prefix_and_many_tails() -> None:
     assert m.sent.since(0.0) == (410 + 7 * 10, 8)  # what the instance will compute, not 8 x 410
     own = RoutedRequest(list(range(5000, 5700)), 700)
     assert not isinstance(admission.admit({}, {}, own, time.monotonic()), Admitted)  # 480 queued + 700 > 1 s
+
+
+def _fitted_report(queued_tokens: int = 0) -> LoadReport:
+    """A calibrated instance's report (1,000 prompt tokens/s, steps of at most 512 of them: 10 ms + 1 ms a
+    stream + 1 ms a token), nothing in flight but `queued_tokens` of prompts."""
+    return LoadReport(time.time(), [(0, queued_tokens)] if queued_tokens else [], 0, 0, 64, prefill_rate=1000.0,
+                      step_time=0.02, decode_cost=0.001, next_finish=0.0, step_tokens=512, step_base=0.01,
+                      prompt_token_cost=0.001, quiet_step_base=0.01, quiet_decode_cost=0.001,
+                      quiet_prefill_rate=1000.0)
+
+
+def _admission(selector: Selector, ttft: float):  # noqa: ANN202
+    from prometheus_client import CollectorRegistry
+
+    from pdserve.admission.metrics import AdmissionMetrics
+    from pdserve.admission.predictor import SLO
+    from pdserve.router.admission import RouterAdmission
+
+    return RouterAdmission(SLO(ttft=ttft), None, AdmissionMetrics(CollectorRegistry(), "t"), selector.registry,
+                           selector, None)
+
+
+def test_a_burst_computed_on_the_decode_instance_counts_the_streams_sent_there() -> None:
+    """Conditional PD sends short prompts to D to compute. A burst of them arrives while D's report still shows it
+    idle: what the router sent since counts, so once D's queue would make a first token late, the prompts go to
+    P instead. (Counted from the report alone, D stayed within its floor and took all 40: the first burst's
+    second wave then waited a whole extra step.)"""
+    from pdserve.router.admission import Admitted
+
+    p, d, selector, seen = _conditional_pair(PrefillDecider(max_local_prefill_length=256))
+    p.load, d.load = _fitted_report(), _fitted_report()
+    admission = _admission(selector, ttft=1.0)
+    refused = 0
+    for i in range(40):
+        request = RoutedRequest(list(range(i * 100, i * 100 + 100)), 100)
+        if isinstance(admission.admit({}, {}, request, time.monotonic()), Admitted):
+            admission.routed(selector.pick(request), request)
+        else:
+            refused += 1
+    local = [x.local for x in seen]
+    assert local[:9] == [True] * 9, local  # 900 tokens at 1,000 a second: within 1 s
+    assert local[9:] and not any(local[9:]) and {x.reason for x in seen[9:]} == {"slow_locally"}
+    assert refused == 40 - len(seen) > 0  # then P's queue is full too: refused, not sent to D
+
+
+def test_a_prompt_computed_by_prefill_counts_the_decode_instances_step_before_its_first_token() -> None:
+    """The first token of a PD request comes from D's next step; while D computes prompts of its own, that step is
+    long, and a prompt P would compute in time is refused when D's step makes it late. Where D has nothing
+    queued, the same prompt is admitted; where no prefill instance can take a prompt and D would be late with it,
+    it is refused rather than sent to D."""
+    from pdserve.router.admission import Admitted
+
+    p, d, selector, _ = _conditional_pair(PrefillDecider(max_local_prefill_length=8))
+    admission = _admission(selector, ttft=0.5)
+    p.load, d.load = _fitted_report(), _fitted_report(queued_tokens=2000)  # D's steps carry 512 tokens: ~0.5 s
+    prompt = list(range(1000, 1300))  # P alone: ~0.3 s (and above the floor of prompts P serves in half the SLO)
+    verdict = admission.admit({}, {}, RoutedRequest(prompt, 300), time.monotonic())
+    assert not isinstance(verdict, Admitted) and verdict.reason == "ttft_slo"
+    d.load = _fitted_report()
+    assert isinstance(admission.admit({}, {}, RoutedRequest(prompt, 300), time.monotonic()), Admitted)
+    p.healthy, d.load = False, _fitted_report(queued_tokens=2000)  # P gone; D's own queue is 2 s of prompts
+    verdict = admission.admit({}, {}, RoutedRequest(prompt, 300), time.monotonic())
+    assert not isinstance(verdict, Admitted) and verdict.reason == "ttft_slo"
 
 
 def test_routes_follow_roles_changed_in_place() -> None:

@@ -7,7 +7,9 @@ since the report at the measured prefill rate and grown by what the caller sent 
 first token comes only when its step ends, and prompts queued behind it fill that step too, so the work is
 rounded up to whole steps (`step_tokens`) as far as the whole queue reaches. With the engine's step-cost
 fit (load.py) the time is those steps' own cost (with the streams decoding in them) + the tokens' cost;
-before it, the work over the measured prefill rate. TPOT = the engine's fitted step
+before it, the work over the measured prefill rate. A prompt a prefill instance computes gets its first token
+from the decode instance's next step, which may carry prompts of its own: that step is added
+(`predict_decode_step`). TPOT = the engine's fitted step
 cost (load.py) with every stream that will be in the batch, this one included, and the prompt tokens its
 steps have been carrying.
 A stream is admitted while the predicted TPOT stays within TPOT_MARGIN of the SLO: admission keeps the
@@ -65,12 +67,17 @@ class Refusal:
         return str(max(1, math.ceil(self.retry_after)))  # whole seconds (RFC 9110)
 
 
+def _drained(report: LoadReport, now: float | None) -> float:
+    """Prompt tokens the instance computed since its report, at its measured rate."""
+    return max(0.0, (now or time.time()) - report.time) * report.prefill_rate
+
+
 def predict_ttft(report: LoadReport, prompt_tokens: int, priority: int = 0, sent_tokens: int = 0,
                  now: float | None = None) -> float | None:
     rate = report.prefill_rate
     if rate <= 0:
         return None
-    drained = max(0.0, (now or time.time()) - report.time) * rate
+    drained = _drained(report, now)
     ahead = max(0.0, report.tokens_ahead(priority) - drained) + sent_tokens
     work = ahead + prompt_tokens
     if not report.step_tokens:
@@ -81,6 +88,20 @@ def predict_ttft(report: LoadReport, prompt_tokens: int, priority: int = 0, sent
     if report.step_base > 0 and report.prompt_token_cost > 0:  # the fit: each step's own cost, and the tokens'
         return steps * (report.step_base + report.decode_cost * report.decoding) + report.prompt_token_cost * work
     return work / rate
+
+
+def predict_decode_step(report: LoadReport, sent_tokens: int = 0, sent_streams: int = 0,
+                        now: float | None = None) -> float:
+    """With the engine's step-cost fit: how long a decode instance's next step takes, which a request whose prompt
+    was computed elsewhere waits for before its first token there. The step carries the instance's streams, the
+    ones joining, and as much of the prompts queued there (its own, and what the caller sent it to compute) as a
+    step takes. 0 before the fit: nothing is predicted."""
+    if report.step_base <= 0 or report.prompt_token_cost <= 0:
+        return 0.0
+    queued = max(0.0, report.queued_tokens - _drained(report, now)) + sent_tokens
+    carried = min(queued, report.step_tokens) if report.step_tokens else queued
+    streams = report.decoding + report.waiting_streams + sent_streams + 1
+    return report.step_base + report.decode_cost * streams + report.prompt_token_cost * carried
 
 
 def predict_tpot(report: LoadReport, sent_streams: int = 0) -> float | None:
@@ -97,9 +118,14 @@ def predict_tpot(report: LoadReport, sent_streams: int = 0) -> float | None:
 
 
 def judge_ttft(slo: SLO, report: LoadReport, prompt_tokens: int, priority: int, sent_tokens: int = 0,
-               now: float | None = None, correction: float = 1.0) -> tuple[float | None, Refusal | None]:
-    """(the predicted TTFT before `correction`, a refusal when the corrected one misses the SLO)."""
+               now: float | None = None, correction: float = 1.0, then: float = 0.0
+               ) -> tuple[float | None, Refusal | None]:
+    """(the predicted TTFT before `correction`, a refusal when the corrected one misses the SLO). `then`: seconds
+    the first token waits after the prompt is computed (a decode instance's step, for a prompt computed by a
+    prefill instance)."""
     ttft = predict_ttft(report, prompt_tokens, priority, sent_tokens, now)
+    if ttft is not None:
+        ttft += then
     if slo.ttft is None or ttft is None or ttft * correction <= slo.ttft:
         return ttft, None
     corrected = ttft * correction

@@ -24,7 +24,7 @@ from pdserve.admission.correction import Correction
 from pdserve.admission.floor import below_floor
 from pdserve.admission.load import LoadReport
 from pdserve.admission.metrics import AdmissionMetrics
-from pdserve.admission.predictor import SLO, Refusal, judge_tpot, judge_ttft
+from pdserve.admission.predictor import SLO, Refusal, judge_tpot, judge_ttft, predict_decode_step
 from pdserve.admission.rate_limit import RateLimits, client_key
 from pdserve.balancing.policies import RoutedRequest
 from pdserve.balancing.prefix_index import PrefixIndex
@@ -78,21 +78,24 @@ class RouterAdmission:
 
     def _judge(self, request: RoutedRequest, admitted: Admitted) -> list[Refusal]:
         refusals, now = [], time.time()
+        decode_step = self._decode_step(request, now)
         for instance in self.registry.all():
             if instance.load is None:
                 continue
-            tokens, streams = (n * self.peers for n in instance.sent.since(_counted_until(instance.load),
-                                                                             request.priority))
+            tokens, streams = self._sent(instance, request)
             refusal, todo = None, None
             decodes = instance.role in (Role.DECODE, Role.MIXED) and request.decodes
             if instance.role in (Role.PREFILL, Role.MIXED):
                 todo = request.num_tokens - self._cached_tokens(instance, request)
                 correction = self._correction(instance.url).factor
-                ttft, refusal = judge_ttft(self.slo, instance.load, todo, request.priority, tokens, now, correction)
+                then = decode_step if instance.role == Role.PREFILL else 0.0
+                ttft, refusal = judge_ttft(self.slo, instance.load, todo, request.priority, tokens, now, correction,
+                                           then)
                 if ttft is not None:
                     admitted.predicted_ttft[instance.url] = ttft
-            elif instance.role == Role.DECODE:
-                self._judge_local_prefill(instance, request, tokens, now)
+            elif instance.role == Role.DECODE and (late := self._judge_local_prefill(instance, request, tokens,
+                                                                                        streams, now)):
+                refusals.append(late)  # not excluded: it may still decode what a prefill instance computes
             if refusal is None and decodes:
                 refusal = judge_tpot(self.slo, instance.load, streams)
             if refusal is not None and below_floor(self.slo, instance.load, todo, decodes, streams):
@@ -102,15 +105,31 @@ class RouterAdmission:
                 refusals.append(refusal)
         return refusals
 
-    def _judge_local_prefill(self, instance: Instance, request: RoutedRequest, sent_tokens: int, now: float) -> None:
-        """A decode instance may compute a prompt itself (conditional disaggregation): where its first token would
-        miss the TTFT objective, the route leaves the prompt to a prefill instance. Never a refusal: the decode
-        instance still decodes what a prefill instance computed."""
+    def _sent(self, instance: Instance, request: RoutedRequest) -> tuple[int, int]:
+        """(prompt tokens, streams) this router and its peers sent the instance since its report counted them."""
+        tokens, streams = instance.sent.since(_counted_until(instance.load), request.priority)
+        return tokens * self.peers, streams * self.peers
+
+    def _decode_step(self, request: RoutedRequest, now: float) -> float:
+        """The step a prompt computed by a prefill instance waits for on the quickest decode instance before its
+        first token (0 where no decode instance has a step-cost fit, or the request does not decode)."""
+        steps = [predict_decode_step(i.load, *self._sent(i, request), now) for i in self.registry.all()
+                 if i.role == Role.DECODE and i.load is not None and request.decodes]
+        return min(steps, default=0.0)
+
+    def _judge_local_prefill(self, instance: Instance, request: RoutedRequest, sent_tokens: int, sent_streams: int,
+                             now: float) -> Refusal | None:
+        """A decode instance may compute a prompt itself (conditional disaggregation, or as the only instance left to
+        compute it): where its first token would miss the TTFT objective, the route leaves the prompt to a prefill
+        instance, and where none can take it either, the refusal returned is the answer. The instance is not
+        excluded: it still decodes what a prefill instance computes."""
         todo = request.num_tokens - self._cached_tokens(instance, request)
         _, refusal = judge_ttft(self.slo, instance.load, todo, request.priority, sent_tokens, now,
                                 self._correction(instance.url).factor)
-        if refusal is not None and not below_floor(self.slo, instance.load, todo, False):
-            request.slow_local_prefill.add(instance.url)
+        if refusal is None or below_floor(self.slo, instance.load, todo, False, sent_streams):
+            return None
+        request.slow_local_prefill.add(instance.url)
+        return refusal
 
     def _cached_tokens(self, instance: Instance, request: RoutedRequest) -> int:
         """The prompt tokens the instance will find cached: what its KV events say it holds, or what this router

@@ -94,7 +94,10 @@ class Selector:
         pair them with (a decode instance computes a prompt itself, as conditional disaggregation's local
         prefill does)."""
         mixed = self._healthy(Role.MIXED, exclude, request)
-        return mixed + ([] if prefill else self._healthy(Role.DECODE, exclude, request))
+        if prefill:
+            return mixed
+        late = request.slow_local_prefill if request is not None else set()  # admission: its first token would be late
+        return mixed + [d for d in self._healthy(Role.DECODE, exclude, request) if d.url not in late]
 
     def _warm_first(self, candidates: list[Instance], request: RoutedRequest) -> list[Instance]:
         """For a LoRA request, the instances whose last load report had its adapter in a step (so in a device
