@@ -7,7 +7,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ from pdserve.engine.messages import (
 )
 from pdserve.sampling import SamplingParams
 from pdserve.utils.process import child_env, stop_process
-from pdserve.utils.stale_ipc import ipc_folder_prefix, sweep_stale
+from pdserve.utils.stale_ipc import make_ipc_folder, sweep_stale
 
 # The engine process's entry (named, not imported: the instance package composes the engine and sits above it)
 ENGINE_MODULE = "pdserve.instance.engine_process"
@@ -55,7 +54,10 @@ class EngineClient:
         the process is started, `wait_ready()` later (the thread that starts it must outlive it: the engine's
         parent-death signal follows the starting thread, not the process)."""
         sweep_stale()
-        self._dir = tempfile.mkdtemp(prefix=ipc_folder_prefix(os.getpid()))
+        try:
+            self._dir = make_ipc_folder(os.getpid())
+        except OSError as e:
+            raise EngineError(str(e)) from e
         self.ctx = zmq.Context()
         self.inputs = self.ctx.socket(zmq.PUSH)
         self.inputs.setsockopt(zmq.LINGER, 0)

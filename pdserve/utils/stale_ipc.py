@@ -1,10 +1,10 @@
 """Sweep what killed pdserve processes left behind.
 
-A process stopped with SIGKILL runs no cleanup: its IPC folder (`pdserve-PID-*` in the temp folder,
-engine and worker sockets inside) and the KV cache segment it created (`/dev/shm/pdserve-kv-PID-*`)
-stay. Both names carry the owner's pid, so the next engine start removes those whose owner is gone.
-A live owner's are never touched. (The pid is read in this machine's pid namespace: containers that
-share /dev/shm or a temp folder must share the pid namespace too.)
+A process stopped with SIGKILL runs no cleanup: its IPC folder (`pdserve-PID-*` in the temp folder, or in
+/tmp where the temp folder's path is too long for a socket; engine and worker sockets inside) and the KV cache
+segment it created (`/dev/shm/pdserve-kv-PID-*`) stay. Both names carry the owner's pid, so the next engine start
+removes those whose owner is gone. A live owner's are never touched. (The pid is read in this machine's pid
+namespace: containers that share /dev/shm or a temp folder must share the pid namespace too.)
 """
 
 from __future__ import annotations
@@ -24,8 +24,32 @@ SEGMENT = re.compile(r"^pdserve-kv-(\d+)-")
 SHM = Path("/dev/shm")
 
 
+SOCKET_PATH_MAX = 107  # AF_UNIX: a socket's path holds 108 bytes with its terminating NUL
+SOCKET_ROOM = 32  # the longest socket path pdserve makes inside an IPC folder ("/engine/w.ranks"), with margin
+FALLBACK_ROOT = Path("/tmp")
+
+
 def ipc_folder_prefix(pid: int) -> str:
     return f"pdserve-{pid}-"
+
+
+def ipc_roots() -> list[Path]:
+    """Where IPC folders are made: the temp folder, and /tmp for when its path is too long for a socket."""
+    temp = Path(tempfile.gettempdir())
+    return [temp] if temp == FALLBACK_ROOT else [temp, FALLBACK_ROOT]
+
+
+def make_ipc_folder(pid: int) -> str:
+    """A new private folder for a process's IPC sockets: in the temp folder, or in /tmp where the temp folder's
+    path leaves no room for a socket's (a deep TMPDIR: zmq refuses such a socket only once it binds it)."""
+    for root in ipc_roots():
+        longest = len(str(root / f"{ipc_folder_prefix(pid)}{'x' * 8}")) + SOCKET_ROOM  # mkdtemp adds 8 characters
+        if longest <= SOCKET_PATH_MAX and root.is_dir():
+            return tempfile.mkdtemp(prefix=ipc_folder_prefix(pid), dir=root)
+    temp = ipc_roots()[0]
+    raise OSError(f"no folder for the engine's IPC sockets: the temp folder {temp} is {len(str(temp))} characters "
+                  f"long, which leaves no room under the {SOCKET_PATH_MAX}-character limit of a socket's path, and "
+                  f"{FALLBACK_ROOT} is not there; set TMPDIR to a shorter folder")
 
 
 def _gone(pid: int) -> bool:
@@ -40,9 +64,9 @@ def _gone(pid: int) -> bool:
 def sweep_stale(temp_dir: Path | None = None, shm_dir: Path = SHM) -> list[str]:
     """Remove IPC folders and KV segments whose owner process is gone; returns their names."""
     removed = []
-    temp = temp_dir or Path(tempfile.gettempdir())
-    for folder, pattern, remove in ((temp, IPC_FOLDER, lambda p: shutil.rmtree(p, ignore_errors=True)),
-                                    (shm_dir, SEGMENT, lambda p: p.unlink(missing_ok=True))):
+    places = [(t, IPC_FOLDER, lambda p: shutil.rmtree(p, ignore_errors=True)) for t in
+              ([temp_dir] if temp_dir else ipc_roots())]
+    for folder, pattern, remove in [*places, (shm_dir, SEGMENT, lambda p: p.unlink(missing_ok=True))]:
         try:
             entries = list(folder.iterdir())
         except OSError:  # no /dev/shm (macOS) or an unreadable folder
