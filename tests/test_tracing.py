@@ -24,6 +24,7 @@ pytestmark = pytest.mark.e2e
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
+MODEL = "tiny"  # conftest.tiny_model: spans and their parents are what is checked, not the words
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
@@ -35,12 +36,13 @@ def receiver() -> Iterator[OtlpReceiver]:
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory: pytest.TempPathFactory, receiver: OtlpReceiver) -> Iterator[Launch]:
+def deployment(tmp_path_factory: pytest.TempPathFactory, receiver: OtlpReceiver, tiny_model: list[str]
+               ) -> Iterator[Launch]:
     os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "100"  # spans leave each process within 0.1 s (default 5 s)
     try:
-        launch = Launch(tmp_path_factory.mktemp("traced"), "--prefill", "1", "--decode", "1", "--routers", "1",
-                        "--pd-policy", "always", "--otlp-traces-endpoint", receiver.url, "--collect-detailed-traces",
-                        "--num-gpu-blocks-override", "200", "--max-model-len", "1024")
+        launch = Launch(tmp_path_factory.mktemp("traced"), *tiny_model, "--prefill", "1", "--decode", "1",
+                        "--routers", "1", "--pd-policy", "always", "--otlp-traces-endpoint", receiver.url,
+                        "--collect-detailed-traces", "--num-gpu-blocks-override", "200", "--max-model-len", "1024")
     finally:
         del os.environ["OTEL_BSP_SCHEDULE_DELAY"]
     try:
@@ -73,7 +75,7 @@ def _children(spans: list[Span], parent: Span) -> dict[str, list[Span]]:
 def test_a_pd_request_is_one_trace_router_route_prefill_decode(deployment: Launch, receiver: OtlpReceiver) -> None:
     client = openai.OpenAI(base_url=f"{deployment.url}/v1", api_key="x", max_retries=0, timeout=120)
     stream = client.chat.completions.create(
-        model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": PROMPT}], max_tokens=12,
+        model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=12,
         temperature=0, stream=True, stream_options={"include_usage": True},
         extra_headers={"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"})
     chunks = list(stream)
@@ -87,7 +89,7 @@ def test_a_pd_request_is_one_trace_router_route_prefill_decode(deployment: Launc
     spans = [s for s in receiver.wait_for(complete) if s.trace_id == CLIENT_TRACE]
     root = _one(spans, service="pdserve-router", kind=2)
     assert root.parent_id == CLIENT_SPAN  # the client's trace is continued, under its span
-    assert root.name == "chat SmolLM2-135M-Instruct"
+    assert root.name == f"chat {MODEL}"
     assert root.attributes["gen_ai.operation.name"] == "chat"
     assert root.attributes["gen_ai.request.max_tokens"] == 12 and root.attributes["pdserve.request.stream"]
     route = _one(spans, service="pdserve-router", name="route")
@@ -104,7 +106,7 @@ def test_a_pd_request_is_one_trace_router_route_prefill_decode(deployment: Launc
     assert route.attributes["pdserve.route.decode"].endswith(str(decode.attributes["server.port"]))
     for s in (prefill, decode):
         assert s.attributes["gen_ai.usage.input_tokens"] == usage.prompt_tokens
-        assert s.attributes["gen_ai.request.model"] == "SmolLM2-135M-Instruct"
+        assert s.attributes["gen_ai.request.model"] == MODEL
     assert decode.attributes["gen_ai.usage.output_tokens"] == usage.completion_tokens == 12
     assert decode.attributes["gen_ai.response.finish_reasons"] == ["length"]
     assert prefill.attributes["gen_ai.response.finish_reasons"] == ["prefilled"]
@@ -128,21 +130,21 @@ def test_a_pd_request_is_one_trace_router_route_prefill_decode(deployment: Launc
 
     # No traceparent: the router starts the trace, and the instances join it
     before = {s.trace_id for s in receiver.spans}
-    answer = client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=3)
+    answer = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3)
     new = receiver.wait_for(lambda spans: sum(1 for s in spans if s.trace_id not in before and
                                               s.attributes.get("pdserve.request.part") in ("prefill", "decode")) == 2)
     traces = {s.trace_id for s in new if s.trace_id not in before}
     assert len(traces) == 1
     (trace_id,) = traces
     root = _one(receiver.trace(trace_id), service="pdserve-router", kind=2)
-    assert root.parent_id == "" and root.name == "text_completion SmolLM2-135M-Instruct"
+    assert root.parent_id == "" and root.name == f"text_completion {MODEL}"
     assert _instance_span(receiver.trace(trace_id), "decode").attributes["gen_ai.usage.output_tokens"] == \
         answer.usage.completion_tokens
 
 
 def test_cluster_json_and_pdserve_top_show_every_member(deployment: Launch) -> None:
     client = openai.OpenAI(base_url=f"{deployment.url}/v1", api_key="x", max_retries=0, timeout=120)
-    client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=4)
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4)
 
     def cluster() -> dict:
         return httpx.get(f"{deployment.url}/cluster", timeout=10).json()
@@ -182,7 +184,7 @@ def test_a_stream_resumed_after_its_decode_instance_failed_shows_both_decode_ins
     (worker,) = [p for p in psutil.Process(decode["pid"]).children(recursive=True)
                  if "pdserve.worker" in " ".join(p.cmdline())]
     client = openai.OpenAI(base_url=f"{deployment.url}/v1", api_key="x", max_retries=0, timeout=120)
-    stream = client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=60, temperature=0,
+    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=60, temperature=0,
                                        stream=True, extra_body={"ignore_eos": True},
                                        stream_options={"include_usage": True},
                                        extra_headers={"traceparent": f"00-{trace_id}-{CLIENT_SPAN}-01"})
@@ -217,12 +219,14 @@ def test_a_stream_resumed_after_its_decode_instance_failed_shows_both_decode_ins
 
 
 def test_tracing_off_exports_nothing_even_when_the_variables_point_at_a_collector(tmp_path: Path,
-                                                                                 receiver: OtlpReceiver) -> None:
+                                                                                 receiver: OtlpReceiver,
+                                                                                 tiny_model: list[str]) -> None:
     """No --otlp-traces-endpoint: no span leaves the process, whatever OTEL_* variables say."""
     posts = receiver.posts
     env = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": receiver.url, "OTEL_TRACES_EXPORTER": "otlp",
            "OTEL_BSP_SCHEDULE_DELAY": "100"}
-    server = Server(tmp_path / "plain", "--num-gpu-blocks-override", "64", "--max-model-len", "512", env=env)
+    server = Server(tmp_path / "plain", *tiny_model, "--num-gpu-blocks-override", "64", "--max-model-len", "512",
+                    env=env)
     try:
         r = httpx.post(f"{server.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 3},
                        headers={"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"}, timeout=60)
