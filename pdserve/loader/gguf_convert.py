@@ -24,8 +24,13 @@ if TYPE_CHECKING:  # numpy loads only to convert: the router and API server just
 
 # GGUF architecture name -> HF model_type. llama.cpp stores Llama-arch Q/K rows permuted for its
 # interleaved RoPE; qwen2/qwen3 use NEOX RoPE in llama.cpp and are stored unpermuted.
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
 PERMUTED_QK_ARCHITECTURES = {"llama"}
+# Gemma's norms scale by (1 + weight); llama.cpp stores weight + 1 so that its RMSNorm applies as it is. The HF
+# weight is what the file holds minus this.
+NORM_OFFSETS = {"gemma3_text": 1.0}
+GEMMA3_LOCAL_ROPE_THETA = 10_000.0  # not in the file: llama.cpp's and transformers' constant
+GEMMA3_GLOBAL_EVERY = 6  # every sixth layer attends globally, the rest within the sliding window
 
 # Pre-tokenizer split regexes by `tokenizer.ggml.pre`; None means the GPT-2 byte-level default.
 _LLAMA3_SPLIT = (
@@ -61,6 +66,7 @@ def file_digest(path: Path) -> str:
 
 
 METADATA_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "gguf-source.json")
+OPTIONAL_FILES = ("generation_config.json",)  # the ids that end an answer, where the file's EOS is not all of them
 
 
 def converted_folder(gguf_path: Path, with_weights: bool = False) -> Path:
@@ -75,8 +81,9 @@ def converted_folder(gguf_path: Path, with_weights: bool = False) -> Path:
         try:
             convert_gguf(gguf_path, tmp, digest)
             if target.is_dir():  # an older cache (or another process) left a folder there: refresh its files
-                for name in METADATA_FILES:
-                    os.replace(tmp / name, target / name)
+                for name in (*METADATA_FILES, *OPTIONAL_FILES):
+                    if (tmp / name).is_file():
+                        os.replace(tmp / name, target / name)
             else:
                 try:
                     tmp.rename(target)
@@ -113,10 +120,12 @@ def convert_gguf(gguf_path: Path, out: Path, digest: str) -> None:
     meta = _Metadata(reader)
     arch = architecture(reader, gguf_path)
     config = _hf_config(meta, arch, {t.name for t in reader.tensors})
-    tokenizer, tokenizer_config = _tokenizer_files(meta)
+    tokenizer, tokenizer_config, generation_config = _tokenizer_files(meta, arch)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     tokenizer.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+    if generation_config:
+        (out / "generation_config.json").write_text(json.dumps(generation_config, indent=2))
     (out / "gguf-source.json").write_text(json.dumps({"file": gguf_path.name, "sha256": digest}))
 
 
@@ -160,8 +169,8 @@ def _hf_config(meta: _Metadata, arch: str, tensor_names: set[str]) -> dict[str, 
     hidden = int(meta.require(f"{arch}.embedding_length"))
     tokens = meta.require("tokenizer.ggml.tokens")
     config: dict[str, Any] = {
-        "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                           "qwen3": "Qwen3ForCausalLM"}[arch]],
+        "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                           "gemma3": "Gemma3ForCausalLM"}[arch]],
         "model_type": GGUF_ARCHITECTURES[arch],
         "vocab_size": int(meta.get(f"{arch}.vocab_size", len(tokens))),
         "hidden_size": hidden,
@@ -184,7 +193,31 @@ def _hf_config(meta: _Metadata, arch: str, tensor_names: set[str]) -> dict[str, 
         config["rope_scaling"] = {"rope_type": "linear", "factor": float(meta.require(f"{arch}.rope.scaling.factor"))}
     elif scaling not in (None, "none"):
         raise ModelLoadError(f"unsupported GGUF RoPE scaling {scaling!r}")
+    if arch == "gemma3":
+        _gemma3_config(config, meta)
     return config
+
+
+def _gemma3_config(config: dict[str, Any], meta: _Metadata) -> None:
+    """What a Gemma 3 file leaves to the architecture: the layer pattern, the local layers' RoPE, GeGLU, the
+    attention scale (llama.cpp: 1/sqrt(head_dim) but for the 27B model)."""
+    layers = config["num_hidden_layers"]
+    full = {"rope_type": "default", "rope_theta": config.pop("rope_theta")}
+    if "rope_scaling" in config:  # the larger models scale the global layers' RoPE only
+        full.update(config.pop("rope_scaling"))
+    config.update({
+        "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_act": "gelu_pytorch_tanh",
+        "sliding_window": int(meta.require("gemma3.attention.sliding_window")),
+        "layer_types": ["full_attention" if (i + 1) % GEMMA3_GLOBAL_EVERY == 0 else "sliding_attention"
+                        for i in range(layers)],
+        "rope_parameters": {"full_attention": full,
+                            "sliding_attention": {"rope_type": "default", "rope_theta": GEMMA3_LOCAL_ROPE_THETA}},
+        "query_pre_attn_scalar": (config["hidden_size"] // config["num_attention_heads"] if layers == 62
+                                  else config["head_dim"]),
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+    })
 
 
 _LAYER_NAMES = {
@@ -193,17 +226,27 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
 }
+_GEMMA3_LAYER_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+                       "post_attention_norm": "post_attention_layernorm",
+                       "post_ffw_norm": "post_feedforward_layernorm"}
+_LAYER_NAMES_BY_TYPE = {"gemma3_text": _GEMMA3_LAYER_NAMES}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
-def hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str, model_type: str = "llama") -> str:
     base, _, suffix = gguf_name.rpartition(".")
     parts = base.split(".")
-    if parts[0] == "blk" and len(parts) == 3 and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
+    layer_names = _LAYER_NAMES_BY_TYPE.get(model_type, _LAYER_NAMES)
+    if parts[0] == "blk" and len(parts) == 3 and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{suffix}"
     if base in _TOP_NAMES:
         return f"{_TOP_NAMES[base]}.{suffix}"
     raise ModelLoadError(f"unexpected tensor {gguf_name!r} in GGUF file")
+
+
+def norm_offset(model_type: str, hf: str) -> float:
+    """What the file adds to this tensor beyond the HF weight (Gemma's norms: 1)."""
+    return NORM_OFFSETS.get(model_type, 0.0) if hf.endswith("norm.weight") else 0.0
 
 
 def needs_unpermute(arch: str, name: str) -> bool:
@@ -222,11 +265,13 @@ def _hf_tensors(reader: Any, arch: str, config: dict[str, Any]) -> dict[str, np.
 
     out: dict[str, np.ndarray] = {}
     for t in tqdm(reader.tensors, desc="dequantizing GGUF (first start only)", unit="tensor", leave=False):
-        name = hf_name(t.name)
+        name = hf_name(t.name, config["model_type"])
         try:
             w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
         except NotImplementedError:
             raise ModelLoadError(f"GGUF tensor type {t.tensor_type.name} ({t.name}) is not supported") from None
+        if offset := norm_offset(config["model_type"], name):
+            w = w - np.float32(offset)
         # GGUF lists dims innermost first; dequantize returns numpy (row-major) order already.
         if needs_unpermute(arch, name):
             n = config["num_attention_heads"] if ".q_proj." in name else config["num_key_value_heads"]
@@ -235,13 +280,22 @@ def _hf_tensors(reader: Any, arch: str, config: dict[str, Any]) -> dict[str, np.
     return out
 
 
-def _tokenizer_files(meta: _Metadata) -> tuple[Any, dict[str, Any]]:
+def _tokenizer_files(meta: _Metadata, arch: str) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    """(the tokenizers.Tokenizer, tokenizer_config, generation_config: {} when the file's EOS says it all)."""
+    kind = meta.get("tokenizer.ggml.model")
+    if kind == "llama" and arch == "gemma3":
+        from pdserve.loader.gguf_sentencepiece import gemma_tokenizer_files
+
+        return gemma_tokenizer_files(meta)
+    if kind != "gpt2":
+        raise ModelLoadError(f"GGUF tokenizer model {kind!r} is not supported (byte-level BPE, 'gpt2', and "
+                             "Gemma's SentencePiece vocabulary); use the Hugging Face folder")
+    return (*_byte_level_tokenizer_files(meta), {})
+
+
+def _byte_level_tokenizer_files(meta: _Metadata) -> tuple[Any, dict[str, Any]]:
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ModelLoadError(f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE, 'gpt2'); "
-                             "use the Hugging Face folder")
     pre = meta.get("tokenizer.ggml.pre", "default")
     if pre not in PRE_TOKENIZER_SPLITS:
         raise ModelLoadError(f"GGUF pre-tokenizer {pre!r} is not supported")

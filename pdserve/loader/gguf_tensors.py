@@ -23,7 +23,7 @@ import numpy as np
 
 from pdserve.config.errors import ModelLoadError
 from pdserve.loader.gguf_blocks import FORMATS, from_gguf
-from pdserve.loader.gguf_convert import hf_name, needs_unpermute, unpermute
+from pdserve.loader.gguf_convert import hf_name, needs_unpermute, norm_offset, unpermute
 
 log = logging.getLogger("pdserve.loader")
 
@@ -39,7 +39,7 @@ def iter_gguf_tensors(gguf_path: Path, folder: Path) -> Iterator[tuple[str, Any]
     arch = config["model_type"]
     widened: set[str] = set()
     for t in tensor_index(gguf_path):
-        name = hf_name(t.name)
+        name = hf_name(t.name, arch)
         kind = t.type_name
         shape = t.shape
         heads = config["num_attention_heads"] if ".q_proj." in name else config["num_key_value_heads"]
@@ -58,6 +58,8 @@ def iter_gguf_tensors(gguf_path: Path, folder: Path) -> Iterator[tuple[str, Any]
             tensor = torch.from_numpy(_dequantized(t, kind, widened)).reshape(shape)
         if needs_unpermute(arch, name):
             tensor = torch.from_numpy(unpermute(tensor.float().numpy(), heads)).to(tensor.dtype)
+        if offset := norm_offset(arch, name):
+            tensor = tensor.float() - offset
         yield name, tensor
 
 

@@ -59,6 +59,9 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int
             raise AdapterError(f"LoRA adapter {name!r}: weight {key!r} is not a LoRA A/B matrix of a decoder layer's "
                                f"projection (embeddings, lm_head and modules_to_save are not served)")
         layer, module, which = int(m[1]), m[2], m[3]
+        if config.sandwich_norms and module in ("o_proj", "down_proj"):
+            raise AdapterError(f"LoRA adapter {name!r}: {module} of a {config.model_type} model is not served (its "
+                               f"output is normed before the residual; adapters on q/k/v and gate/up are)")
         if module not in MODULES:
             raise AdapterError(f"LoRA adapter {name!r}: target module {module!r} is not one the model has "
                                f"({', '.join(MODULES)})")

@@ -1,7 +1,8 @@
-"""The Llama-family decoder (llama, mistral, qwen2, qwen3, ernie4_5) over a paged KV cache.
+"""The decoder (llama, mistral, qwen2, qwen3, ernie4_5, gemma3) over a paged KV cache.
 
 Weights are fused at load time (q|k|v into one matrix, gate|up into one) so a layer is five
-matmuls. Logits are computed only for each sequence's last token of the step.
+matmuls. Logits are computed only for each sequence's last token of the step. Gemma's (1 + weight) norms are
+folded into their weights at load, so every norm is one RMSNorm.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ def _warn_once(message: str) -> None:
         log.warning("%s", message)
 
 
+NORMS = ("input_norm", "post_norm", "attn_out_norm", "mlp_out_norm", "q_norm", "k_norm", "norm")
+
+
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
@@ -54,7 +58,10 @@ class DecoderLayer(nn.Module):
         self.k_norm = _param(c.head_dim, **kw) if c.qk_norm else None
         self.o = _param(c.hidden_size, c.q_size, **kw)
         self.o_bias = _param(c.hidden_size, **kw) if c.o_bias else None
-        self.post_norm = _param(c.hidden_size, **kw)
+        self.post_norm = _param(c.hidden_size, **kw)  # before the MLP
+        # Gemma: the attention's and the MLP's outputs are normed before they join the residual stream.
+        self.attn_out_norm = _param(c.hidden_size, **kw) if c.sandwich_norms else None
+        self.mlp_out_norm = _param(c.hidden_size, **kw) if c.sandwich_norms else None
         self.gate_up = _param(2 * c.intermediate_size, c.hidden_size, **kw)
         self.gate_up_bias = _param(2 * c.intermediate_size, **kw) if c.mlp_bias else None
         self.down = _param(c.hidden_size, c.intermediate_size, **kw)
@@ -112,9 +119,11 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, dtype, device) for _ in range(config.num_layers))
         self.norm = _param(config.hidden_size, **kw)
         self.lm_head = self.embed if config.tie_word_embeddings else _param(config.vocab_size, config.hidden_size, **kw)
-        self.rope = RotaryEmbedding(config.rope, config.head_dim, max_positions or config.max_position_embeddings,
-                                    device)
-        self.scale = config.head_dim ** -0.5
+        positions = max_positions or config.max_position_embeddings
+        self.rope = RotaryEmbedding(config.rope, config.head_dim, positions, device)
+        self.local_rope = (RotaryEmbedding(config.local_rope, config.head_dim, positions, device)
+                           if config.local_rope is not None else self.rope)  # the sliding-window layers'
+        self.scale = config.attention_scale or config.head_dim ** -0.5
         self.gather_buffers = GatherBuffers()
         # pdserve's compiled CPU kernels (attention, RoPE, SwiGLU, RMSNorm), or None: then torch ops, and
         # ForwardBatch must carry the gather + SDPA path's metadata.
@@ -142,10 +151,12 @@ class DecoderModel(nn.Module):
         def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             return F.rms_norm(x, (x.shape[-1],), weight, eps) if ops is None else ops.rms_norm(x, weight, eps)
 
-        cos_sin = self.rope.lookup(batch.positions) if ops is None else None
+        ropes = {id(r): (r, r.lookup(batch.positions) if ops is None else None) for r in (self.rope, self.local_rope)}
         heads, kv_heads, head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         h = (F.embedding(batch.input_ids, self.embed) if self.embed_quantized is None
              else self.embed_quantized.rows(batch.input_ids, self.dtype))
+        if c.embed_scale != 1.0:
+            h = h * torch.tensor(c.embed_scale, dtype=h.dtype)  # in the model's dtype, as the checkpoint was trained
         lora = batch.lora
         layers = self.layers if batch.num_layers is None else self.layers[:batch.num_layers]
         for i, layer in enumerate(layers):
@@ -159,33 +170,52 @@ class DecoderModel(nn.Module):
             if layer.q_norm is not None:
                 qk = torch.cat((F.rms_norm(qk[:, :heads], (head_dim,), layer.q_norm, eps),
                                 F.rms_norm(qk[:, heads:], (head_dim,), layer.k_norm, eps)), dim=1)
+            window = c.window(i)
+            rope, cos_sin = ropes[id(self.local_rope if window else self.rope)]
             if ops is None:
-                qk = self.rope.apply(qk, cos_sin)
+                qk = rope.apply(qk, cos_sin)
             else:  # in place, in the projection's output
-                ops.rotary_embedding(qk, batch.positions, self.rope.cos, self.rope.sin, self.rope.interleaved)
+                ops.rotary_embedding(qk, batch.positions, rope.cos, rope.sin, rope.interleaved)
             q, k = qk.split((heads, kv_heads), dim=1)
             cache = kv_cache.layers[i] if kv_cache is not None else None
-            attn = paged_attention(q, k, v, cache, batch, self.scale, self.gather_buffers)
+            attn = paged_attention(q, k, v, cache, batch, self.scale, self.gather_buffers, window)
             if on_layer_done is not None:  # this layer's K/V are written: send them while the MLP runs
                 on_layer_done(i)
-            h = self._add_row_parallel(h, layer.o_proj, attn)
+            h = self._add_block_output(h, layer.o_proj, attn, layer.attn_out_norm, rms_norm)
             if lora is not None:
                 lora.add(h, attn, i, "o")
             x = rms_norm(h, layer.post_norm)
             gate_up = layer.gate_up_proj(x)
             if lora is not None:
                 lora.add(gate_up, x, i, "gate_up")
-            if ops is None:
-                gate, up = gate_up.chunk(2, dim=-1)
-                act = F.silu(gate) * up
-            else:
-                act = gate_up.new_empty(gate_up.shape[0], c.intermediate_size)
-                ops.silu_and_mul(act, gate_up)
-            h = self._add_row_parallel(h, layer.down_proj, act)
+            act = self._gated_activation(gate_up)
+            h = self._add_block_output(h, layer.down_proj, act, layer.mlp_out_norm, rms_norm)
             if lora is not None:
                 lora.add(h, act, i, "down")
         last = rms_norm(h[batch.logits_indices], self.norm)
         return last if batch.return_hidden else self.lm_head_proj(last).float()
+
+    def _gated_activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """act(gate) * up: SwiGLU, or Gemma's GeGLU (tanh GELU)."""
+        if self.config.activation == "gelu_tanh":
+            gate, up = gate_up.chunk(2, dim=-1)
+            return F.gelu(gate, approximate="tanh") * up
+        if self.kernels is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            return F.silu(gate) * up
+        act = gate_up.new_empty(gate_up.shape[0], self.config.intermediate_size)
+        self.kernels.silu_and_mul(act, gate_up)
+        return act
+
+    def _add_block_output(self, residual: torch.Tensor, linear: Linear, x: torch.Tensor,
+                          out_norm: torch.Tensor | None, rms_norm: Callable) -> torch.Tensor:
+        """residual + linear(x), or with Gemma's output norm residual + norm(linear(x))."""
+        if out_norm is None:
+            return self._add_row_parallel(residual, linear, x)
+        out = linear(x)
+        if self.tp.size > 1:
+            out = self.tp.all_reduce(out)
+        return residual.add_(rms_norm(out, out_norm))
 
     def _add_row_parallel(self, residual: torch.Tensor, linear: Linear, x: torch.Tensor) -> torch.Tensor:
         """residual + linear(x), the product summed over the tensor-parallel ranks first."""
@@ -196,21 +226,7 @@ class DecoderModel(nn.Module):
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the fused parameters; every parameter must be filled once."""
         c = self.config
-        q, kv, inter = c.q_size, c.kv_size, c.intermediate_size
-        # HF projection name -> (our parameter name, row slice)
-        parts = {
-            "self_attn.q_proj": ("qkv", slice(0, q)),
-            "self_attn.k_proj": ("qkv", slice(q, q + kv)),
-            "self_attn.v_proj": ("qkv", slice(q + kv, q + 2 * kv)),
-            "self_attn.o_proj": ("o", slice(None)),
-            "self_attn.q_norm": ("q_norm", slice(None)),
-            "self_attn.k_norm": ("k_norm", slice(None)),
-            "mlp.gate_proj": ("gate_up", slice(0, inter)),
-            "mlp.up_proj": ("gate_up", slice(inter, 2 * inter)),
-            "mlp.down_proj": ("down", slice(None)),
-            "input_layernorm": ("input_norm", slice(None)),
-            "post_attention_layernorm": ("post_norm", slice(None)),
-        }
+        parts = self._weight_parts()
         expected = self._expected_weight_names()
         seen: set[str] = set()
         for name, tensor in tensors:
@@ -228,6 +244,8 @@ class DecoderModel(nn.Module):
                                      f"expected {tuple(dest.shape)} from config.json")
             if isinstance(tensor, QuantizedMatrix):
                 self._keep_quantized(owner, attr, rows, tensor)
+            elif c.norm_offset and attr in NORMS:
+                dest.copy_(tensor.float() + c.norm_offset)  # (1 + weight) in fp32, as the checkpoint's code does
             else:
                 dest.copy_(tensor)
             seen.add(name)
@@ -240,6 +258,29 @@ class DecoderModel(nn.Module):
             layer.build_linears(dense_quantization)
         self._build_head(dense_quantization)
         self._log_linears()
+
+    def _weight_parts(self) -> dict[str, tuple[str, slice]]:
+        """HF module name within a layer -> (our parameter name, the rows it fills)."""
+        c = self.config
+        q, kv, inter = c.q_size, c.kv_size, c.intermediate_size
+        parts = {
+            "self_attn.q_proj": ("qkv", slice(0, q)),
+            "self_attn.k_proj": ("qkv", slice(q, q + kv)),
+            "self_attn.v_proj": ("qkv", slice(q + kv, q + 2 * kv)),
+            "self_attn.o_proj": ("o", slice(None)),
+            "self_attn.q_norm": ("q_norm", slice(None)),
+            "self_attn.k_norm": ("k_norm", slice(None)),
+            "mlp.gate_proj": ("gate_up", slice(0, inter)),
+            "mlp.up_proj": ("gate_up", slice(inter, 2 * inter)),
+            "mlp.down_proj": ("down", slice(None)),
+            "input_layernorm": ("input_norm", slice(None)),
+            "post_attention_layernorm": ("post_norm", slice(None)),
+        }
+        if c.sandwich_norms:  # Gemma's names: post_attention_layernorm norms the attention's output
+            parts |= {"post_attention_layernorm": ("attn_out_norm", slice(None)),
+                      "pre_feedforward_layernorm": ("post_norm", slice(None)),
+                      "post_feedforward_layernorm": ("mlp_out_norm", slice(None))}
+        return parts
 
     def _keep_quantized(self, owner: nn.Module, attr: str, rows: slice, matrix: QuantizedMatrix) -> None:
         if isinstance(owner, DecoderLayer):
@@ -341,6 +382,8 @@ class DecoderModel(nn.Module):
             names |= {f"{p}self_attn.{n}.weight" for n in projections}
             names |= {f"{p}mlp.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")}
             names |= {f"{p}input_layernorm.weight", f"{p}post_attention_layernorm.weight"}
+            if c.sandwich_norms:
+                names |= {f"{p}pre_feedforward_layernorm.weight", f"{p}post_feedforward_layernorm.weight"}
             if c.qkv_bias:
                 names |= {f"{p}self_attn.{n}.bias" for n in ("q_proj", "k_proj", "v_proj")}
             if c.o_bias:

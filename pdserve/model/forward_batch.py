@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -67,6 +67,20 @@ class FallbackAttention:
     slot_offsets: torch.Tensor  # [T]
     prefills: list[PrefillAttention]
     decode: DecodeAttention | None
+    _windowed: dict[int, FallbackAttention] = field(default_factory=dict, repr=False)
+
+    def windowed(self, window: int, device: torch.device) -> FallbackAttention:
+        """The same step for a sliding-window layer: a query sees only the last `window` keys, itself included
+        (built once per step and window)."""
+        if window not in self._windowed:
+            d = self.decode
+            if d is not None:
+                lens = d.mask.sum(dim=-1, keepdim=True)  # [B, 1, 1, 1]: each sequence's context
+                key_pos = torch.arange(d.mask.shape[-1], device=d.mask.device)
+                d = replace(d, mask=d.mask & (key_pos > lens - 1 - window))
+            prefills = [_windowed_prefill(p, window, device) for p in self.prefills]
+            self._windowed[window] = replace(self, prefills=prefills, decode=d, _windowed={})
+        return self._windowed[window]
 
 
 @dataclass
@@ -144,6 +158,16 @@ class ForwardBatch:
         if with_fallback:
             batch.fallback = _fallback(chunks, starts, slots, block_size, device)
         return batch
+
+
+def _windowed_prefill(p: PrefillAttention, window: int, device: torch.device) -> PrefillAttention:
+    """Query i (at position num_computed + i) sees keys j with i's position - window < j <= its position."""
+    if p.mask is None and p.length <= window:
+        return p  # causal already keeps every key within the window
+    key_pos = torch.arange(p.num_computed + p.length, device=device)
+    query_pos = torch.arange(p.num_computed, p.num_computed + p.length, device=device).unsqueeze(1)
+    causal = key_pos.unsqueeze(0) <= query_pos if p.mask is None else p.mask
+    return replace(p, mask=causal & (key_pos.unsqueeze(0) > query_pos - window))
 
 
 def _logits_indices(starts: np.ndarray, full: set[int]) -> np.ndarray:

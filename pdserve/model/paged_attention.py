@@ -47,12 +47,15 @@ def paged_attention(
     batch: ForwardBatch,
     scale: float,
     buffers: GatherBuffers,
+    window: int = 0,  # a sliding-window layer's: a query sees only the last `window` keys (0: all before it)
 ) -> torch.Tensor:  # [T, heads * head_dim]
     if isinstance(cache, torch.Tensor) and cache.dtype != q.dtype:  # a full-width --kv-cache-dtype not the model's
         return paged_attention(q.to(cache.dtype), k.to(cache.dtype), v.to(cache.dtype), cache, batch, scale,
-                               buffers).to(q.dtype)
+                               buffers, window).to(q.dtype)
     if batch.fallback is not None:
-        return _gather_and_sdpa(q, k, v, cache, batch.fallback, scale, buffers)
+        fallback = batch.fallback.windowed(window, q.device) if window else batch.fallback
+        return _gather_and_sdpa(q, k, v, cache, fallback, scale, buffers)
+    assert not window, "the compiled kernel does not mask by window: models with windows take the fallback path"
     assert cache is not None, "the paged kernel needs the KV cache"
     ops = cpu_ops()
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
