@@ -22,7 +22,7 @@ from pdserve.model import SequenceChunk
 HEAD_DIM = 64
 
 
-def reference(q, key_cache, value_cache, tables, seq_lens, starts, scale):
+def reference(q, key_cache, value_cache, tables, seq_lens, starts, scale, window=0):
     out = torch.empty_like(q)
     group = q.shape[1] // key_cache.shape[2]
     block = key_cache.shape[1]
@@ -31,7 +31,10 @@ def reference(q, key_cache, value_cache, tables, seq_lens, starts, scale):
         blocks = tables[s, :-(-length // block)].long()
         k = key_cache[blocks].flatten(0, 1)[:length].float().repeat_interleave(group, 1).transpose(0, 1)
         v = value_cache[blocks].flatten(0, 1)[:length].float().repeat_interleave(group, 1).transpose(0, 1)
-        mask = torch.arange(length)[None] <= torch.arange(length - (b - a), length)[:, None]
+        keys, positions = torch.arange(length)[None], torch.arange(length - (b - a), length)[:, None]
+        mask = keys <= positions
+        if window:
+            mask &= keys > positions - window
         o = F.scaled_dot_product_attention(q[a:b].float().transpose(0, 1), k, v, attn_mask=mask, scale=scale)
         out[a:b] = o.transpose(0, 1).to(q.dtype)
     return out
@@ -54,7 +57,7 @@ def paged_batch(context: list[int], queries: list[int], block: int, num_blocks: 
     return seq_lens, starts, tables
 
 
-def run_case(ops, dtype, heads, kv_heads, block, context, queries, seed=0):
+def run_case(ops, dtype, heads, kv_heads, block, context, queries, seed=0, window=0):
     g = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-c // block) for c in context) + 3
     cache = torch.randn(num_blocks, 2, block, kv_heads, HEAD_DIM, generator=g).to(dtype)
@@ -62,8 +65,9 @@ def run_case(ops, dtype, heads, kv_heads, block, context, queries, seed=0):
     seq_lens, starts, tables = paged_batch(context, queries, block, num_blocks, g)
     q = torch.randn(int(starts[-1]), heads, HEAD_DIM, generator=g).to(dtype)
     out = torch.empty_like(q)
-    ops.paged_attention(out, q, key_cache, value_cache, tables, seq_lens, starts, HEAD_DIM ** -0.5)
-    return out, reference(q, key_cache, value_cache, tables, seq_lens, starts, HEAD_DIM ** -0.5)
+    ops.paged_attention(out, q, key_cache, value_cache, tables, seq_lens, starts, HEAD_DIM ** -0.5, None, None,
+                        window)
+    return out, reference(q, key_cache, value_cache, tables, seq_lens, starts, HEAD_DIM ** -0.5, window)
 
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 1.6e-2}  # bf16: the output's own rounding step
@@ -110,6 +114,19 @@ def test_random_batches_match_sdpa(ops, seed, dtype):
     queries = [c if i % 3 == 0 else (1 if i % 3 == 1 else max(1, c // 3)) for i, c in enumerate(context)]
     out, ref = run_case(ops, dtype, kv_heads * group, kv_heads, 32, context, queries, seed=seed)
     torch.testing.assert_close(out.float(), ref.float(), atol=TOLERANCE[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("window", [1, 37, 64, 512])
+def test_a_sliding_window_sees_only_its_last_keys(ops, dtype, window):
+    """A sliding-window layer (Gemma 3's local layers): each query sees only the last `window` keys, itself
+    included, in decodes, few-query chunks, fresh prefills and chunks continuing a cached prefix, whatever the
+    window's place against the blocks."""
+    context = [1, 40, 600, 2000, 23, 130, 1000, 700, 157, 5, 520]
+    queries = [1, 1, 1, 1, 23, 3, 200, 700, 60, 2, 520]
+    for block in (16, 64):
+        out, ref = run_case(ops, dtype, 8, 2, block, context, queries, seed=window, window=window)
+        torch.testing.assert_close(out.float(), ref.float(), atol=TOLERANCE[dtype], rtol=0)
 
 
 def test_write_kv_puts_each_token_in_its_slot(ops):

@@ -73,8 +73,12 @@ def _oracle(model, prompt_ids: list[int]) -> list[int]:  # noqa: ANN001
     return out.sequences[0, len(prompt_ids):].tolist()
 
 
-def test_fp32_greedy_equals_transformers_past_the_window_in_chunks_and_from_the_cache(hf_model, hf_tokenizer
-                                                                                      ) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("kernels", ["compiled", "gather + SDPA"])
+def test_fp32_greedy_equals_transformers_past_the_window_in_chunks_and_from_the_cache(
+        kernels: str, hf_model, hf_tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """Both attention paths mask by window: the compiled kernel (CPU) and the gather + SDPA one (any device)."""
+    if kernels != "compiled":
+        monkeypatch.setenv("PDSERVE_DISABLE_KERNELS", "1")
     prompts = [hf_tokenizer(text)["input_ids"] for text in ("The capital of France is", "def fibonacci(n):", LONG)]
     assert len(prompts[-1]) > WINDOW + 64, "the long prompt must reach past the sliding window"
     want = [_oracle(hf_model, p) for p in prompts]

@@ -114,10 +114,6 @@ def kernels_for(config: ModelConfig, device: torch.device) -> Any | None:
     """The CPU kernels when they are built and take this model's shapes (multiples of 16); else None."""
     if device.type != "cpu" or config.head_dim > 256:
         return None
-    if config.has_windows:
-        log.info("sliding-window layers: attention gathers K/V and calls SDPA (the compiled kernel does not mask "
-                 "by window yet)")
-        return None
     if any(n % 16 for n in (config.head_dim, config.hidden_size, config.intermediate_size)):
         return None
     return cpu_ops()

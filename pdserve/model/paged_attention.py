@@ -55,7 +55,6 @@ def paged_attention(
     if batch.fallback is not None:
         fallback = batch.fallback.windowed(window, q.device) if window else batch.fallback
         return _gather_and_sdpa(q, k, v, cache, fallback, scale, buffers)
-    assert not window, "the compiled kernel does not mask by window: models with windows take the fallback path"
     assert cache is not None, "the paged kernel needs the KV cache"
     ops = cpu_ops()
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -63,12 +62,12 @@ def paged_attention(
         codes, scales = cache
         ops.write_kv_codes(k, v, codes[:, 0], codes[:, 1], scales[:, 0], scales[:, 1], batch.slots)
         ops.paged_attention(out, q, codes[:, 0], codes[:, 1], batch.block_tables, batch.seq_lens,
-                            batch.query_start_loc, scale, scales[:, 0], scales[:, 1])
+                            batch.query_start_loc, scale, scales[:, 0], scales[:, 1], window)
         return out.view(q.shape[0], -1)
     key_cache, value_cache = cache[:, 0], cache[:, 1]
     ops.write_kv(k, v, key_cache, value_cache, batch.slots)
     ops.paged_attention(out, q, key_cache, value_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
-                        scale)
+                        scale, None, None, window)
     return out.view(q.shape[0], -1)
 
 

@@ -25,6 +25,7 @@ struct Geometry {  // what every work item of one call shares
   int64_t q_tok_stride, q_head_stride, kv_block_stride, kv_tok_stride, kv_head_stride;
   int64_t group, head_dim, block_size, out_tok_stride;
   float scale;
+  int64_t window = 0;  // a sliding-window layer's: a query sees only the last `window` keys, itself included
   // An 8-bit cache's scales ([blocks, block_size, kv_heads] per K and V, in bf16 elements); unused otherwise.
   int64_t sc_block_stride = 0, sc_tok_stride = 0, sc_head_stride = 0;
 };

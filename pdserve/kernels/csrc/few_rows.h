@@ -27,18 +27,20 @@ namespace pdserve {
 
 // The cache offset of each of the first n tokens (first head), and of its scales over 8-bit codes: no
 // division in the token loops.
-inline void token_offsets(Scratch& s, const Geometry& g, const int32_t* block_table, int64_t kv_head, int64_t n,
-                          bool scales) {
+// Offsets of keys first .. end - 1 (a sliding window's start, or 0), stored from index 0.
+inline void token_offsets(Scratch& s, const Geometry& g, const int32_t* block_table, int64_t kv_head, int64_t first,
+                          int64_t end, bool scales) {
+  const int64_t n = end - first;
   s.offsets.resize(n);
   s.scale_offsets.resize(scales ? n : 0);
-  for (int64_t t0 = 0, j = 0; t0 < n; t0 += g.block_size, ++j) {
+  for (int64_t j = first / g.block_size, t0 = j * g.block_size; t0 < end; t0 += g.block_size, ++j) {
     const int64_t block = block_table[j];
     const int64_t base = block * g.kv_block_stride + kv_head * g.kv_head_stride;
-    for (int64_t t = t0; t < std::min(n, t0 + g.block_size); ++t) s.offsets[t] = base + (t - t0) * g.kv_tok_stride;
+    const int64_t lo = std::max(first, t0), hi = std::min(end, t0 + g.block_size);
+    for (int64_t t = lo; t < hi; ++t) s.offsets[t - first] = base + (t - t0) * g.kv_tok_stride;
     if (!scales) continue;
     const int64_t sbase = block * g.sc_block_stride + kv_head * g.sc_head_stride;
-    for (int64_t t = t0; t < std::min(n, t0 + g.block_size); ++t)
-      s.scale_offsets[t] = sbase + (t - t0) * g.sc_tok_stride;
+    for (int64_t t = lo; t < hi; ++t) s.scale_offsets[t - first] = sbase + (t - t0) * g.sc_tok_stride;
   }
 }
 
@@ -256,15 +258,19 @@ void few_values_codes_bf16(Scratch& s, const Geometry& g, const C* v, int64_t he
 }
 #endif
 
-// Fills s.acc (unnormalised) and s.row_sum; row r of every head sees row_len[r] of the first n keys.
+// Fills s.acc (unnormalised) and s.row_sum; row r of every head sees keys row_first[r] .. row_len[r] - 1 of
+// the n keys.
 template <typename C, int ROWS>
 void attend_few_rows(Scratch& s, const Geometry& g, const KVRefs<C>& kv, int64_t heads, int64_t n,
-                     const int64_t* row_len) {
+                     const int64_t* row_len, const int64_t* row_first) {
   const int64_t stride = (n + kLanes - 1) / kLanes * kLanes;
   if (static_cast<int64_t>(s.scores.size()) < heads * ROWS * stride) s.scores.resize(heads * ROWS * stride);
   if constexpr (is_code<C>()) gather_scales(s, g, kv, heads, n);
   few_scores<C, ROWS>(s, g, kv.k, kv.v, heads, n, stride);
   if constexpr (is_code<C>()) scale_rows(s.scores.data(), ROWS, heads, n, stride, s.kscale.data());
+  for (int64_t r = 0; r < heads * ROWS; ++r)  // a window's rows: the keys before their own window weigh nothing
+    std::fill(s.scores.data() + r * stride, s.scores.data() + r * stride + row_first[r % ROWS],
+              -std::numeric_limits<float>::infinity());
   for (int64_t r = 0; r < heads * ROWS; ++r)
     s.row_sum[r] = exact_softmax(s.scores.data() + r * stride, row_len[r % ROWS], stride);
   // the weights of a token's V codes take its V scale: sum_t p_t s_t v_t
@@ -279,16 +285,16 @@ void attend_few_rows(Scratch& s, const Geometry& g, const KVRefs<C>& kv, int64_t
 
 template <typename C>
 void attend_few(Scratch& s, const Geometry& g, int64_t rows, const KVRefs<C>& kv, int64_t heads, int64_t n,
-                const int64_t* row_len) {
+                const int64_t* row_len, const int64_t* row_first) {
   switch (rows) {
-    case 1: return attend_few_rows<C, 1>(s, g, kv, heads, n, row_len);
-    case 2: return attend_few_rows<C, 2>(s, g, kv, heads, n, row_len);
-    case 3: return attend_few_rows<C, 3>(s, g, kv, heads, n, row_len);
-    case 4: return attend_few_rows<C, 4>(s, g, kv, heads, n, row_len);
-    case 5: return attend_few_rows<C, 5>(s, g, kv, heads, n, row_len);
-    case 6: return attend_few_rows<C, 6>(s, g, kv, heads, n, row_len);
-    case 7: return attend_few_rows<C, 7>(s, g, kv, heads, n, row_len);
-    default: return attend_few_rows<C, 8>(s, g, kv, heads, n, row_len);
+    case 1: return attend_few_rows<C, 1>(s, g, kv, heads, n, row_len, row_first);
+    case 2: return attend_few_rows<C, 2>(s, g, kv, heads, n, row_len, row_first);
+    case 3: return attend_few_rows<C, 3>(s, g, kv, heads, n, row_len, row_first);
+    case 4: return attend_few_rows<C, 4>(s, g, kv, heads, n, row_len, row_first);
+    case 5: return attend_few_rows<C, 5>(s, g, kv, heads, n, row_len, row_first);
+    case 6: return attend_few_rows<C, 6>(s, g, kv, heads, n, row_len, row_first);
+    case 7: return attend_few_rows<C, 7>(s, g, kv, heads, n, row_len, row_first);
+    default: return attend_few_rows<C, 8>(s, g, kv, heads, n, row_len, row_first);
   }
 }
 static_assert(kFewRows == 8, "attend_few dispatches 1 .. 8 rows");
@@ -322,10 +328,16 @@ void attend_few_item(const WorkItem& w, const Geometry& g, const T* q, const KVR
       for (int64_t d = 0; d < g.head_dim; ++d) s.q_bf16[r * g.head_dim + d] = c10::BFloat16(widen(src[d]) * kPartnerUnit<C>).x;
 #endif
   }
-  int64_t visible[kFewRows];
-  for (int64_t r = 0; r < per_head; ++r) visible[r] = first_pos + r / g.group + 1;
-  token_offsets(s, g, block_table, w.kv_head, kv_end, is_code<C>());
-  attend_few<C>(s, g, per_head, kv, w.num_kv_heads, kv_end, visible);
+  // With a window, the keys before the first row's window are not read at all; each row masks the rest of its own.
+  const int64_t first_key = g.window ? std::max<int64_t>(0, first_pos - g.window + 1) : 0;
+  int64_t visible[kFewRows], row_first[kFewRows];
+  for (int64_t r = 0; r < per_head; ++r) {
+    const int64_t pos = first_pos + r / g.group;
+    visible[r] = pos + 1 - first_key;
+    row_first[r] = g.window ? std::max<int64_t>(0, pos - g.window + 1) - first_key : 0;
+  }
+  token_offsets(s, g, block_table, w.kv_head, first_key, kv_end, is_code<C>());
+  attend_few<C>(s, g, per_head, kv, w.num_kv_heads, kv_end - first_key, visible, row_first);
   for (int64_t r = 0; r < rows; ++r) {
     T* dst = out + row_token(r) * g.out_tok_stride + row_head(r) * g.head_dim;
     const float inv = 1.f / s.row_sum[r];

@@ -114,16 +114,20 @@ void group_scores(Scratch& s, const Geometry& g, int64_t group_index, const T* k
 
 // --- online softmax over one block, kLanes rows at once ----------------------------------------------
 
-// sc[t] (t < n) become exp(sc - new max), zero where a lane's row sits before token t (t >= visible);
-// the group's running max m and sum l are updated. Returns alpha, the factor for the old accumulators.
-inline fvec group_softmax(float* sc, int64_t n, ivec visible, bool masked, float* m, float* l) {
+// sc[t] (t < n) become exp(sc - new max), zero where a lane's row sits before token t (t >= visible) or, in a
+// sliding window, token t lies before the row's window (t < lowest); the group's running max m and sum l are
+// updated. Returns alpha, the factor for the old accumulators.
+inline fvec group_softmax(float* sc, int64_t n, ivec visible, bool masked, ivec lowest, bool below, float* m,
+                          float* l) {
   const fvec minus_inf = splat(-std::numeric_limits<float>::infinity());
   const fvec m_old = vload(m);
   fvec mx = m_old;
   for (int64_t t = 0; t < n; ++t) {
     fvec x = vload(sc + t * kLanes);
-    if (masked) {
-      x = (ivec{} + static_cast<int32_t>(t)) >= visible ? minus_inf : x;
+    if (masked || below) {
+      const ivec tv = ivec{} + static_cast<int32_t>(t);
+      if (masked) x = tv >= visible ? minus_inf : x;
+      if (below) x = tv < lowest ? minus_inf : x;
       vstore(sc + t * kLanes, x);
     }
     mx = vmax(mx, x);
@@ -287,12 +291,15 @@ void attend_many(const WorkItem& w, const Geometry& cache_geometry, const T* q, 
   s.pp.resize((g.block_size / 2 + 1) * kLanes);
   s.vp.resize((g.block_size / 2 + 1) * g.head_dim);
   std::vector<int32_t> row_pos(groups * kLanes, 1 << 30);  // padding rows see every token: never masked
+  std::vector<int32_t> row_low(groups * kLanes, -(1 << 30));  // a window's first key of the row (or none)
   for (int64_t r = 0; r < rows; ++r) {
     load_query(s, g, q + row_offset(r), r);
     row_pos[r] = static_cast<int32_t>(first_pos + r / g.group);
+    if (g.window) row_low[r] = static_cast<int32_t>(row_pos[r] - g.window + 1);
   }
   const int64_t kv_end = first_pos + w.num_queries;
-  for (int64_t j = 0; j * g.block_size < kv_end; ++j) {
+  const int64_t first_key = g.window ? std::max<int64_t>(0, first_pos - g.window + 1) : 0;  // the first row's
+  for (int64_t j = first_key / g.block_size; j * g.block_size < kv_end; ++j) {
     const int64_t t0 = j * g.block_size;
     const int64_t nt = std::min(g.block_size, kv_end - t0);
     const int64_t block = block_table[j];
@@ -316,12 +323,16 @@ void attend_many(const WorkItem& w, const Geometry& cache_geometry, const T* q, 
       const int64_t last = first_pos + std::min(rows - 1, gi * kLanes + kLanes - 1) / g.group;
       if (last < t0) continue;  // no row of this group reaches this block
       const int64_t n = std::min(nt, last - t0 + 1);  // tokens the group's last row sees
-      ivec visible;
+      const int64_t highest_low = row_low[std::min(rows - 1, gi * kLanes + kLanes - 1)];
+      if (g.window && t0 + n <= row_low[gi * kLanes]) continue;  // before every row's window
+      ivec visible, lowest;
       std::memcpy(&visible, row_pos.data() + gi * kLanes, sizeof visible);
       visible -= static_cast<int32_t>(t0 - 1);
+      std::memcpy(&lowest, row_low.data() + gi * kLanes, sizeof lowest);
+      lowest -= static_cast<int32_t>(t0);
       group_scores(s, g, gi, kb, n);
-      const fvec alpha = group_softmax(s.scores.data(), n, visible, first - t0 + 1 < n, s.m.data() + gi * kLanes,
-                                         s.l.data() + gi * kLanes);
+      const fvec alpha = group_softmax(s.scores.data(), n, visible, first - t0 + 1 < n, lowest, highest_low > t0,
+                                         s.m.data() + gi * kLanes, s.l.data() + gi * kLanes);
       group_values(s, g, gi, vb, n, alpha);
     }
   }

@@ -3,7 +3,8 @@
 // One call covers a whole step: decode tokens and prefill chunks (with or without a cached prefix)
 // side by side, described vLLM-style by query_start_loc (where each sequence's queries start in the
 // flat batch) and seq_lens (each sequence's context length, this step's tokens included). Query i of
-// a sequence with n queries and context L sits at position L - n + i and sees keys 0 .. L - n + i.
+// a sequence with n queries and context L sits at position L - n + i and sees keys 0 .. L - n + i; in a
+// sliding-window layer (`window` W > 0) only the last W of them, and the blocks before are not read.
 //
 // Work is split over (sequence, KV head, tile of queries); all query heads of one KV head are done
 // together, so each K/V block is read once per group (GQA without repeating K/V). Scores go through
@@ -120,7 +121,7 @@ void with_cache_type(at::ScalarType cache, Fn&& fn) {
 void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                      const at::Tensor& query_start_loc, double scale, const c10::optional<at::Tensor>& key_scales,
-                     const c10::optional<at::Tensor>& value_scales) {
+                     const c10::optional<at::Tensor>& value_scales, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [tokens, heads, head_dim] with contiguous head_dim");
   TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == q.scalar_type(),
               "out must be a contiguous tensor shaped and typed like q");
@@ -138,7 +139,8 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
   TORCH_CHECK(key_cache.size(3) == head_dim && heads % kv_heads == 0, "head counts or head_dim do not match");
   TORCH_CHECK(head_dim % 16 == 0 && head_dim <= 256, "head_dim must be a multiple of 16, at most 256");
   Geometry g{q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-             heads / kv_heads, head_dim, block_size, heads * head_dim, static_cast<float>(scale)};
+             heads / kv_heads, head_dim, block_size, heads * head_dim, static_cast<float>(scale), window};
+  TORCH_CHECK(window >= 0, "window must be 0 (none) or the number of keys a query sees");
   const bool codes = is_code_dtype(key_cache.scalar_type());
   TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type(), "key_cache and value_cache differ in dtype");
   if (codes) {
@@ -284,7 +286,7 @@ void write_kv_codes(const at::Tensor& key, const at::Tensor& value, const at::Te
 TORCH_LIBRARY(pdserve_kernels, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
         "Tensor seq_lens, Tensor query_start_loc, float scale, Tensor? key_scales=None, "
-        "Tensor? value_scales=None) -> ()");
+        "Tensor? value_scales=None, int window=0) -> ()");
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slots) -> ()");
   m.def("write_kv_codes(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
         "Tensor(c!) key_scales, Tensor(d!) value_scales, Tensor slots) -> ()");
