@@ -167,7 +167,10 @@ class DecoderModel(nn.Module):
             # q and k heads side by side, so RoPE runs once per layer.
             qk = qkv[:, :c.q_size + c.kv_size].view(-1, heads + kv_heads, head_dim)
             v = qkv[:, c.q_size + c.kv_size:].view(-1, kv_heads, head_dim)
-            if layer.q_norm is not None:
+            if layer.q_norm is not None and ops is not None:  # in place, in the projection's output
+                ops.rms_norm_heads(qk[:, :heads], layer.q_norm, eps)
+                ops.rms_norm_heads(qk[:, heads:], layer.k_norm, eps)
+            elif layer.q_norm is not None:
                 qk = torch.cat((F.rms_norm(qk[:, :heads], (head_dim,), layer.q_norm, eps),
                                 F.rms_norm(qk[:, heads:], (head_dim,), layer.k_norm, eps)), dim=1)
             window = c.window(i)

@@ -143,14 +143,37 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out;
 }
 
+// In place over the heads of [tokens, heads, head_dim] rows that may lie inside a wider projection output (Qwen 3's
+// and Gemma 3's q and k norms, before RoPE): no copy out of the fused q|k|v matrix and back.
+void rms_norm_heads(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 16 == 0,
+              "x: [tokens, heads, head_dim] with contiguous head_dim, a multiple of 16");
+  TORCH_CHECK(weight.is_contiguous() && weight.size(0) == x.size(2) && weight.scalar_type() == x.scalar_type(),
+              "weight: contiguous [head_dim] of x's dtype");
+  const int64_t heads = x.size(1), width = x.size(2), tok_stride = x.stride(0), head_stride = x.stride(1);
+  dispatch(x.scalar_type(), "rms_norm_heads", [&](auto zero) {
+    using T = decltype(zero);
+    T* base = static_cast<T*>(x.data_ptr());
+    const T* w = static_cast<const T*>(weight.data_ptr());
+    at::parallel_for(0, x.size(0) * heads, std::max<int64_t>(1, 16384 / width), [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        T* row = base + (i / heads) * tok_stride + (i % heads) * head_stride;
+        rms_norm_rows<T>(row, row, w, 1, width, width, static_cast<float>(eps));
+      }
+    });
+  });
+}
+
 TORCH_LIBRARY_FRAGMENT(pdserve_kernels, m) {
   m.def("rotary_embedding(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin, bool interleaved) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("rms_norm_heads(Tensor(a!) x, Tensor weight, float eps) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_kernels, CPU, m) {
   m.impl("rotary_embedding", &rotary_embedding);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rms_norm", &rms_norm);
+  m.impl("rms_norm_heads", &rms_norm_heads);
 }
