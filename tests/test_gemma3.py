@@ -73,12 +73,9 @@ def _oracle(model, prompt_ids: list[int]) -> list[int]:  # noqa: ANN001
     return out.sequences[0, len(prompt_ids):].tolist()
 
 
-@pytest.mark.parametrize("kernels", ["compiled", "gather + SDPA"])
-def test_fp32_greedy_equals_transformers_past_the_window_in_chunks_and_from_the_cache(
-        kernels: str, hf_model, hf_tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
-    """Both attention paths mask by window: the compiled kernel (CPU) and the gather + SDPA one (any device)."""
-    if kernels != "compiled":
-        monkeypatch.setenv("PDSERVE_DISABLE_KERNELS", "1")
+def test_fp32_greedy_equals_transformers_past_the_window_in_chunks_and_from_the_cache(hf_model, hf_tokenizer
+                                                                                      ) -> None:  # noqa: ANN001
+    """On the compiled kernel; tests/test_architectures.py has a tiny Gemma 3 on both attention paths."""
     prompts = [hf_tokenizer(text)["input_ids"] for text in ("The capital of France is", "def fibonacci(n):", LONG)]
     assert len(prompts[-1]) > WINDOW + 64, "the long prompt must reach past the sliding window"
     want = [_oracle(hf_model, p) for p in prompts]
@@ -90,3 +87,35 @@ def test_fp32_greedy_equals_transformers_past_the_window_in_chunks_and_from_the_
         again = llm.generate([{"prompt_token_ids": prompts[-1]}], params, use_tqdm=False)[0]
     assert again.num_cached_tokens >= len(prompts[-1]) // 16 * 16 - 16, "the long prompt's prefix was not reused"
     assert again.outputs[0].token_ids == want[-1]
+
+
+def test_a_prefill_decode_pair_answers_as_one_mixed_instance(tmp_path) -> None:  # noqa: ANN001
+    """`pdserve launch` 1P1D on Gemma 3 (every prompt computed on P, its KV sent to D) against one mixed server:
+    the same greedy answers, the long prompt's past the window included."""
+    import signal
+
+    import openai
+
+    from tests.greedy import assert_same_greedy_completion
+    from tests.servers import Server
+    from tests.test_launch import Launch
+
+    flags = ["--model", "gemma-3-270m", "--max-model-len", "2048", "--num-gpu-blocks-override", "128"]
+    mixed = Server(tmp_path / "mixed", *flags, wait=False)
+    launch = None
+    (tmp_path / "pd").mkdir()
+    try:
+        launch = Launch(tmp_path / "pd", *flags, "--prefill", "1", "--decode", "1", "--routers", "1",
+                        "--pd-policy", "always")
+        mixed.wait_ready(240)
+        for prompt in ("The capital of France is", "def fibonacci(n):", LONG):
+            answers = [openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0).completions.create(
+                model="gemma-3-270m", prompt=prompt, max_tokens=16, temperature=0, logprobs=2)
+                for url in (launch.url, mixed.url)]
+            assert_same_greedy_completion(answers[0], answers[1], f"1P1D against mixed, {len(prompt)} characters")
+        launch.proc.send_signal(signal.SIGINT)
+        assert launch.proc.wait(60) == 130, launch.log()[-3000:]
+    finally:
+        mixed.stop()
+        if launch is not None:
+            launch.kill()

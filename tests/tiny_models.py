@@ -19,6 +19,9 @@ ARCHITECTURES: dict[str, tuple[str, dict]] = {
     "qwen2": ("Qwen2Config", {}),
     "qwen3": ("Qwen3Config", dict(head_dim=32)),
     "ernie4_5": ("Ernie4_5Config", dict(use_bias=True, head_dim=16)),
+    # a 12-token window on the first layer, full attention on the second: prompts of 45 tokens cross it
+    "gemma3": ("Gemma3TextConfig", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=12,
+                                        layer_types=["sliding_attention", "full_attention"])),
 }
 
 

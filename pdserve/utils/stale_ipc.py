@@ -25,7 +25,7 @@ SHM = Path("/dev/shm")
 
 
 SOCKET_PATH_MAX = 107  # AF_UNIX: a socket's path holds 108 bytes with its terminating NUL
-SOCKET_ROOM = 32  # the longest socket path pdserve makes inside an IPC folder ("/engine/w.ranks"), with margin
+SOCKET_ROOM = 16  # the longest path pdserve makes inside an IPC folder: "/engine/w.ranks"
 FALLBACK_ROOT = Path("/tmp")
 
 
