@@ -81,3 +81,24 @@ def test_prompt_in_chunks_on_the_compiled_kernel(arch, chunk, ops):
         piece = PROMPT[start:start + chunk]
         logits = _run(model, cache, [SequenceChunk(piece, start, table)], kernel=True)
         torch.testing.assert_close(logits[0], expected[start + len(piece) - 1], atol=TOL, rtol=0)
+
+
+def test_a_multimodal_gemma3_checkpoint_serves_its_text_decoder(tmp_path):
+    """A Gemma 3 checkpoint with a vision tower (model_type gemma3, the text config nested, the decoder's weights
+    under language_model): its text decoder is loaded and answers as transformers' does on text."""
+    import transformers
+
+    from tests.tiny_models import ARCHITECTURES, COMMON
+
+    _, extra = ARCHITECTURES["gemma3"]
+    text = transformers.Gemma3TextConfig(**{**COMMON, **extra})
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14)
+    torch.manual_seed(0)
+    hf = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4)).eval()
+    hf.save_pretrained(tmp_path)
+    ours = load_decoder(tmp_path, torch.float32, torch.device("cpu"))
+    assert ours.config.model_type == "gemma3_text" and ours.config.window(0) == 12
+    logits = _run(ours, _cache(ours), [SequenceChunk(PROMPT, 0, list(range(16)))])
+    torch.testing.assert_close(logits[0], hf_logits(hf, PROMPT)[-1], atol=TOL, rtol=0)

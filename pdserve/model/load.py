@@ -60,8 +60,26 @@ def load_decoder(folder: Path, dtype: torch.dtype, device: torch.device,
                              quantization=quantization, tp=tp)
     except RuntimeError as e:  # typically out of memory
         raise ModelLoadError(f"cannot allocate the model on {device}: {e}") from None
-    model.load_weights(_tensors(folder, quantization, tp, gguf_file))
+    tensors = _tensors(folder, quantization, tp, gguf_file)
+    if read_config(folder).get("model_type") in MULTIMODAL_TYPES:
+        tensors = _text_decoder_tensors(tensors)
+    model.load_weights(tensors)
     return model
+
+
+MULTIMODAL_TYPES = ("gemma3",)  # checkpoints whose text decoder is served, the vision side left out
+_TEXT_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.",
+                  "language_model.lm_head.": "lm_head."}  # transformers v5's and v4's names
+_VISION_PREFIXES = ("vision_tower.", "model.vision_tower.", "multi_modal_projector.", "model.multi_modal_projector.")
+
+
+def _text_decoder_tensors(tensors: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """A multimodal checkpoint's text decoder under the text model's names; its vision tower is not served."""
+    for name, tensor in tensors:
+        if name.startswith(_VISION_PREFIXES):
+            continue
+        prefix = next((p for p in _TEXT_PREFIXES if name.startswith(p)), None)
+        yield (_TEXT_PREFIXES[prefix] + name[len(prefix):] if prefix else name), tensor
 
 
 def _tensors(folder: Path, quantization: str | None, tp: TensorParallel | None,
