@@ -269,3 +269,21 @@ def test_top_candidates_are_the_rows_top_k(width: int) -> None:
     odd = torch.randn(2, 1001, generator=g)  # not a whole number of chunks: the plain topk
     assert torch.equal(top_candidates(odd, width if width < 1001 else 1001)[1],
                        odd.topk(width if width < 1001 else 1001, dim=-1).indices)
+
+
+@pytest.mark.parametrize("spread", [2_000, 30_000], ids=["within the wide candidates", "wider still"])
+def test_a_wide_nucleus_draws_what_the_full_sort_draws(spread):
+    """A flat distribution (a 262,144-token vocabulary at a high temperature) has a nucleus of thousands of tokens:
+    it is found among the WIDE_CANDIDATES most likely, or past them by the full sort, and each uniform draws the
+    token the full sort's draw gives (logits falling with the token id: one order for both)."""
+    from pdserve.sampling.sampler import _draw, _top_k_top_p, _wide_nucleus
+
+    vocab, rows = 262_144, 16
+    logits = torch.full((rows, vocab), -60.0)
+    logits[:, :spread] = -torch.arange(spread, dtype=torch.float32) * (4.0 / spread)
+    u = (torch.arange(rows, dtype=torch.float32) + 0.5) / rows
+    ps = [0.9] * rows
+    got = _wide_nucleus(logits.clone(), u, ps, [0.0] * rows)
+    want = _draw(_top_k_top_p(logits.clone(), [vocab] * rows, ps), u, [0.0] * rows)
+    assert got.tolist() == want.tolist()
+    assert int(got.max()) > 256  # the nucleus is wider than the first candidates
