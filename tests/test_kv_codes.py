@@ -40,7 +40,7 @@ def random_cache(name: str, num_blocks: int, block: int, kv_heads: int, seed: in
     return cache
 
 
-def run_case(ops, name, dtype, heads, kv_heads, block, context, queries, seed=0):
+def run_case(ops, name, dtype, heads, kv_heads, block, context, queries, seed=0, window=0):
     g = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-c // block) for c in context) + 3
     layer = random_cache(name, num_blocks, block, kv_heads, seed).layers[0]
@@ -49,9 +49,9 @@ def run_case(ops, name, dtype, heads, kv_heads, block, context, queries, seed=0)
     out = torch.empty_like(q)
     codes, scales = layer
     ops.paged_attention(out, q, codes[:, 0], codes[:, 1], tables, seq_lens, starts, HEAD_DIM ** -0.5,
-                        scales[:, 0], scales[:, 1])
+                        scales[:, 0], scales[:, 1], window)
     widened = kv_codes.decode(codes, scales, torch.float32)
-    return out, reference(q, widened[:, 0], widened[:, 1], tables, seq_lens, starts, HEAD_DIM ** -0.5)
+    return out, reference(q, widened[:, 0], widened[:, 1], tables, seq_lens, starts, HEAD_DIM ** -0.5, window)
 
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 1.6e-2}
@@ -64,6 +64,16 @@ def test_decode_over_codes_equals_attention_over_widened_codes(ops, name, dtype,
     context = [1, 15, 16, 17, 64, 65, 300, 1999]
     out, ref = run_case(ops, name, dtype, heads, kv_heads, 16, context, [1] * len(context))
     torch.testing.assert_close(out.float(), ref.float(), atol=TOLERANCE[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", list(CODES))
+def test_a_sliding_window_over_codes_sees_only_its_last_keys(ops, name, dtype):
+    """An 8-bit cache under a sliding-window layer: decodes, few-query chunks and prefills see only their window."""
+    context = [40, 600, 23, 130, 1000, 157, 520]
+    queries = [1, 1, 23, 3, 200, 60, 520]
+    out, ref = run_case(ops, name, dtype, 8, 2, 16, context, queries, seed=3, window=37)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2 * TOLERANCE[dtype], rtol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
