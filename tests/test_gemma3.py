@@ -19,6 +19,7 @@ pytestmark = pytest.mark.e2e  # loads two models
 NEW_TOKENS = 12
 MIN_MARGIN = 0.01
 WINDOW = 512
+DISK_HITS = 'pdserve_prefix_cache_hits_by_tier_total{dp_rank="0",tier="disk"}'
 LONG = ("The lighthouse keeper climbed the spiral stairs each evening, counting the steps as his father had, "
         "and lit the lamp that warned the fishing boats away from the rocks below the cliff. ") * 19
 
@@ -119,3 +120,31 @@ def test_a_prefill_decode_pair_answers_as_one_mixed_instance(tmp_path) -> None: 
         mixed.stop()
         if launch is not None:
             launch.kill()
+
+
+def test_a_restarted_server_serves_a_gemma_prefix_from_its_disk_tier(tmp_path) -> None:  # noqa: ANN001
+    """The long prompt's blocks go to the disk tier; after a restart on the same folder they are read back (not
+    computed) and the answer is the one computed the first time."""
+    import openai
+
+    from tests.servers import Server, metrics, wait_for
+
+    flags = ["--model", "gemma-3-270m", "--max-model-len", "2048", "--num-gpu-blocks-override", "128",
+             "--swap-space", "0.2", "--kv-disk-path", str(tmp_path / "disk")]
+    answers = []
+    for run in ("first", "restarted"):
+        server = Server(tmp_path / run, *flags)
+        try:
+            client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+            answers.append(client.completions.create(model="gemma-3-270m", prompt=LONG, max_tokens=12,
+                                                     temperature=0))
+            if run == "restarted":
+                cached = answers[-1].usage.prompt_tokens_details.cached_tokens
+                wait_for(lambda: metrics(server.metrics_port).get(DISK_HITS) == cached, 10,  # noqa: B023
+                         "the cached tokens were not counted as disk-tier hits")
+        finally:
+            server.stop()
+    first, again = answers
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 32
+    assert again.choices[0].text == first.choices[0].text
