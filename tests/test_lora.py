@@ -324,6 +324,20 @@ def test_an_adapter_that_does_not_fit_is_refused_naming_why(case: str, match: st
         load_adapter(case, folder, config, max_rank=16)
 
 
+def test_an_adapter_on_a_normed_block_output_is_refused(embedded_folder: Path, tmp_path: Path) -> None:
+    """Gemma 3 norms the attention's and the MLP's outputs before the residual: an o_proj or down_proj adapter
+    would be added past that norm, so it is refused, naming the module; q/k/v and gate/up adapters load."""
+    import dataclasses
+
+    config = dataclasses.replace(load_config(embedded_folder), sandwich_norms=True, model_type="gemma3_text")
+    h, inter = config.hidden_size, config.intermediate_size
+    with pytest.raises(AdapterError, match="o_proj of a gemma3_text model is not served"):
+        load_adapter("o", _adapter(tmp_path / "o", _pair(0, "o_proj", 8, config.q_size, h)), config, max_rank=16)
+    with pytest.raises(AdapterError, match="down_proj of a gemma3_text model is not served"):
+        load_adapter("down", _adapter(tmp_path / "down", _pair(0, "down_proj", 8, inter, h)), config, max_rank=16)
+    assert load_adapter("q", _adapter(tmp_path / "q", _pair(0, "q_proj", 8, h, config.q_size)), config, 16).rank == 8
+
+
 @pytest.mark.parametrize("mask_rows", [0, 10**6])  # by group (long runs) and by mask
 def test_both_ways_of_a_step_add_each_tokens_own_adapter(mask_rows: int, embedded_folder: Path, tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
