@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pdserve.config.errors import ModelLoadError
-from pdserve.loader.default_model import DEFAULT_MODEL_NAME, PACKAGED_NAMES, source_path
+from pdserve.loader.default_model import DEFAULT_MODEL_NAME, PACKAGED_NAME, names_packaged, source_path
 
 
 def resolve_model_folder(model: str | Path | None, with_weights: bool = False) -> Path:
@@ -38,9 +38,9 @@ def model_name(model: str | Path | None) -> str:
     """The name a server reports for `model` (as in /v1/models)."""
     if model is None:
         return DEFAULT_MODEL_NAME
+    if names_packaged(model):
+        return PACKAGED_NAME
     path = Path(model)
-    if not path.exists() and str(model) in PACKAGED_NAMES:
-        return "gemma-3-270m"
     return path.stem if path.is_file() else path.name
 
 

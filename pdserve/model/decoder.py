@@ -151,7 +151,8 @@ class DecoderModel(nn.Module):
         def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             return F.rms_norm(x, (x.shape[-1],), weight, eps) if ops is None else ops.rms_norm(x, weight, eps)
 
-        ropes = {id(r): (r, r.lookup(batch.positions) if ops is None else None) for r in (self.rope, self.local_rope)}
+        # cos/sin rows of this step per RoPE (the local layers' may be the global one: looked up once then)
+        cos_sin_of = {r: r.lookup(batch.positions) if ops is None else None for r in (self.rope, self.local_rope)}
         heads, kv_heads, head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         h = (F.embedding(batch.input_ids, self.embed) if self.embed_quantized is None
              else self.embed_quantized.rows(batch.input_ids, self.dtype))
@@ -174,9 +175,9 @@ class DecoderModel(nn.Module):
                 qk = torch.cat((F.rms_norm(qk[:, :heads], (head_dim,), layer.q_norm, eps),
                                 F.rms_norm(qk[:, heads:], (head_dim,), layer.k_norm, eps)), dim=1)
             window = c.window(i)
-            rope, cos_sin = ropes[id(self.local_rope if window else self.rope)]
+            rope = self.local_rope if window else self.rope
             if ops is None:
-                qk = rope.apply(qk, cos_sin)
+                qk = rope.apply(qk, cos_sin_of[rope])
             else:  # in place, in the projection's output
                 ops.rotary_embedding(qk, batch.positions, rope.cos, rope.sin, rope.interleaved)
             q, k = qk.split((heads, kv_heads), dim=1)

@@ -54,14 +54,15 @@ def load_decoder(folder: Path, dtype: torch.dtype, device: torch.device,
                  tp: TensorParallel | None = None, gguf_file: Path | None = None) -> DecoderModel:
     """The model, or with `tp` this rank's part of it (only its slices are kept). `quantization` as
     loader/quantization.py resolves it; "gguf" reads `gguf_file`'s tensors in their block formats."""
-    config = load_config(folder)
+    raw = read_config(folder)
+    config = ModelConfig.from_hf_dict(raw)
     try:
         model = DecoderModel(config, dtype=dtype, device=device, max_positions=max_positions,
                              quantization=quantization, tp=tp)
     except RuntimeError as e:  # typically out of memory
         raise ModelLoadError(f"cannot allocate the model on {device}: {e}") from None
     tensors = _tensors(folder, quantization, tp, gguf_file)
-    if read_config(folder).get("model_type") in MULTIMODAL_TYPES:
+    if raw.get("model_type") in MULTIMODAL_TYPES:
         tensors = _text_decoder_tensors(tensors)
     model.load_weights(tensors)
     return model

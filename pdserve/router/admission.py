@@ -78,11 +78,11 @@ class RouterAdmission:
 
     def _judge(self, request: RoutedRequest, admitted: Admitted) -> list[Refusal]:
         refusals, now = [], time.time()
-        decode_step = self._decode_step(request, now)
-        for instance in self.registry.all():
-            if instance.load is None:
-                continue
-            tokens, streams = self._sent(instance, request)
+        reporting = [i for i in self.registry.all() if i.load is not None]
+        sent = {i.url: self._sent(i, request) for i in reporting}
+        decode_step = self._decode_step(request, reporting, sent, now)
+        for instance in reporting:
+            tokens, streams = sent[instance.url]
             refusal, todo = None, None
             decodes = instance.role in (Role.DECODE, Role.MIXED) and request.decodes
             if instance.role in (Role.PREFILL, Role.MIXED):
@@ -110,12 +110,15 @@ class RouterAdmission:
         tokens, streams = instance.sent.since(_counted_until(instance.load), request.priority)
         return tokens * self.peers, streams * self.peers
 
-    def _decode_step(self, request: RoutedRequest, now: float) -> float:
+    @staticmethod
+    def _decode_step(request: RoutedRequest, reporting: list[Instance], sent: dict[str, tuple[int, int]],
+                     now: float) -> float:
         """The step a prompt computed by a prefill instance waits for on the quickest decode instance before its
         first token (0 where no decode instance has a step-cost fit, or the request does not decode)."""
-        steps = [predict_decode_step(i.load, *self._sent(i, request), now) for i in self.registry.all()
-                 if i.role == Role.DECODE and i.load is not None and request.decodes]
-        return min(steps, default=0.0)
+        if not request.decodes:
+            return 0.0
+        return min((predict_decode_step(i.load, *sent[i.url], now) for i in reporting if i.role == Role.DECODE),
+                   default=0.0)
 
     def _judge_local_prefill(self, instance: Instance, request: RoutedRequest, sent_tokens: int, sent_streams: int,
                              now: float) -> Refusal | None:

@@ -272,13 +272,8 @@ def _sample_candidates(x: torch.Tensor, u: torch.Tensor, rows: list[int], ks: li
     denom = vals.logsumexp(dim=-1, keepdim=True)
     if not bool(top_k.all()):  # a row without top-k: its top-p is relative to the whole row
         denom = torch.where(top_k, denom, _row_logsumexp(sub, vals, ids))
-    probs = (vals - denom).exp()
-    cum = probs.cumsum(dim=-1)
     p_t = torch.tensor(p_rows, device=device)[:, None]
-    probs.masked_fill_((cum - probs >= p_t) & (p_t < 1.0), 0.0)  # keep each token the nucleus needs
-    if any(min_ps[j] > 0.0 for j in rows):
-        _min_p(probs, [min_ps[j] for j in rows])
-    out = ids.gather(1, _inverse_cdf(probs, u[idx])[:, None]).squeeze(1)
+    out, cum = _nucleus_draw(vals, ids, denom, p_t, [min_ps[j] for j in rows], u[idx])
     # a nucleus wider than the candidates (top-k off, a flat distribution): more candidates, then the full sort
     wide = ((k_t == vocab) & (cum[:, -1] < p_t[:, 0])).nonzero().flatten().tolist()
     if wide:
@@ -295,18 +290,26 @@ def _wide_nucleus(x: torch.Tensor, u: torch.Tensor, ps: list[float], min_ps: lis
     vocab = x.shape[1]
     width = min(vocab, WIDE_CANDIDATES)
     vals, ids = top_candidates(x, width)
-    probs = (vals - _row_logsumexp(x, vals, ids)).exp()
-    cum = probs.cumsum(dim=-1)
     p_t = torch.tensor(ps, device=x.device)[:, None]
-    probs.masked_fill_(cum - probs >= p_t, 0.0)
-    if any(mp > 0.0 for mp in min_ps):
-        _min_p(probs, min_ps)
-    out = ids.gather(1, _inverse_cdf(probs, u)[:, None]).squeeze(1)
+    out, cum = _nucleus_draw(vals, ids, _row_logsumexp(x, vals, ids), p_t, min_ps, u)
     wider = (cum[:, -1] < p_t[:, 0]).nonzero().flatten()
     if len(wider) and width < vocab:
         filtered = _top_k_top_p(x[wider], [vocab] * len(wider), [ps[i] for i in wider.tolist()])
         out[wider] = _draw(filtered, u[wider], [min_ps[i] for i in wider.tolist()])
     return out
+
+
+def _nucleus_draw(vals: torch.Tensor, ids: torch.Tensor, denom: torch.Tensor, p_t: torch.Tensor,
+                  min_ps: list[float], u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the token drawn per row among its candidates `vals`/`ids` (descending, log-normalised by `denom`), top-p
+    then min-p applied; the candidates' cumulative probabilities, whose last falls short of top-p where the
+    nucleus is wider than them)."""
+    probs = (vals - denom).exp()
+    cum = probs.cumsum(dim=-1)
+    probs.masked_fill_((cum - probs >= p_t) & (p_t < 1.0), 0.0)  # keep each token the nucleus needs
+    if any(mp > 0.0 for mp in min_ps):
+        _min_p(probs, min_ps)
+    return ids.gather(1, _inverse_cdf(probs, u)[:, None]).squeeze(1), cum
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:

@@ -25,9 +25,8 @@ namespace pdserve {
 // (reading one head's 128-byte slices of a scattered block ran at a third of the bandwidth).
 // Row (h * ROWS + r) is head h's row r in s.q, s.scores, s.acc and s.row_sum.
 
-// The cache offset of each of the first n tokens (first head), and of its scales over 8-bit codes: no
-// division in the token loops.
-// Offsets of keys first .. end - 1 (a sliding window's start, or 0), stored from index 0.
+// The cache offset of each key first .. end - 1 (first: a sliding window's start, or 0; stored from index 0) of
+// the first head, and of its scales over 8-bit codes: no division in the token loops.
 inline void token_offsets(Scratch& s, const Geometry& g, const int32_t* block_table, int64_t kv_head, int64_t first,
                           int64_t end, bool scales) {
   const int64_t n = end - first;
