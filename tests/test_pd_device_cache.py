@@ -4,11 +4,11 @@ layer device -> staging before the messager may send it, D copies what P wrote (
 buffer) host -> device before the request decodes, and the host prefix tier is copied by the worker.
 
 1P3D through the router: D over ipc with a decode buffer, D over tcp with a host tier, D over rdma
-(NIXL, when installed); P with a host tier. Greedy output equals transformers fp32 and a mixed instance
-with an ordinary shared cache; a prompt evicted from P's cache comes back from P's host tier; every
-block is freed and no segment is left. Then the ordering check: with every copy slowed down on a
-background thread (a test hook), output is still exact -- it would not be if P announced a layer before
-its copy completed or D decoded before its copy-in completed.
+(NIXL, when installed); P with a host tier. Greedy output equals transformers fp32 (on a tiny random llama: the
+order of copies is checked, which any model shows) and a mixed instance with an ordinary shared cache; a prompt
+evicted from P's cache comes back from P's host tier; every block is freed and no segment is left. Then the
+ordering check: with every copy slowed down on a background thread (a test hook), output is still exact -- it would
+not be if P announced a layer before its copy completed or D decoded before its copy-in completed.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ pytestmark = pytest.mark.e2e  # starts pdserve processes
 NIXL = rdma_available()
 # 8 blocks of 16 tokens: a 96-token prompt + 8 new tokens takes 7, so each new prompt evicts the last
 SMALL = ["--num-gpu-blocks-override", "8", "--max-model-len", "128", "--max-num-batched-tokens", "128"]
-COMMON = ["--dtype", "float32", "--quantization", "none", "--pd-transfer-timeout", "10"]
+COMMON = ["--pd-transfer-timeout", "10"]
 PRIVATE = {PRIVATE_CACHE_ENV: "1"}
 NEW_TOKENS = 8
 MIN_MARGIN = 0.01  # the oracle's top two must differ by more than this at every position (no near ties)
@@ -60,16 +60,27 @@ def _long_prompts(tokenizer) -> list[list[int]]:  # noqa: ANN001
 
 
 @pytest.fixture(scope="module")
-def oracle(hf_gguf_model, tokenizer) -> dict[tuple[int, ...], list[str]]:  # noqa: ANN001
+def model(tmp_path_factory: pytest.TempPathFactory):
+    """(the flags that serve a tiny random llama exactly, transformers' model of it): the staging path's order
+    is what is checked, which any model shows."""
+    from tests.tiny_models import make_tiny_servable
+
+    folder = tmp_path_factory.mktemp("tiny-device") / "model"
+    hf = make_tiny_servable(folder, seed=2, initializer_range=0.5)  # this module's prompts have no near tie on it
+    return ["--model", str(folder), "--served-model-name", "tiny", "--dtype", "float32"], hf
+
+
+@pytest.fixture(scope="module")
+def oracle(model, tokenizer) -> dict[tuple[int, ...], list[str]]:  # noqa: ANN001
     """transformers fp32's greedy token texts for every prompt of this module; each prompt is checked to
     have no near tie, so an exact comparison is fair."""
     out = {}
     for prompt in [*_long_prompts(tokenizer), *(tokenizer.encode(s) for s in SHORT)]:
         ids = torch.tensor([prompt])
         with torch.no_grad():
-            gen = hf_gguf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                         max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, output_logits=True,
-                                         return_dict_in_generate=True, pad_token_id=2)
+            gen = model[1].generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                    max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, output_logits=True,
+                                    return_dict_in_generate=True, pad_token_id=2)
         top2 = torch.cat(gen.logits).float().topk(2, dim=-1).values
         margin = (top2[:, 0] - top2[:, 1]).min().item()
         assert margin > MIN_MARGIN, f"prompt {prompt[:8]}... has a near tie ({margin:.4f}); pick another"
@@ -79,7 +90,7 @@ def oracle(hf_gguf_model, tokenizer) -> dict[tuple[int, ...], list[str]]:  # noq
 
 def _complete(url: str, prompt: list[int]) -> openai.types.Completion:
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=180)
-    return client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=NEW_TOKENS,
+    return client.completions.create(model="tiny", prompt=prompt, max_tokens=NEW_TOKENS,
                                      temperature=0, logprobs=2, extra_body={"min_tokens": NEW_TOKENS})
 
 
@@ -94,16 +105,16 @@ def _assert_exact(out: openai.types.Completion, want: list[str], reference: open
 
 
 def _all_free(s: Server) -> bool:
-    m = metrics(s.metrics_port)
+    m = metrics(s.port)
     return m["pdserve_kv_cache_free_blocks"] == m["pdserve_kv_cache_total_blocks"]
 
 
 @pytest.fixture(scope="module")
-def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+def pd(tmp_path_factory: pytest.TempPathFactory, model) -> Iterator[dict]:  # noqa: ANN001
     before = segments()
     tmp = tmp_path_factory.mktemp("pd_device")
     router = Router(tmp / "router")
-    reg = ["--router", router.url, *COMMON]
+    reg = ["--router", router.url, *COMMON, *model[0]]
     specs = {
         "prefill": ["--splitwise-role", "prefill", "--cache-transfer-protocol", "ipc,tcp,rdma" if NIXL else "ipc,tcp",
                     *SMALL, "--swap-space", "0.1", *reg],
@@ -115,7 +126,7 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
            if NIXL else {}),
     }
     servers = {name: Server(tmp / name, *flags, wait=False, env=PRIVATE) for name, flags in specs.items()}
-    servers["mixed"] = Server(tmp / "mixed", *SMALL, *COMMON, wait=False)  # an ordinary shared-memory cache
+    servers["mixed"] = Server(tmp / "mixed", *SMALL, *COMMON, *model[0], wait=False)  # an ordinary shared-memory cache
     try:
         for s in servers.values():
             s.wait_ready(240)
@@ -144,22 +155,22 @@ def test_pd_through_device_caches_equals_transformers_and_mixed(pd: dict, oracle
     mixed_outs = [_complete(pd["mixed"].url, p) for p in prompts]
     for i, (got, ref, prompt) in enumerate(zip(pd_outs, mixed_outs, prompts, strict=True)):
         _assert_exact(got, oracle[tuple(prompt)], ref, f"prompt {i}")
-    sent = metrics(pd["prefill"].metrics_port)["pdserve_kv_transfer_bytes_sent_total"]
-    got = {n: metrics(pd[n].metrics_port)["pdserve_kv_transfer_bytes_received_total"] for n in DECODES}
+    sent = metrics(pd["prefill"].port)["pdserve_kv_transfer_bytes_sent_total"]
+    got = {n: metrics(pd[n].port)["pdserve_kv_transfer_bytes_received_total"] for n in DECODES}
     assert all(v > 0 for v in got.values()), f"a transport carried nothing: {got}"
     assert sent == sum(got.values())
-    assert metrics(pd["d_buffer"].metrics_port)["pdserve_kv_swap_in_bytes_total"] > 0, "the buffer was never copied in"
+    assert metrics(pd["d_buffer"].port)["pdserve_kv_swap_in_bytes_total"] > 0, "the buffer was never copied in"
 
 
 def test_a_prompt_evicted_from_p_comes_back_from_its_host_tier(pd: dict, oracle: dict, tokenizer) -> None:  # noqa: ANN001
     a, b, c = _long_prompts(tokenizer)
-    hits = metrics(pd["prefill"].metrics_port).get("pdserve_host_cache_hit_blocks_total", 0)
+    hits = metrics(pd["prefill"].port).get("pdserve_host_cache_hit_blocks_total", 0)
     first = _complete(pd["router"].url, a)
     for other in (b, c):  # each fills P's 8-block cache: A is evicted (and saved to P's host tier)
         _complete(pd["router"].url, other)
     again = _complete(pd["router"].url, a)
     _assert_exact(again, oracle[tuple(a)], first, "the prompt served from P's host tier")
-    wait_for(lambda: metrics(pd["prefill"].metrics_port)["pdserve_host_cache_hit_blocks_total"] >= hits + 5, 10,
+    wait_for(lambda: metrics(pd["prefill"].port)["pdserve_host_cache_hit_blocks_total"] >= hits + 5, 10,
              "P did not load the evicted prompt from its host tier")
 
 
@@ -180,13 +191,13 @@ def test_weights_cleared_and_loaded_again_remake_the_device_caches(pd: dict, ora
         _assert_exact(out, oracle[tuple(prompt)], None, f"prompt {i} after the weights came back")
 
 
-def test_slowed_copies_are_waited_for_on_both_sides(tmp_path: Path, oracle: dict, tokenizer) -> None:  # noqa: ANN001
+def test_slowed_copies_are_waited_for_on_both_sides(tmp_path: Path, model, oracle: dict) -> None:  # noqa: ANN001
     """Every copy device <-> host takes 20 ms more on a background thread (far longer than the copy itself); P
     must still signal a layer only after its staging copy, and D decode only after its copy-in (else the KV read
     is stale: zeros here)."""
     before = segments()
     router = Router(tmp_path / "router")
-    reg = ["--router", router.url, "--cache-transfer-protocol", "ipc", *COMMON, *SMALL]
+    reg = ["--router", router.url, "--cache-transfer-protocol", "ipc", *COMMON, *model[0], *SMALL]
     slow = {**PRIVATE, DELAY_ENV: "0.02"}
     p = Server(tmp_path / "p", "--splitwise-role", "prefill", *reg, wait=False, env=slow)
     d = Server(tmp_path / "d", "--splitwise-role", "decode", *reg, wait=False, env=slow)
