@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from tests.loopback_only import enter_loopback_namespace
+from tests.private_shm import enter_private_shm
 
 NETWORK = enter_loopback_namespace()  # first, before anything starts a thread: only lo from here on
+SHM = enter_private_shm()  # an xdist worker's own /dev/shm, so leak checks see only its own servers
 
 from pathlib import Path  # noqa: E402
 
@@ -15,7 +17,7 @@ torch.set_num_threads(2)
 
 
 def pytest_report_header() -> str:
-    return f"network: {NETWORK}"
+    return f"network: {NETWORK}; /dev/shm: {SHM}"
 
 
 @pytest.fixture(scope="session")

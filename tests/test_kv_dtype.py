@@ -1,7 +1,8 @@
 """8-bit KV caches end to end (--kv-cache-dtype fp8 | fp8_e5m2 | int8) on the embedded model: the likelihood of a
 held-out text within 2% of the full-width cache's, greedy answers that agree where the full-width cache is sure of
 the next token, and PD over an 8-bit cache equal to a mixed instance with the same cache (the blocks travel as
-bytes: codes and scales). The kernels themselves: test_kv_codes.py; the disk tier: test_kv_disk_tier.py."""
+bytes: codes and scales; on the tiny random llama). The kernels themselves: test_kv_codes.py; the disk tier:
+test_kv_disk_tier.py."""
 
 from __future__ import annotations
 
@@ -72,13 +73,14 @@ def test_where_the_full_width_cache_is_sure_the_8bit_cache_agrees(kv, prompt, ru
 
 # ---- PD over an 8-bit cache ------------------------------------------------------------------------------------
 
-MODEL = "SmolLM2-135M-Instruct"
 COMMON = ["--kv-cache-dtype", "fp8", "--max-model-len", "1024", "--max-num-batched-tokens", "128",
           "--max-num-seqs", "16", "--num-gpu-blocks-override", "120"]
 
 
 @pytest.fixture(scope="module")
-def fp8_pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+def fp8_pd(tmp_path_factory: pytest.TempPathFactory, tiny_model: list[str]) -> Iterator[dict]:
+    """1P1D and a mixed instance of the tiny random llama (fp32 weights, an fp8 cache): what crosses is checked,
+    which any model shows."""
     before = segments()
     tmp = tmp_path_factory.mktemp("fp8_pd")
     router = Router(tmp / "router")
@@ -86,7 +88,7 @@ def fp8_pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     specs = {"prefill": ["--splitwise-role", "prefill", "--cache-transfer-protocol", "ipc,tcp", *reg],
              "decode": ["--splitwise-role", "decode", "--cache-transfer-protocol", "tcp", *reg],
              "mixed": []}
-    servers = {name: Server(tmp / name, *flags, *COMMON, wait=False) for name, flags in specs.items()}
+    servers = {name: Server(tmp / name, *flags, *COMMON, *tiny_model, wait=False) for name, flags in specs.items()}
     try:
         for s in servers.values():
             s.wait_ready(240)
@@ -105,16 +107,16 @@ def test_pd_with_an_fp8_cache_equals_mixed_with_an_fp8_cache(fp8_pd: dict, embed
 
     def complete(url: str, prompt: str | list[int]) -> openai.types.Completion:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=180)
-        return client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, logprobs=2)
+        return client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0, logprobs=2)
 
     with ThreadPoolExecutor(len(prompts)) as pool:
         pd_outs = list(pool.map(lambda p: complete(fp8_pd["router"].url, p), prompts))
     mixed_outs = [complete(fp8_pd["mixed"].url, p) for p in prompts]
     assert_same_greedy_completions(pd_outs, mixed_outs, min_share=0.8)
-    sent = metrics(fp8_pd["prefill"].metrics_port)["pdserve_kv_transfer_bytes_sent_total"]
-    assert sent > 0 and sent == metrics(fp8_pd["decode"].metrics_port)["pdserve_kv_transfer_bytes_received_total"]
-    # whole layers of 8-bit blocks crossed: codes and scales, 132 bytes a token and KV head where bf16 takes 256
-    fp8 = KVLayout(1, 30, BLOCK, 3, 64, "fp8_e4m3")
+    sent = metrics(fp8_pd["prefill"].port)["pdserve_kv_transfer_bytes_sent_total"]
+    assert sent > 0 and sent == metrics(fp8_pd["decode"].port)["pdserve_kv_transfer_bytes_received_total"]
+    # whole layers of 8-bit blocks crossed: codes and scales, 36 bytes a token and KV head where fp32 takes 128
+    fp8 = KVLayout(1, 2, BLOCK, 2, 16, "fp8_e4m3")
     assert sent % fp8.layer_block_bytes == 0
 
 
