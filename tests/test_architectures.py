@@ -102,3 +102,31 @@ def test_a_multimodal_gemma3_checkpoint_serves_its_text_decoder(tmp_path):
     assert ours.config.model_type == "gemma3_text" and ours.config.window(0) == 12
     logits = _run(ours, _cache(ours), [SequenceChunk(PROMPT, 0, list(range(16)))])
     torch.testing.assert_close(logits[0], hf_logits(hf, PROMPT)[-1], atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("path", ["gather + SDPA", "compiled"])
+@pytest.mark.parametrize("chunk", [1, 5, 13])
+def test_gemma3_with_a_block_table_per_layer_group_reads_only_the_windows_blocks(path, chunk, ops, tmp_path):
+    """Gemma 3's sliding-window layer in a layer group of its own: its table points blocks that fell out of the
+    window at a block of garbage (as a freed block reused by another request would be), and the answers are still
+    transformers'. The global layer's group keeps every block."""
+    from pdserve.config.layer_groups import LayerGroups
+
+    hf = make_tiny_model("gemma3", tmp_path)
+    model = load_decoder(tmp_path, torch.float32, torch.device("cpu"))
+    expected = hf_logits(hf, PROMPT)
+    groups = LayerGroups.by_window(tuple(model.config.window(i) for i in range(model.config.num_layers)))
+    assert groups.layers == ((1,), (0,)) and groups.windows == (0, 12)
+    cache = KVCache.allocate(KVLayout.for_model(model.config, 16, BLOCK, torch.float32, groups), "cpu")
+    assert cache.layout.num_layers == 1
+    garbage = 15
+    cache.layers[0][garbage].fill_(1e4)
+    full, window = [3, 9, 0, 7, 12, 1], [4, 10, 2, 8, 13, 5]
+    for start in range(0, len(PROMPT), chunk):
+        piece = PROMPT[start:start + chunk]
+        live = groups.first_live_block(1, start, BLOCK)
+        table = [garbage] * live + window[live:]
+        logits = _run(model, cache, [SequenceChunk(piece, start, full, group_tables=[table])],
+                      kernel=path == "compiled")
+        torch.testing.assert_close(logits[0], expected[start + len(piece) - 1], atol=TOL, rtol=0)
+        cache.layers[0][window[:live]].fill_(1e4)  # what fell out of the window is gone

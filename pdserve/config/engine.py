@@ -98,6 +98,10 @@ class EngineConfig:
         '"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\' (default: on free '
         'ports when the instance registers with a router; "publisher": "null" turns them off)',
         type=kv_events_config, group=ENGINE)
+    disable_hybrid_kv_cache_manager: bool = option(
+        False, "one block table for every layer also for a model with sliding-window layers (which then keep every "
+        "block); by default its layers are grouped by window and a sliding group gives back the blocks that leave "
+        "its window", group=ENGINE)
     startup_log: str | None = option(None, "write the startup order (JSON lines) to this file", group=ENGINE)
     enable_lora: bool = option(False, "serve LoRA adapters: a request names one in its `model` field",
                                switch=True, group=LORA)
@@ -157,6 +161,19 @@ class EngineConfig:
         """Started with what a PD side needs (the cache service owns the cache, with receivers and the messager):
         a prefill or decode instance, or one that may switch role."""
         return self.splitwise_role != Role.MIXED or self.enable_role_switch
+
+    def one_block_table_reason(self) -> str | None:
+        """Why this instance keeps one block table for every layer even for a model with sliding-window layers
+        (config/layer_groups.py); None: it groups them."""
+        if self.disable_hybrid_kv_cache_manager:
+            return "--disable-hybrid-kv-cache-manager"
+        if self.has_pd_parts:
+            return "a prefill or decode role (P and D exchange whole blocks)"
+        if self.swap_space:
+            return "--swap-space (the host and disk tiers keep whole blocks)"
+        if self.kv_events_config is not None and self.kv_events_config.enabled:
+            return "KV events (a router indexes whole blocks)"
+        return None
 
     def _check(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -247,7 +247,7 @@ class EngineCore:
             start, drafts = r.num_computed_tokens, c.draft_token_ids
             tokens = r.token_ids[start:start + c.num_new_tokens - len(drafts)] + drafts
             chunks.append(Chunk(r.request_id, tokens, start, [b.block_id for b in r.blocks], c.completes_known_tokens,
-                                len(drafts), r.lora_name))
+                                len(drafts), r.lora_name, _group_tables(r)))
         return chunks
 
     def _apply(self, out: SchedulerOutput, result: StepResult, seconds: float) -> list[RequestOutput]:
@@ -290,3 +290,8 @@ class EngineCore:
         if request_id in self._on_worker:
             self._on_worker.discard(request_id)
             self._finished_on_worker.append(request_id)
+
+
+def _group_tables(request: Request) -> list[list[int]]:
+    """Layer groups 1..'s tables for the worker (engine/group_tables.py): 0 where a block is gone."""
+    return [[0 if b is None else b.block_id for b in table] for table in request.group_blocks]

@@ -15,9 +15,11 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from pdserve.config.layer_groups import LayerGroups
 from pdserve.config.lora import lora_hash_root
 from pdserve.engine.block_pool import Block, BlockPool
 from pdserve.engine.disk_tier import DiskTier
+from pdserve.engine.group_tables import GroupTables
 from pdserve.engine.host_tier import HostTier
 from pdserve.engine.prefix_loads import LoadResult, PrefixLoad
 from pdserve.engine.prefix_pull import QUARANTINE_S, PullCost
@@ -35,10 +37,13 @@ TIERS = (DEVICE_TIER, HOST_TIER, DISK_TIER, PULLED) = ("device", "host", "disk",
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 layer_groups: LayerGroups | None = None) -> None:
+        """`layer_groups`: a block table per layer group (config/layer_groups.py); `request.blocks` is group 0's."""
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.groups = GroupTables(layer_groups, self.pool, block_size) if layer_groups is not None else None
         self.stats = PrefixCacheStats(hit_tokens_by_tier=dict.fromkeys(TIERS, 0))
         self.host: HostTier | None = None
         self.disk: DiskTier | None = None
@@ -130,6 +135,8 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        if self.groups is not None:  # (no host tier beside layer groups)
+            return hits[:self.groups.cached_run(hashes, len(hits))]
         if self.host is not None and len(hits) < len(hashes):
             rest = hashes[len(hits):]
             if self._start_disk_load(request, rest) or self._start_pull(request, rest, len(hits)):
@@ -306,12 +313,17 @@ class KVCacheManager:
         All or nothing: False, with nothing changed, when the pool cannot cover it.
         """
         computed = request.num_computed_tokens + len(cached_prefix) * self.block_size
-        needed = self.blocks_needed(computed + num_new_tokens) - len(request.blocks) - len(cached_prefix)
+        total = computed + num_new_tokens
+        needed = self.blocks_needed(total) - len(request.blocks) - len(cached_prefix)
         revived = sum(1 for b in cached_prefix if b.ref_cnt == 0)  # free blocks the prefix takes
+        if self.groups is not None:
+            revived += self.groups.new_blocks(request, computed, total, len(cached_prefix))
         if max(needed, 0) > self.pool.num_free_blocks - revived:
             return False
         self.pool.take(cached_prefix)
         request.blocks.extend(cached_prefix)
+        if self.groups is not None:
+            self.groups.allocate(request, computed, total, len(cached_prefix))
         if needed > 0:
             request.blocks.extend(self.pool.allocate(needed))
         return True
@@ -330,6 +342,8 @@ class KVCacheManager:
             elif run:  # its content was cached already, in another block
                 self._record_stored(request, start, run)
                 run = []
+        if self.groups is not None:
+            self.groups.commit(request, request.num_committed_blocks, full)
         request.num_committed_blocks = max(request.num_committed_blocks, full)
         self._record_stored(request, start, run)
 
@@ -349,10 +363,14 @@ class KVCacheManager:
         if len(request.blocks) > keep:
             extra, request.blocks = request.blocks[keep:], request.blocks[:keep]
             self.release(reversed(extra))
+        if self.groups is not None:
+            self.groups.trim(request, keep)
 
     def free(self, request: Request) -> None:
         self.release(reversed(request.blocks))
         request.blocks = []
+        if self.groups is not None:
+            self.groups.free(request)
         request.num_committed_blocks = 0
 
     def release(self, blocks: Iterable[Block]) -> None:

@@ -35,6 +35,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
     num_preemptions: int = 0
     blocks: list[Block] = field(default_factory=list)
+    group_blocks: list[list[Block | None]] = field(default_factory=list)  # layer groups 1.. (engine/group_tables.py)
     block_hashes: list[BlockHash] = field(default_factory=list)  # of full blocks, kept across preemption
     num_committed_blocks: int = 0  # leading blocks already offered to the prefix cache
     times: RequestTimes = field(default_factory=RequestTimes)

@@ -149,6 +149,14 @@ class PDStats(msgspec.Struct):
             self.buffer or other.buffer)
 
 
+class LayerGroupUse(msgspec.Struct):
+    """One layer group's blocks (config/layer_groups.py): what its block tables hold now."""
+
+    layers: int
+    window: int  # 0: full attention
+    used_blocks: int
+
+
 class EngineStats(msgspec.Struct):
     num_blocks: int
     free_blocks: int
@@ -168,6 +176,7 @@ class EngineStats(msgspec.Struct):
     prefill_rate: float = 0.0  # prompt tokens per second of steps that were mostly prompt (0: none yet)
     spec_decode: SpecDecodeCounts | None = None  # with --speculative-config
     pd: PDStats | None = None  # prefill and decode roles
+    layer_groups: list[LayerGroupUse] | None = None  # with a block table per layer group
 
 
 S = TypeVar("S", bound=msgspec.Struct)

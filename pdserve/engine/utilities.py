@@ -98,6 +98,7 @@ class EngineUtilities:
                                                           capacity_blocks=kv.disk.capacity_blocks),
             prefix_pulls=None if kv.pulls is None else copied(kv.pulls.stats, bandwidth=kv.pulls.bandwidth),
             prefill_rate=core.load.prompt_step_rate, spec_decode=scheduler.spec_decode_counts(),
+            layer_groups=None if kv.groups is None else kv.groups.use(scheduler.requests.values()),
             pd=core.connector.stats())
 
     def _check_idle(self, _: CheckIdle) -> UtilityResult:

@@ -49,7 +49,7 @@ def open_disk_tier(folder: str, block_bytes: int, size: int) -> DiskTier:
 
 def build_engine_core(config: EngineConfig, started: StartedProcesses, ctx: zmq.Context) -> EngineCore:
     layout = started.layout
-    kv = KVCacheManager(layout.num_blocks, config.block_size, config.enable_prefix_caching)
+    kv = KVCacheManager(layout.num_blocks, config.block_size, config.enable_prefix_caching, layout.layer_groups)
     scheduler = Scheduler(SchedulerConfig.of(config, started.max_model_len, started.vocab_size), kv)
     service = started.cache_service or NoCacheService()
     # Only the worker reaches a cache in device memory: it runs the copies; else the cache service does.

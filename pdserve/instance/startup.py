@@ -196,6 +196,7 @@ def layout_without_profile(config: EngineConfig, num_blocks: int) -> KVLayout:
     """The cache layout from the model's config.json alone (no weights): for the rows where the
     cache service creates the cache before the worker has started. On a CPU it is worked out without
     torch; the worker's own layout is checked against it once it has loaded."""
+    from pdserve.config.layer_groups import layer_groups_for
     from pdserve.config.model import ModelConfig
     from pdserve.kv.layout import KVLayout
     from pdserve.loader import resolve_model_folder
@@ -211,7 +212,8 @@ def layout_without_profile(config: EngineConfig, num_blocks: int) -> KVLayout:
 
         device = torch.device(config.device) if config.device else default_device()
         dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, resolve_dtype(config.dtype, device))
-    return KVLayout(num_blocks, model.num_layers, config.block_size, model.num_kv_heads, model.head_dim, dtype)
+    groups = layer_groups_for(model, config.one_block_table_reason())
+    return KVLayout.for_model(model, num_blocks, config.block_size, dtype, groups)
 
 
 def kv_fingerprint(config: EngineConfig, layout: KVLayout) -> str:

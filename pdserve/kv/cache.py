@@ -40,7 +40,8 @@ class KVCache:
         self.parts = parts
         self.shm = shm
         self._owns_shm = owner
-        # Per layer a [num_blocks, 2 (K, V), block_size, kv_heads, head_dim] strided view, or its codes and scales.
+        # Per layer slot (a layer, or with layer groups one member of each group) a [num_blocks, 2 (K, V), block_size,
+        # kv_heads, head_dim] strided view, or its codes and scales.
         self.layers: list[torch.Tensor | QuantizedKV] = (
             [QuantizedKV(parts[0][:, layer], parts[1][:, layer]) for layer in range(layout.num_layers)]
             if layout.quantized else [parts[0][:, layer] for layer in range(layout.num_layers)])

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from pdserve.config.layer_groups import LayerGroups
 from pdserve.transport.base import ByteRange
 from pdserve.utils.dtype_names import KV_CODE_DTYPES
 
@@ -35,16 +36,24 @@ SCALE_BYTES = 2  # a bf16 scale: fp32's range, and half of fp32's bytes where a 
 
 class KVLayout(msgspec.Struct, frozen=True):
     num_blocks: int
-    num_layers: int
+    num_layers: int  # layer slots of a block: the model's layers, or with layer groups the largest group's
     block_size: int
     num_kv_heads: int
     head_dim: int
     dtype: str  # torch dtype name without "torch.", e.g. "float32"
+    layer_groups: LayerGroups | None = None  # groups with block tables of their own (config/layer_groups.py)
 
     @classmethod
-    def for_model(cls, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype | str) -> KVLayout:
-        return cls(num_blocks, config.num_layers, block_size, config.num_kv_heads, config.head_dim,
-                   str(dtype).removeprefix("torch."))
+    def for_model(cls, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype | str,
+                  groups: LayerGroups | None = None) -> KVLayout:
+        """`groups`: the model's layer groups; one group (or None) keeps one block table for every layer."""
+        grouped = groups if groups is not None and groups.num_groups > 1 else None
+        return cls(num_blocks, grouped.slots if grouped else config.num_layers, block_size, config.num_kv_heads,
+                   config.head_dim, str(dtype).removeprefix("torch."), grouped)
+
+    def place(self, layer: int) -> tuple[int, int]:
+        """(group, slot) of a model layer: its block table and where in a block its K/V are."""
+        return (0, layer) if self.layer_groups is None else self.layer_groups.place(layer)
 
     def with_blocks(self, num_blocks: int) -> KVLayout:
         return msgspec.structs.replace(self, num_blocks=num_blocks)
@@ -98,8 +107,9 @@ class KVLayout(msgspec.Struct, frozen=True):
 
     def compatibility_key(self, model: str) -> str:
         """What a P and a D must share to be paired: the model and every layout field but the block count."""
+        groups = "" if self.layer_groups is None else f"|groups={self.layer_groups.layers}"
         return (f"{model}|block={self.block_size}|dtype={self.dtype}|layers={self.num_layers}"
-                f"|kv_heads={self.num_kv_heads}|head_dim={self.head_dim}")
+                f"|kv_heads={self.num_kv_heads}|head_dim={self.head_dim}{groups}")
 
     @property
     def layer_block_bytes(self) -> int:

@@ -30,8 +30,11 @@ class SequenceChunk:
 
     token_ids: list[int]
     num_computed: int  # tokens of this sequence already in the KV cache
-    block_table: list[int]  # block ids holding this sequence, in order
+    block_table: list[int]  # block ids holding this sequence, in order (layer group 0's)
     lora_slot: int = -1  # the LoRA slot (lora/slots.py) its tokens compute with; -1: the base model
+    # With layer groups (config/layer_groups.py): the tables of groups 1.. . A sliding-window group's table holds 0
+    # where its blocks fell out of the window (never read: the attention sees only the window's keys).
+    group_tables: list[list[int]] = field(default_factory=list)
 
     @property
     def context_len(self) -> int:
@@ -103,10 +106,15 @@ class ForwardBatch:
     # Run only the first n decoder layers (the profile run: each layer frees its temporaries before the next
     # starts, so the peak of a whole forward is reached within its first two layers).
     num_layers: int | None = None
+    other_groups: list[ForwardBatch] = field(default_factory=list)  # layer groups 1..: their tables and slots
 
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]
+
+    def group(self, group: int) -> ForwardBatch:
+        """This step as layer group `group`'s attention sees it (its block tables and slots)."""
+        return self if group == 0 else self.other_groups[group - 1]
 
     @classmethod
     def build(
@@ -126,18 +134,12 @@ class ForwardBatch:
         if (q_lens == 0).any():
             raise ValueError("a sequence chunk needs at least one token")
         seq_lens = done + q_lens
-        max_blocks = int(-(-seq_lens.max() // block_size))
-        tables = np.zeros((len(chunks), max_blocks), dtype=np.int32)
-        for i, c in enumerate(chunks):
-            needed = -(-int(seq_lens[i]) // block_size)
-            if needed > len(c.block_table):
-                raise ValueError(f"block table of {len(c.block_table)} blocks cannot hold {seq_lens[i]} tokens")
-            tables[i, :needed] = c.block_table[:needed]
         starts = np.zeros(len(chunks) + 1, dtype=np.int64)
         np.cumsum(q_lens, out=starts[1:])
         seq_of_token = np.repeat(np.arange(len(chunks)), q_lens)
         positions = np.arange(starts[-1]) - np.repeat(starts[:-1] - done, q_lens)
-        slots = tables[seq_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
+        tables, slots = _tables_and_slots([c.block_table for c in chunks], seq_lens, seq_of_token, positions,
+                                          block_size)
         input_ids = np.fromiter(itertools.chain.from_iterable(c.token_ids for c in chunks), dtype=np.int64,
                                 count=int(starts[-1]))
 
@@ -157,7 +159,28 @@ class ForwardBatch:
         )
         if with_fallback:
             batch.fallback = _fallback(chunks, starts, slots, block_size, device)
+        for g in range(len(chunks[0].group_tables)):
+            group_chunks = [replace(c, block_table=c.group_tables[g], group_tables=[]) for c in chunks]
+            tables, slots = _tables_and_slots([c.block_table for c in group_chunks], seq_lens, seq_of_token,
+                                              positions, block_size)
+            view = replace(batch, slots=tensor(slots), block_tables=tensor(tables), other_groups=[])
+            view.fallback = _fallback(group_chunks, starts, slots, block_size, device) if with_fallback else None
+            batch.other_groups.append(view)
         return batch
+
+
+def _tables_and_slots(block_tables: list[list[int]], seq_lens: np.ndarray, seq_of_token: np.ndarray,
+                      positions: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """[num_seqs, max_blocks] block tables padded with 0, and each new token's slot."""
+    max_blocks = int(-(-seq_lens.max() // block_size))
+    tables = np.zeros((len(block_tables), max_blocks), dtype=np.int32)
+    for i, table in enumerate(block_tables):
+        needed = -(-int(seq_lens[i]) // block_size)
+        if needed > len(table):
+            raise ValueError(f"block table of {len(table)} blocks cannot hold {seq_lens[i]} tokens")
+        tables[i, :needed] = table[:needed]
+    slots = tables[seq_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    return tables, slots
 
 
 def _windowed_prefill(p: PrefillAttention, window: int, device: torch.device) -> PrefillAttention:

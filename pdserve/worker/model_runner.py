@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from pdserve.config.layer_groups import layer_groups_for
 from pdserve.kv.cache import KVCache
 from pdserve.kv.layout import KVLayout
 from pdserve.loader import resolve_model_folder
@@ -40,8 +41,10 @@ class ModelRunner:
         tp: TensorParallel | None = None,
         max_loras: int = 0,
         max_lora_rank: int = 16,
+        one_block_table_reason: str | None = "not asked for",
     ) -> None:
-        """`max_loras` > 0 serves LoRA adapters (add_adapter), that many on the device at once."""
+        """`max_loras` > 0 serves LoRA adapters (add_adapter), that many on the device at once.
+        `one_block_table_reason` None: a model with sliding-window layers gets a block table per layer group."""
         self.device = torch.device(device) if device else default_device()
         self.dtype = resolve_dtype(dtype, self.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
@@ -50,6 +53,7 @@ class ModelRunner:
         self.folder = resolve_model_folder(model, with_weights=gguf and self.quantization != "gguf")
         self._gguf_file = model_source(model) if self.quantization == "gguf" else None
         self.block_size = block_size
+        self._one_table_reason = one_block_table_reason
         self._max_positions = max_model_len
         self.tp = tp or TensorParallel()
         self.model: DecoderModel | None = None
@@ -111,7 +115,8 @@ class ModelRunner:
 
     def layout(self, num_blocks: int) -> KVLayout:
         """The instance's cache layout (every KV head, whatever this rank's share)."""
-        return KVLayout.for_model(self.full_config, num_blocks, self.block_size, self.kv_cache_dtype)
+        groups = layer_groups_for(self.full_config, self._one_table_reason)
+        return KVLayout.for_model(self.full_config, num_blocks, self.block_size, self.kv_cache_dtype, groups)
 
     def allocate_kv_cache(self, num_blocks: int) -> KVCache:
         self.kv_cache = KVCache.allocate(self.layout(num_blocks).rank_share(self.tp.size), self.device)

@@ -37,6 +37,7 @@ class Chunk(msgspec.Struct, array_like=True):
     sample: bool  # this chunk reaches the request's last known token: sample the next one
     num_draft: int = 0  # the last num_draft tokens are speculative proposals, to verify (spec_decode)
     lora: str | None = None  # the LoRA adapter its tokens compute with (None: the base model)
+    group_tables: list[list[int]] = []  # layer groups 1..'s block tables (config/layer_groups.py), 0: a block gone
 
 
 DEVICE = "device"  # a BlockCopy's end that is the worker's own cache (the other ends are host segments' roles)

@@ -15,6 +15,7 @@ import zmq
 
 from pdserve.config.engine import EngineConfig
 from pdserve.kv.cache import KVCache
+from pdserve.kv.layout import KVLayout
 from pdserve.kv.transfer_plan import LayerDone, StepTransfers
 from pdserve.model import SequenceChunk
 from pdserve.model.tensor_parallel import TensorParallel
@@ -68,7 +69,8 @@ class Worker:
                                   block_size=config.block_size, max_model_len=config.max_model_len,
                                   quantization=config.quantization, kv_cache_dtype=config.kv_cache_dtype, tp=self.tp,
                                   max_loras=config.max_loras if config.enable_lora else 0,
-                                  max_lora_rank=config.max_lora_rank)
+                                  max_lora_rank=config.max_lora_rank,
+                                  one_block_table_reason=config.one_block_table_reason())
         for module in config.lora_modules:  # a bad one stops the startup, naming it (AdapterError)
             self.runner.add_adapter(module.name, module.path)
         self.weights_resident = psutil.Process().memory_info().rss - before  # what loading the weights took
@@ -118,12 +120,11 @@ class Worker:
             self._messager.setsockopt(zmq.SNDTIMEO, 2000)  # a dead messager fails the step, not hangs it
             self._messager.connect(command.messager_address)
         layout = self.layout
-        per_request = -(-self.runner.max_model_len // self.config.block_size)
         where = "created in device memory" if command.private else "created"
-        log.info("KV cache %s: %d blocks = %d tokens, room for %d max-length (%d-token) requests%s",
+        log.info("KV cache %s: %d blocks = %d tokens, room for %d max-length (%d-token) requests%s%s",
                  where if command.create else f"attached ({command.segment})", layout.num_blocks,
-                 layout.num_blocks * self.config.block_size, layout.num_blocks // per_request,
-                 self.runner.max_model_len,
+                 layout.num_blocks * self.config.block_size, layout.num_blocks // self._blocks_per_request(),
+                 self.runner.max_model_len, _groups_text(layout),
                  "".join(f"; {s.role} {s.name} ({s.num_blocks} blocks)" for s in command.host_segments))
         return WorkerReady(num_blocks=layout.num_blocks, max_model_len=self.runner.max_model_len,
                            vocab_size=self.runner.config.vocab_size, kv_cache_name=self._segment_name(),
@@ -242,7 +243,7 @@ class Worker:
     def _sequence_chunks(self, chunks: list[Chunk]) -> list[SequenceChunk]:
         """The step's chunks for the model, each with its LoRA adapter's slot (placed for this step)."""
         slots = self.runner.lora_slots_for([c.lora for c in chunks])
-        return [SequenceChunk(c.token_ids, c.num_computed, c.block_table, slot)
+        return [SequenceChunk(c.token_ids, c.num_computed, c.block_table, slot, c.group_tables)
                 for c, slot in zip(chunks, slots, strict=True)]
 
     def _run_copies(self, copies: list[BlockCopy]) -> list[int]:
@@ -373,8 +374,16 @@ class Worker:
         for cache in [*self._mapped, *([self._shared] if self._shared is not None else [])]:
             cache.close()
 
+    def _blocks_per_request(self) -> int:
+        """The blocks one request of max_model_len holds (across the layer groups, where they have tables)."""
+        groups = self.runner.layout(1).layer_groups
+        if groups is None:
+            return -(-self.runner.max_model_len // self.config.block_size)
+        return groups.blocks_per_request(self.runner.max_model_len, self.config.block_size,
+                                         self.config.max_num_batched_tokens)
+
     def _check_fits(self, num_blocks: int) -> None:
-        needed = -(-self.runner.max_model_len // self.config.block_size)
+        needed = self._blocks_per_request()
         if num_blocks < needed:
             raise KVCacheTooSmall(
                 f"the KV cache has room for {num_blocks} blocks ({num_blocks * self.config.block_size} tokens), "
@@ -390,3 +399,12 @@ def _sampled_rows(chunks: list[Chunk], to_sample: list[int]) -> list[int]:
         starts.append(row)
         row += 1 + c.num_draft  # a chunk with proposals always samples
     return [r for i in to_sample for r in range(starts[i], starts[i] + 1 + chunks[i].num_draft)]
+
+
+def _groups_text(layout: KVLayout) -> str:
+    groups = layout.layer_groups
+    if groups is None:
+        return ""
+    kinds = zip(groups.layers, groups.windows, strict=True)
+    windows = ", ".join(f"{len(g)} layers {f'window {w}' if w else 'full'}" for g, w in kinds)
+    return f"; a block table per layer group ({windows}), {layout.num_layers} layer slots a block"

@@ -1,0 +1,97 @@
+"""Block tables per layer group (config/layer_groups.py, engine/group_tables.py): a sliding-window group holds only
+its window's blocks as a sequence grows, a prefix hit needs the window's blocks of every sliding group, and every
+block comes back."""
+
+from __future__ import annotations
+
+from pdserve.config.layer_groups import LayerGroups
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.scheduler import Scheduler, SchedulerConfig
+from tests.test_scheduler import TOKEN, make_request, run_until_idle, step
+
+BS = 4
+WINDOW = 10  # a query sees itself and the 9 keys before it: 3 or 4 blocks of 4
+
+
+def _scheduler(num_blocks: int = 200, groups: LayerGroups | None = None, **config: object) -> Scheduler:
+    groups = groups or LayerGroups(((2,), (0,), (1,)), (0, WINDOW, WINDOW))
+    config.setdefault("max_model_len", 400)
+    return Scheduler(SchedulerConfig(**config), KVCacheManager(num_blocks, BS, True, groups))
+
+
+def _held(sched: Scheduler, rid: str) -> list[int]:
+    return sched.kv.groups.held(sched.requests[rid])
+
+
+def test_gemma3_270m_layers_make_six_groups_of_three():
+    windows = tuple(0 if i % 6 == 5 else 512 for i in range(18))
+    groups = LayerGroups.by_window(windows)
+    assert groups.layers[0] == (5, 11, 17) and groups.windows == (0, 512, 512, 512, 512, 512)
+    assert groups.slots == 3 and groups.place(6) == (2, 2)
+    # 1B: 26 layers, 4 global; the sliding ones fill five groups of 4 and one of 2
+    groups = LayerGroups.by_window(tuple(0 if i % 6 == 5 else 512 for i in range(26)))
+    assert [len(g) for g in groups.layers] == [4, 4, 4, 4, 4, 4, 2] and groups.slots == 4
+    assert LayerGroups.by_window((0, 0, 0)).num_groups == 1
+
+
+def test_a_sliding_group_holds_only_its_windows_blocks_as_the_sequence_grows():
+    sched = _scheduler(max_num_batched_tokens=16)
+    sched.add_request(make_request("a", 40, max_tokens=30))
+    step(sched)  # 16 prompt tokens: 4 blocks in every group
+    assert _held(sched, "a") == [4, 4, 4]
+    for _ in range(3):
+        step(sched)  # the rest of the prompt, then decodes
+    request = sched.requests["a"]
+    at = request.num_computed_tokens - 1  # the position the last step's allocation was for
+    live = -(-(at + 1) // BS) - (at - WINDOW + 1) // BS
+    assert _held(sched, "a") == [len(request.blocks), live, live]
+    assert live <= 4 < len(request.blocks)
+    used = sched.kv.pool.num_blocks - sched.kv.pool.num_free_blocks
+    assert used == len(request.blocks) + 2 * live
+    run_until_idle(sched)
+
+
+def test_a_prefix_hit_takes_the_windows_blocks_of_every_group_and_they_come_back():
+    sched = _scheduler(max_num_batched_tokens=64)
+    sched.add_request(make_request("a", 41, max_tokens=1))
+    run_until_idle(sched)
+    sched.add_request(make_request("b", 41, max_tokens=1))
+    out = step(sched)
+    b = sched.requests.get("b") or out.chunks[0].request
+    assert b.num_cached_tokens == 40  # every full block: the last token is computed
+    assert out.chunks[0].num_new_tokens == 1
+    run_until_idle(sched)
+
+
+def test_a_prefix_whose_window_blocks_were_evicted_is_computed_again():
+    sched = _scheduler(num_blocks=40, max_num_batched_tokens=64)
+    sched.add_request(make_request("a", 41, max_tokens=1))
+    run_until_idle(sched)
+    for i, start in enumerate((1000, 2000, 3000)):  # others fill the pool: a's cached blocks are evicted
+        sched.add_request(make_request(f"x{i}", 41, start=start, max_tokens=1))
+        run_until_idle(sched)
+    sched.add_request(make_request("b", 41, max_tokens=1))
+    out = step(sched)
+    assert out.chunks[0].request.num_cached_tokens < 40
+    run_until_idle(sched)
+
+
+def test_blocks_run_short_preempt_and_every_block_comes_back():
+    sched = _scheduler(num_blocks=30, max_num_batched_tokens=32, max_num_seqs=4)
+    for i in range(4):
+        sched.add_request(make_request(f"r{i}", 20, start=100 * i, max_tokens=40))
+    outs = run_until_idle(sched, lambda r: TOKEN)
+    assert any(o.preempted for o in outs)
+
+
+def test_speculative_proposals_past_the_window_are_trimmed_in_every_group():
+    sched = _scheduler(max_num_batched_tokens=64)
+    request = make_request("a", 30, max_tokens=8)
+    sched.add_request(request)
+    step(sched)
+    before = _held(sched, "a")
+    sched.kv.allocate(request, 9)  # room for 8 proposals
+    assert _held(sched, "a")[0] > before[0]
+    sched.kv.trim(request)
+    assert len(request.group_blocks[0]) == len(request.blocks) == -(-request.num_tokens // BS)
+    run_until_idle(sched)
