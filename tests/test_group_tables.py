@@ -95,3 +95,37 @@ def test_speculative_proposals_past_the_window_are_trimmed_in_every_group():
     sched.kv.trim(request)
     assert len(request.group_blocks[0]) == len(request.blocks) == -(-request.num_tokens // BS)
     run_until_idle(sched)
+
+
+def test_whole_blocks_of_every_layer_keep_one_table():
+    """Where blocks travel or are kept whole (PD, tiers, KV events) or it is asked for, one table for every layer."""
+    from pdserve.config.engine import EngineConfig
+    from pdserve.config.layer_groups import layer_groups_for
+    from pdserve.config.model import ModelConfig, RopeConfig
+
+    gemma = ModelConfig("gemma3_text", vocab_size=10, hidden_size=8, intermediate_size=8, num_layers=6, num_heads=1,
+                        num_kv_heads=1, head_dim=8, rms_norm_eps=1e-6, max_position_embeddings=32768,
+                        rope=RopeConfig(), layer_windows=(512,) * 5 + (0,))
+    assert layer_groups_for(gemma, EngineConfig().one_block_table_reason()).num_groups == 6  # groups of one layer
+    for flags, reason in (({"disable_hybrid_kv_cache_manager": True}, "--disable-hybrid"),
+                          ({"splitwise_role": "decode"}, "prefill or decode"),
+                          ({"enable_role_switch": True}, "prefill or decode"), ({"swap_space": 1.0}, "--swap-space"),
+                          ({"kv_events_config": {"enable_kv_cache_events": True}}, "KV events")):
+        why = EngineConfig(**flags).one_block_table_reason()
+        assert reason in why and layer_groups_for(gemma, why) is None
+
+
+def test_the_load_calibrations_steps_run_on_a_model_with_layer_groups(tmp_path):
+    """The worker times calibration steps with a table for every layer group (the same blocks for each)."""
+    from pdserve.worker.calibration import step_chunks
+    from pdserve.worker.model_runner import ModelRunner
+    from tests.tiny_models import make_tiny_model
+
+    make_tiny_model("gemma3", tmp_path)
+    runner = ModelRunner(tmp_path, dtype="float32", device="cpu", block_size=8, one_block_table_reason=None)
+    layout = runner.layout(64)
+    assert layout.layer_groups is not None and layout.layer_groups.num_groups == 2
+    runner.allocate_kv_cache(64)
+    chunks = step_chunks(4, 20, 40, 8, layout.layer_groups.num_groups)
+    assert all(len(c.group_tables) == 1 for c in chunks)
+    assert runner.logits(chunks).shape[0] == 5

@@ -114,6 +114,8 @@ class ForwardBatch:
 
     def group(self, group: int) -> ForwardBatch:
         """This step as layer group `group`'s attention sees it (its block tables and slots)."""
+        if group > len(self.other_groups):
+            raise ValueError(f"the step's chunks have no block table for layer group {group}")
         return self if group == 0 else self.other_groups[group - 1]
 
     @classmethod

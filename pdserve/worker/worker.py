@@ -15,7 +15,6 @@ import zmq
 
 from pdserve.config.engine import EngineConfig
 from pdserve.kv.cache import KVCache
-from pdserve.kv.layout import KVLayout
 from pdserve.kv.transfer_plan import LayerDone, StepTransfers
 from pdserve.model import SequenceChunk
 from pdserve.model.tensor_parallel import TensorParallel
@@ -124,7 +123,7 @@ class Worker:
         log.info("KV cache %s: %d blocks = %d tokens, room for %d max-length (%d-token) requests%s%s",
                  where if command.create else f"attached ({command.segment})", layout.num_blocks,
                  layout.num_blocks * self.config.block_size, layout.num_blocks // self._blocks_per_request(),
-                 self.runner.max_model_len, _groups_text(layout),
+                 self.runner.max_model_len, self._groups_text(),
                  "".join(f"; {s.role} {s.name} ({s.num_blocks} blocks)" for s in command.host_segments))
         return WorkerReady(num_blocks=layout.num_blocks, max_model_len=self.runner.max_model_len,
                            vocab_size=self.runner.config.vocab_size, kv_cache_name=self._segment_name(),
@@ -374,6 +373,16 @@ class Worker:
         for cache in [*self._mapped, *([self._shared] if self._shared is not None else [])]:
             cache.close()
 
+    def _groups_text(self) -> str:
+        """For a model with sliding-window layers: its layer groups, or why it keeps one block table."""
+        groups = self.layout.layer_groups
+        if groups is None:
+            reason = self.config.one_block_table_reason() or "every layer attends alike"
+            return f"; one block table for every layer ({reason})" if self.runner.config.has_windows else ""
+        kinds = zip(groups.layers, groups.windows, strict=True)
+        windows = ", ".join(f"{len(g)} layers {f'window {w}' if w else 'full'}" for g, w in kinds)
+        return f"; a block table per layer group ({windows}), {self.layout.num_layers} layer slots a block"
+
     def _blocks_per_request(self) -> int:
         """The blocks one request of max_model_len holds (across the layer groups, where they have tables)."""
         groups = self.runner.layout(1).layer_groups
@@ -400,11 +409,3 @@ def _sampled_rows(chunks: list[Chunk], to_sample: list[int]) -> list[int]:
         row += 1 + c.num_draft  # a chunk with proposals always samples
     return [r for i in to_sample for r in range(starts[i], starts[i] + 1 + chunks[i].num_draft)]
 
-
-def _groups_text(layout: KVLayout) -> str:
-    groups = layout.layer_groups
-    if groups is None:
-        return ""
-    kinds = zip(groups.layers, groups.windows, strict=True)
-    windows = ", ".join(f"{len(g)} layers {f'window {w}' if w else 'full'}" for g, w in kinds)
-    return f"; a block table per layer group ({windows}), {layout.num_layers} layer slots a block"
