@@ -14,6 +14,8 @@ on this machine, and is measured for:
   - output tok/s with 8 and 32 requests at once (distinct ~64-token prompts, 128 tokens each),
   - prefill tok/s of a ~1,000-token prompt (max_tokens 1; a fresh prompt each time: no prefix-cache hit),
   - resident memory (PSS of the server's processes, after the runs; both servers get a 2 GiB KV budget),
+  - for a model with a block table per layer group (Gemma 3): the KV bytes a ~4k-token request holds while it
+    decodes, as a share of one block table for every layer (pdserve's /status),
   - start time (spawn to /health answering).
 llama.cpp: `llama-server -t 2 -np 32 -kvu -c <2 GiB of KV>` built with GGML_NATIVE=ON (bench/llama_cpp_build.py).
 pdserve: `pdserve serve --model FILE --num-gpu-blocks-override <2 GiB of KV>` (its default `--quantization gguf`);
@@ -310,9 +312,33 @@ def measure(server: str, path: Path, shape: Shape, args: argparse.Namespace, out
         for n in args.concurrency:
             result[f"tok_s_{n}"] = concurrent_tok_s(url, model, rng, n)
         result["prefill_tok_s"] = prefill_tok_s(url, model, rng)
+        if server.startswith("pdserve") and (share := layer_group_share(url, model, rng)) is not None:
+            result["kv_share_4k"] = share
         result["pss_gib"] = pss_gib(proc)
     print(f"  {server:>14} {path.name}: {json.dumps({k: round(v, 2) for k, v in result.items()})}", flush=True)
     return result
+
+
+def layer_group_share(url: str, model: str, rng: random.Random, tokens: int = 4000) -> float | None:
+    """A model with a block table per layer group: the KV bytes a ~4k-token request holds while it decodes, as a
+    share of one table for every layer (/status's blocks per group; each group's block has its layers' slots).
+    None for a model with one table."""
+    body = {"model": model, "prompt": prompt(tokens * 3 // 4, rng), "max_tokens": 16, "stream": True,
+            "ignore_eos": True, "temperature": 0}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        groups = httpx.get(f"{url}/status", timeout=10).json()["kv"]["device"].get("by_layer_group")
+        for _ in lines:
+            pass
+    if not groups:
+        return None
+    held = sum(g["used_blocks"] * g["layers"] for g in groups)  # layer-blocks
+    whole = groups[0]["used_blocks"] * sum(g["layers"] for g in groups)
+    print(f"    layer groups of a ~{tokens}-token request: {[g['used_blocks'] for g in groups]} blocks "
+          f"({held} layer-blocks against {whole} with one table)", flush=True)
+    return held / whole
 
 
 # -- PD on a quantized model ---------------------------------------------------------------------------------------
@@ -342,7 +368,8 @@ def pd_vs_mixed(path: Path, args: argparse.Namespace, out: Path) -> dict[str, di
 
 METRICS = [("tpot_ms", "batch-1 TPOT ms", False), ("tok_s_8", "8 concurrent tok/s", True),
            ("tok_s_32", "32 concurrent tok/s", True), ("prefill_tok_s", "prefill tok/s (1k prompt)", True),
-           ("pss_gib", "memory PSS GiB", False), ("start_s", "start s", False)]
+           ("pss_gib", "memory PSS GiB", False), ("start_s", "start s", False),
+           ("kv_share_4k", "KV of a 4k request / one table for all layers", False)]
 
 
 def report(results: dict[str, dict[str, dict]], pd: dict[str, dict] | None, args: argparse.Namespace) -> str:
@@ -359,7 +386,7 @@ def report(results: dict[str, dict[str, dict]], pd: dict[str, dict] | None, args
             ours, peer = by_server.get("pdserve", {}).get(key), by_server.get("llama.cpp", {}).get(key)
             ratio = f"{ours / peer:.2f}x" if ours and peer else "-"
             better = "" if not (ours and peer) else " (better)" if (ours > peer) == higher else " (worse)"
-            cells = [f"{v:.1f}" if v is not None else "-" for v in values]
+            cells = [("-" if v is None else f"{v:.2f}" if v < 1 else f"{v:.1f}") for v in values]
             lines.append(f"| {label} | " + " | ".join(cells) + f" | {ratio}{better} |")
         lines.append("")
     if pd:
