@@ -129,3 +129,21 @@ def test_the_load_calibrations_steps_run_on_a_model_with_layer_groups(tmp_path):
     chunks = step_chunks(4, 20, 40, 8, layout.layer_groups.num_groups)
     assert all(len(c.group_tables) == 1 for c in chunks)
     assert runner.logits(chunks).shape[0] == 5
+
+
+def test_a_hit_ends_where_every_sliding_group_still_has_the_window_before_it():
+    """Group 0 holds six cached blocks; the sliding group (a window of 8 tokens: the query's block and the one
+    before) lost block 4: a hit of 6 or 5 blocks would need it, one of 4 needs blocks 2 and 3 only."""
+    from pdserve.engine.block_pool import BlockPool
+    from pdserve.engine.group_tables import GroupTables
+
+    pool = BlockPool(32)
+    tables = GroupTables(LayerGroups(((1,), (0,)), (0, 8)), pool, BS)
+    hashes = [bytes([i]) * 32 for i in range(6)]
+    for i, h in enumerate(hashes):
+        for key in (h, *([GroupTables.key(1, h)] if i != 4 else [])):
+            (block,) = pool.allocate(1)
+            pool.cache_full_block(block, key)
+            pool.free([block])
+    assert tables.cached_run(hashes, 6) == 4
+    assert tables.cached_run(hashes, 3) == 3
