@@ -447,6 +447,21 @@ def test_registration_needs_the_cluster_secret(router: Router) -> None:
 
 
 @pytest.mark.e2e
+def test_an_instance_that_hangs_up_mid_registration_is_logged_not_a_traceback(router: Router) -> None:
+    """A stopping instance's heartbeat cut off after its headers: one line in the log, the router serves on (the
+    module's teardown finds no traceback in its log)."""
+    import socket
+
+    host, port = router.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(b"POST /register HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 500\r\n\r\n{\"url\": ")
+    wait_for(lambda: "hung up before its body arrived" in router.log(), 10, "the cut-off registration was not logged")
+    assert "Traceback" not in router.log()
+    assert httpx.get(f"{router.url}/instances", timeout=5).status_code == 200
+
+
+@pytest.mark.e2e
 def test_clients_need_the_api_key(router: Router, stubs: list[StubInstance]) -> None:
     with pytest.raises(openai.AuthenticationError):
         _client(router, "sk-wrong").completions.create(model="stub", prompt="hi", max_tokens=2)

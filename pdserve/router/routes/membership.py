@@ -7,6 +7,7 @@ import logging
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.requests import ClientDisconnect
 
 from pdserve.config.roles import Role
 from pdserve.http.wire import Registration
@@ -26,8 +27,13 @@ class Unregistration(BaseModel):
 
 
 async def _signed_body(raw: Request, state: RouterState) -> bytes | JSONResponse:
-    """The body, if the cluster secret signs it; else the 403 to answer."""
-    body = await raw.body()
+    """The body, if the cluster secret signs it; else the 403 to answer (or nothing, to one that hung up)."""
+    try:
+        body = await raw.body()
+    except ClientDisconnect:  # an instance stopped mid-heartbeat: nobody is left to answer
+        log.info("%s from %s: the instance hung up before its body arrived", raw.url.path,
+                 raw.client.host if raw.client else "?")
+        return Response(status_code=400)
     try:
         state.signatures.verify(raw.url.path, body, raw.headers.get(SIGNATURE_HEADER))
     except AuthError as e:
