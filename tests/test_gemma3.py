@@ -103,13 +103,12 @@ def test_a_prefill_decode_pair_answers_as_one_mixed_instance(tmp_path) -> None: 
     from tests.test_launch import Launch
 
     flags = ["--model", "gemma-3-270m", "--max-model-len", "2048"]
-    mixed = Server(tmp_path / "mixed", *flags, "--num-gpu-blocks-override", "512", wait=False)
+    mixed = Server(tmp_path / "mixed", *flags, "--num-gpu-blocks-override", "1024", wait=False)  # blocks of 3 layers
     launch = None
     (tmp_path / "pd").mkdir()
     try:
         launch = Launch(tmp_path / "pd", *flags, "--num-gpu-blocks-override", "128", "--prefill", "1", "--decode", "1",
-                        "--routers", "1",
-                        "--pd-policy", "always")
+                        "--routers", "1", "--pd-policy", "always")
         mixed.wait_ready(240)
         for prompt in ("The capital of France is", "def fibonacci(n):", LONG):
             answers = [openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0).completions.create(
@@ -119,9 +118,11 @@ def test_a_prefill_decode_pair_answers_as_one_mixed_instance(tmp_path) -> None: 
         launch.proc.send_signal(signal.SIGINT)
         assert launch.proc.wait(60) == 130, launch.log()[-3000:]
     finally:
-        mixed.stop()
-        if launch is not None:
-            launch.kill()
+        try:
+            if launch is not None:  # first: a mixed server that failed to start makes stop() fail too
+                launch.kill()
+        finally:
+            mixed.stop()
 
 
 def test_a_restarted_server_serves_a_gemma_prefix_from_its_disk_tier(tmp_path) -> None:  # noqa: ANN001
