@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/quantized.py [--shapes 1b,3b] [--formats Q4_0,Q8_0,Q4_K_M]
         [--servers pdserve,llama.cpp,pdserve-w8a8,vllm] [--vllm-python V/bin/python] [--pd] [--out FILE.md]
+        [--pdserve-args=--disable-hybrid-kv-cache-manager]
     # Gemma 3 270M (issue 69) alone:
     .venv/bin/python bench/quantized.py --shapes "" --packaged gemma-3-270m --servers pdserve,llama.cpp
 
