@@ -147,3 +147,13 @@ def test_a_hit_ends_where_every_sliding_group_still_has_the_window_before_it():
             pool.free([block])
     assert tables.cached_run(hashes, 6) == 4
     assert tables.cached_run(hashes, 3) == 3
+    assert tables.cached_run(hashes, 6, coming={hashes[4]}) == 6  # a request ahead computes block 4 first
+
+
+def test_the_load_report_counts_a_prefix_cached_in_every_group():
+    sched = _scheduler(max_num_batched_tokens=64)
+    sched.add_request(make_request("a", 41, max_tokens=1))
+    run_until_idle(sched)
+    again, other = make_request("b", 41, max_tokens=1), make_request("c", 41, start=500, max_tokens=1)
+    assert sched.kv.expected_cached_blocks(again, set()) == 10
+    assert sched.kv.expected_cached_blocks(other, set()) == 0

@@ -11,7 +11,7 @@ blocks of the window before the hit's end (vLLM's rule for hybrid models).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 from pdserve.config.layer_groups import LayerGroups
 from pdserve.engine.block_pool import Block, BlockPool
@@ -34,9 +34,10 @@ class GroupTables:
     def _live_from(self, group: int, position: int) -> int:
         return self.groups.first_live_block(group, position, self.block_size)
 
-    def cached_run(self, hashes: list[BlockHash], n: int) -> int:
-        """The longest prefix of at most `n` blocks (group 0's hits) whose window every sliding group has cached."""
-        while n > 0 and not all(self.pool.lookup(self.key(g, h)) is not None
+    def cached_run(self, hashes: list[BlockHash], n: int, coming: Collection[BlockHash] = ()) -> int:
+        """The longest prefix of at most `n` blocks (group 0's hits) whose window every sliding group has cached (or
+        will have: blocks `coming`, which requests ahead compute first)."""
+        while n > 0 and not all(h in coming or self.pool.lookup(self.key(g, h)) is not None
                                 for g in self.others for h in hashes[self._live_from(g, n * self.block_size):n]):
             n -= 1
         return n

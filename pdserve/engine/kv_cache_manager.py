@@ -114,7 +114,7 @@ class KVCacheManager:
                     or (self.host is not None and block_hash in self.host)):
                 break
             n += 1
-        return n
+        return n if self.groups is None else self.groups.cached_run(hashes, n, coming)
 
     def find_cached_prefix(self, request: Request) -> list[Block] | None:
         """The longest run of cached full blocks at the start of the request's tokens; None while blocks of the
