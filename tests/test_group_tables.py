@@ -63,7 +63,7 @@ def test_a_prefix_hit_takes_the_windows_blocks_of_every_group_and_they_come_back
     run_until_idle(sched)
 
 
-def test_a_prefix_whose_window_blocks_were_evicted_is_computed_again():
+def test_a_prefix_evicted_by_other_requests_is_computed_again_and_every_block_comes_back():
     sched = _scheduler(num_blocks=40, max_num_batched_tokens=64)
     sched.add_request(make_request("a", 41, max_tokens=1))
     run_until_idle(sched)

@@ -51,6 +51,11 @@ class KVLayout(msgspec.Struct, frozen=True):
         return cls(num_blocks, grouped.slots if grouped else config.num_layers, block_size, config.num_kv_heads,
                    config.head_dim, str(dtype).removeprefix("torch."), grouped)
 
+    @property
+    def model_layers(self) -> int:
+        """The model's layers (more than a block's slots where layers are grouped)."""
+        return self.num_layers if self.layer_groups is None else sum(map(len, self.layer_groups.layers))
+
     def place(self, layer: int) -> tuple[int, int]:
         """(group, slot) of a model layer: its block table and where in a block its K/V are."""
         return (0, layer) if self.layer_groups is None else self.layer_groups.place(layer)

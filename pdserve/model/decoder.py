@@ -17,7 +17,7 @@ from torch import nn
 from pdserve.config.errors import ModelLoadError
 from pdserve.config.model import ModelConfig
 from pdserve.kernels import kernels_for
-from pdserve.kv.cache import KVCache, QuantizedKV
+from pdserve.kv.cache import KVCache
 from pdserve.loader.gguf_blocks import QuantizedMatrix
 from pdserve.model import few_row_linear
 from pdserve.model.forward_batch import ForwardBatch
@@ -181,7 +181,7 @@ class DecoderModel(nn.Module):
             else:  # in place, in the projection's output
                 ops.rotary_embedding(qk, batch.positions, rope.cos, rope.sin, rope.interleaved)
             q, k = qk.split((heads, kv_heads), dim=1)
-            cache, group = _layer_cache(kv_cache, i)
+            cache, group = kv_cache.by_layer[i] if kv_cache is not None else (None, 0)
             attn = paged_attention(q, k, v, cache, batch.group(group), self.scale, self.gather_buffers, window)
             if on_layer_done is not None:  # this layer's K/V are written: send them while the MLP runs
                 on_layer_done(i)
@@ -398,10 +398,3 @@ class DecoderModel(nn.Module):
                 names |= {f"{p}self_attn.q_norm.weight", f"{p}self_attn.k_norm.weight"}
         return names
 
-
-def _layer_cache(kv_cache: KVCache | None, layer: int) -> tuple[torch.Tensor | QuantizedKV | None, int]:
-    """A layer's view of the cache and the layer group whose block tables it reads (config/layer_groups.py)."""
-    if kv_cache is None:
-        return None, 0
-    group, slot = kv_cache.layout.place(layer)
-    return kv_cache.layers[slot], group
