@@ -2,7 +2,7 @@
 from the same GGUF file: the SentencePiece vocabulary, and greedy answers on the exact path (fp32, dequantized),
 including a prompt longer than the local layers' 512-token window, computed in chunks and again from the prefix
 cache, with a block table per layer group (the sliding layers' give back what leaves their window); a 4k-token
-request's blocks; PD and the disk tier (one block table for every layer)."""
+request's blocks; PD (a table per group too) and the disk tier (one block table for every layer)."""
 
 from __future__ import annotations
 
@@ -93,28 +93,39 @@ def test_fp32_greedy_equals_transformers_past_the_window_in_chunks_and_from_the_
 
 def test_a_prefill_decode_pair_answers_as_one_mixed_instance(tmp_path) -> None:  # noqa: ANN001
     """`pdserve launch` 1P1D on Gemma 3 (every prompt computed on P, its KV sent to D) against one mixed server:
-    the same greedy answers, the long prompt's past the window included."""
+    the same greedy answers, the long prompt's past the window included. Both keep a block table per layer group, and
+    P sends a sliding group only the blocks of the window D decodes from."""
     import signal
 
     import openai
 
     from tests.greedy import assert_same_greedy_completion
-    from tests.servers import Server
+    from tests.servers import Server, metrics
     from tests.test_launch import Launch
 
-    flags = ["--model", "gemma-3-270m", "--max-model-len", "2048"]
-    mixed = Server(tmp_path / "mixed", *flags, "--num-gpu-blocks-override", "1024", wait=False)  # blocks of 3 layers
+    flags = ["--model", "gemma-3-270m", "--max-model-len", "2048", "--num-gpu-blocks-override", "1024"]  # of 3 layers
+    mixed = Server(tmp_path / "mixed", *flags, wait=False)
     launch = None
     (tmp_path / "pd").mkdir()
     try:
-        launch = Launch(tmp_path / "pd", *flags, "--num-gpu-blocks-override", "128", "--prefill", "1", "--decode", "1",
-                        "--routers", "1", "--pd-policy", "always")
+        launch = Launch(tmp_path / "pd", *flags, "--prefill", "1", "--decode", "1", "--routers", "1",
+                        "--pd-policy", "always")
+        assert launch.log().count("a block table per layer group") == 2, "P and D must both group their layers"
+        decode = launch.instances()["decode-0"]["url"]
         mixed.wait_ready(240)
+        received = []  # D's KV bytes after each prompt
         for prompt in ("The capital of France is", "def fibonacci(n):", LONG):
             answers = [openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0).completions.create(
                 model="gemma-3-270m", prompt=prompt, max_tokens=16, temperature=0, logprobs=2)
                 for url in (launch.url, mixed.url)]
             assert_same_greedy_completion(answers[0], answers[1], f"1P1D against mixed, {len(prompt)} characters")
+            received.append((metrics(int(decode.rsplit(":", 1)[1]))["pdserve_kv_transfer_bytes_received_total"],
+                             answers[0].usage.prompt_tokens))
+        # A prompt inside the window: every group gets every block (6 groups x 3 layer slots of a block each).
+        layer_block = received[0][0] / (6 * 3 * -(-received[0][1] // 16))
+        n, live = -(-received[2][1] // 16), (received[2][1] - WINDOW + 1) // 16
+        sent = received[2][0] - received[1][0]
+        assert sent == layer_block * 3 * (n + 5 * (n - live)), f"{sent} bytes for the long prompt's {n} blocks"
         launch.proc.send_signal(signal.SIGINT)
         assert launch.proc.wait(60) == 130, launch.log()[-3000:]
     finally:

@@ -98,7 +98,7 @@ def test_speculative_proposals_past_the_window_are_trimmed_in_every_group():
 
 
 def test_whole_blocks_of_every_layer_keep_one_table():
-    """Where blocks travel or are kept whole (PD, tiers, KV events) or it is asked for, one table for every layer."""
+    """Where blocks are kept whole (tiers, KV events) or it is asked for, one table for every layer; PD roles group."""
     from pdserve.config.engine import EngineConfig
     from pdserve.config.layer_groups import layer_groups_for
     from pdserve.config.model import ModelConfig, RopeConfig
@@ -107,9 +107,10 @@ def test_whole_blocks_of_every_layer_keep_one_table():
                         num_kv_heads=1, head_dim=8, rms_norm_eps=1e-6, max_position_embeddings=32768,
                         rope=RopeConfig(), layer_windows=(512,) * 5 + (0,))
     assert layer_groups_for(gemma, EngineConfig().one_block_table_reason()).num_groups == 6  # groups of one layer
+    for flags in ({"splitwise_role": "decode"}, {"splitwise_role": "prefill"}, {"enable_role_switch": True}):
+        assert EngineConfig(**flags).one_block_table_reason() is None
     for flags, reason in (({"disable_hybrid_kv_cache_manager": True}, "--disable-hybrid"),
-                          ({"splitwise_role": "decode"}, "prefill or decode"),
-                          ({"enable_role_switch": True}, "prefill or decode"), ({"swap_space": 1.0}, "--swap-space"),
+                          ({"swap_space": 1.0}, "--swap-space"),
                           ({"kv_events_config": {"enable_kv_cache_events": True}}, "KV events")):
         why = EngineConfig(**flags).one_block_table_reason()
         assert reason in why and layer_groups_for(gemma, why) is None

@@ -14,6 +14,7 @@ import pytest
 import zmq
 
 from pdserve.config.engine import EngineConfig
+from pdserve.config.layer_groups import LayerGroups
 from pdserve.disagg.connector_base import prompt_digest
 from pdserve.disagg.decode_connector import DecodeConnector
 from pdserve.disagg.lifecycle import (
@@ -73,15 +74,15 @@ class FakeCacheService:
 
 class Side:
     def __init__(self, role: str, num_blocks: int, ctx: zmq.Context, buffer_blocks: int = 0,
-                 prefix_caching: bool = False) -> None:
+                 prefix_caching: bool = False, groups: LayerGroups | None = None, chunk: int = 2048) -> None:
         self.config = EngineConfig(splitwise_role=role, block_size=BLOCK, pd_transfer_timeout=LEASE,
                                    cache_transfer_protocol=("tcp",), enable_prefix_caching=prefix_caching)
         self.clock = Clock()
         self.num_blocks = num_blocks
-        self.scheduler = Scheduler(SchedulerConfig(role=role, max_model_len=256),
-                                   KVCacheManager(num_blocks, BLOCK, enable_prefix_caching=prefix_caching))
+        kv = KVCacheManager(num_blocks, BLOCK, enable_prefix_caching=prefix_caching, layer_groups=groups)
+        self.scheduler = Scheduler(SchedulerConfig(role=role, max_model_len=256, max_num_batched_tokens=chunk), kv)
         self.service = FakeCacheService(ctx)
-        layout = KVLayout(num_blocks, 2, BLOCK, 1, 16, "float32")
+        layout = KVLayout(num_blocks, 1 if groups else 2, BLOCK, 1, 16, "float32", groups)
         if role == "prefill":
             self.conn = PrefillConnector(self.config, self.scheduler, layout, ctx, self.service, self.clock)
         else:
@@ -473,6 +474,111 @@ def test_d_asks_p_only_for_the_blocks_its_prefix_cache_lacks(buffer_blocks):
             d.conn.poll()
         assert rd2 in d.scheduler.running and rd2.num_cached_tokens == 2 * BLOCK
         assert [b.block_id for b in rd2.blocks[:2]] == first_blocks  # the very same cached blocks
+    finally:
+        for side in (p, d):
+            side.conn.close()
+            side.service.sock.close()
+        ctx.term()
+
+
+# ---- layer groups: a sliding-window group gets only its window's blocks -----------------------------------------
+
+WINDOWED = LayerGroups(((1,), (0,)), (0, 8))  # layer 1 attends to everything, layer 0 to its last 8 tokens
+
+
+def _windowed_pair(ctx: zmq.Context, **decode: int | bool) -> tuple[Side, Side]:
+    return (Side("prefill", 32, ctx, groups=WINDOWED, chunk=8, prefix_caching=True),
+            Side("decode", 16, ctx, groups=WINDOWED, **decode))
+
+
+def _prefill_in_chunks(p: Side, rp: Request) -> list:
+    """P computes the prompt 8 tokens a step; each step's transfer plan."""
+    plans = []
+    while not rp.is_finished:
+        out = p.scheduler.schedule()
+        plans += p.conn.transfers(out.chunks)
+        p.scheduler.update(out, {rp.request_id: [42]} if rp.num_computed_tokens + out.chunks[0].num_new_tokens
+                           >= rp.num_prompt_tokens else {})
+    p.conn.on_prefilled(rp, 42, None)
+    return plans
+
+
+@pytest.mark.parametrize("buffer_blocks", [0, 16], ids=["cache", "buffer"])
+def test_with_layer_groups_d_takes_and_p_sends_a_sliding_group_only_its_window(buffer_blocks):
+    """A 30-token prompt (8 blocks of 4) with a window of 8: D's first decode step sees tokens 23-30, so the sliding
+    group needs blocks 5-7 only. D holds (or buffers) the global group's 8 and those 3; P, computing 8 tokens a
+    step, plans the global group's blocks as each chunk computes them and the sliding group's from block 5 on."""
+    ctx = zmq.Context()
+    p, d = _windowed_pair(ctx, buffer_blocks=buffer_blocks)
+    try:
+        tid, rp, rd = submit(p, d, n_prompt=30)
+        if buffer_blocks:
+            assert d.conn.stats().buffer.blocks_used == 8 + 3 and d.free_blocks == d.num_blocks
+        else:
+            assert [b is not None for b in rd.group_blocks[0]] == [False] * 5 + [True] * 3
+            assert d.free_blocks == d.num_blocks - 8 - 3
+        pump(p, d, lambda: p.conn.phase_of(tid) is PrefillPhase.SCHEDULED)
+        plans = _prefill_in_chunks(p, rp)
+        assert [len(plan.src_blocks) for plan in plans] == [2, 2, 2, 2]  # the global group: every block
+        assert [len(plan.group_pairs[0].src_blocks) for plan in plans] == [0, 0, 1, 2]  # blocks 5; 6, 7
+        sliding_src = [b for plan in plans for b in plan.group_pairs[0].src_blocks]
+        assert sliding_src == [b.block_id for b in rp.group_blocks[0][5:8]]  # P's own blocks of the window
+        sliding_dst = [b for plan in plans for b in plan.group_pairs[0].dst_blocks]
+        p.service.reports.append(TransferDone(tid, ok=True, nbytes=10))
+        pump(p, d, lambda: p.conn.phase_of(tid) is None)
+        if buffer_blocks:
+            (_, src, dst), = d.service.swaps
+            assert src[8:] == sliding_dst and len(dst) == 11
+            assert dst == [b.block_id for b in rd.blocks[:8] + rd.group_blocks[0][5:8]]
+            d.service.reports.append(SwapDone(tid, nbytes=10, seconds=0.001))
+            d.conn.poll()
+        else:
+            assert sliding_dst == [b.block_id for b in rd.group_blocks[0][5:8]]
+        assert rd in d.scheduler.running and rd.output_token_ids == [42]
+        d.scheduler.abort(rd.request_id)
+        assert d.free_blocks == d.num_blocks and p.free_blocks == p.num_blocks
+    finally:
+        for side in (p, d):
+            side.conn.close()
+            side.service.sock.close()
+        ctx.term()
+
+
+def test_with_layer_groups_d_asks_only_for_what_its_prefix_cache_lacks_in_every_group():
+    ctx = zmq.Context()
+    p, d = _windowed_pair(ctx, prefix_caching=True)
+    try:
+        tid, rp, rd = submit(p, d, n_prompt=30)
+        pump(p, d, lambda: p.conn.phase_of(tid) is PrefillPhase.SCHEDULED)
+        _prefill_in_chunks(p, rp)
+        p.service.reports.append(TransferDone(tid, ok=True, nbytes=10))
+        pump(p, d, lambda: p.conn.phase_of(tid) is None)
+        d.scheduler.abort(rd.request_id)  # the turn is over: its full blocks stay cached, in both groups
+
+        tid2, rp2, rd2 = submit(p, d, n_prompt=30)  # 7 full blocks cached; the sliding group's 5 and 6 among them
+        assert rd2.num_cached_tokens == 7 * BLOCK
+        pump(p, d, lambda: p.conn.phase_of(tid2) is PrefillPhase.SCHEDULED)
+        plans = _prefill_in_chunks(p, rp2)
+        assert [b for plan in plans for b in plan.dst_blocks] == [rd2.blocks[7].block_id]
+        assert [b for plan in plans for b in plan.group_pairs[0].dst_blocks] == [rd2.group_blocks[0][7].block_id]
+    finally:
+        for side in (p, d):
+            side.conn.close()
+            side.service.sock.close()
+        ctx.term()
+
+
+def test_cache_info_naming_sliding_blocks_outside_the_window_is_refused_on_both_sides(monkeypatch):
+    """P drops a sliding group's blocks as the prompt moves past them: a D that asks for them gets an error."""
+    ctx = zmq.Context()
+    p, d = _windowed_pair(ctx)
+    monkeypatch.setattr(d.conn, "_wanted", lambda tables, r, skip: [[7] * len(t) for t in tables])
+    try:
+        tid, rp, rd = submit(p, d, n_prompt=30)
+        p_out, d_out = pump(p, d, lambda: d.conn.phase_of(tid) is None and p.conn.phase_of(tid) is None)
+        assert "layer group 1's blocks outside the window" in p_out[0].error
+        assert "outside the window" in d_out[0].error
+        assert p.free_blocks == p.num_blocks
     finally:
         for side in (p, d):
             side.conn.close()

@@ -167,8 +167,6 @@ class EngineConfig:
         (config/layer_groups.py); None: it groups them."""
         if self.disable_hybrid_kv_cache_manager:
             return "--disable-hybrid-kv-cache-manager"
-        if self.has_pd_parts:
-            return "a prefill or decode role (P and D exchange whole blocks)"
         if self.swap_space:
             return "--swap-space (the host and disk tiers keep whole blocks)"
         if self.kv_events_config is not None and self.kv_events_config.enabled:

@@ -69,7 +69,7 @@ class CacheMessager:
             return
         del self._ranks_done[key]
         self._write_layer(plans, msg)
-        if msg.layer == self.layout.num_layers - 1:
+        if msg.layer == self.layout.model_layers - 1:
             self._finished = msg.step_id
             # A step the worker never finished (it failed mid-forward) left an entry; steps run one at a
             # time, so any older entry is such a leftover.
@@ -110,9 +110,7 @@ class CacheMessager:
                 self._fail(plan.transfer_id, "the decode instance's lease on its blocks ran out before the KV "
                                              "was written (--pd-transfer-timeout)")
                 continue
-            k = plan.num_whole_blocks
-            ranges = block_ranges(self.layout, plan.src_blocks[:k], plan.dst_blocks[:k]) if msg.layer == 0 else []
-            ranges += layer_ranges(self.layout, plan.src_blocks[k:], plan.dst_blocks[k:], msg.layer)
+            ranges = self._ranges(plan, msg.layer)
             if ranges:  # none: D had these blocks already (its own prefix cache)
                 groups[plan.endpoint].append((plan, ranges))
         for endpoint, items in groups.items():
@@ -129,6 +127,18 @@ class CacheMessager:
                 progress.nbytes += sum(n for _, _, n in ranges)
                 progress.first_write = progress.first_write or done
                 progress.last_write = done
+
+    def _ranges(self, plan: TransferPlan, layer: int) -> list[ByteRange]:
+        """The layer's slot in its group's blocks; with the first layer, every group's whole blocks."""
+        ranges = []
+        if layer == 0:
+            for pairs in plan.groups:
+                k = pairs.num_whole_blocks
+                ranges += block_ranges(self.layout, pairs.src_blocks[:k], pairs.dst_blocks[:k])
+        group, slot = self.layout.place(layer)
+        pairs = plan.group(group)
+        k = pairs.num_whole_blocks
+        return ranges + layer_ranges(self.layout, pairs.src_blocks[k:], pairs.dst_blocks[k:], slot)
 
     def _finish_step(self, plans: list[TransferPlan]) -> None:
         ending = [p for p in plans if p.last]

@@ -32,6 +32,7 @@ from pdserve.disagg.lifecycle import (
     check_transition,
 )
 from pdserve.disagg.messages import (
+    NOT_WANTED,
     CacheInfo,
     ControlMessage,
     LeaseRenew,
@@ -69,6 +70,7 @@ class Incoming:
     lease_deadline: float = float("inf")
     buffer: list[Block] = field(default_factory=list)  # buffer blocks (with a splitwise cache buffer)
     cached: list[Block] = field(default_factory=list)  # with a buffer: the prompt's blocks in D's prefix cache
+    window_cached: list[Block] = field(default_factory=list)  # and the sliding-window groups' (layer groups)
     done: PrefillDone | None = None  # P's message, kept while the KV waits in the buffer
     held: list[Block] = field(default_factory=list)  # aborted while swapping in: its cache blocks, till copied
 
@@ -232,12 +234,13 @@ class DecodeConnector(ConnectorBase):
             r.times.preallocated = now
             inc.lease_deadline = now + self.config.pd_transfer_timeout
             # Entries before skip_blocks name D's cached blocks; P never writes them.
-            blocks = inc.cached + inc.buffer if self.buffer is not None else r.blocks
             skip = len(inc.cached) if self.buffer is not None else r.num_cached_tokens // self.layout.block_size
+            tables = self._buffer_tables(inc) if self.buffer is not None else [r.blocks, *r.group_blocks]
+            ids = [[NOT_WANTED if b is None else b.block_id for b in table] for table in tables]
             self.transfer_stats.blocks_skipped += skip
             info = CacheInfo(inc.transfer_id, r.num_prompt_tokens, prompt_digest(r.prompt_token_ids),
-                             [b.block_id for b in blocks], self.layout, inc.endpoints,
-                             self.config.pd_transfer_timeout, inc.lease_deadline, skip, r.lora_name)
+                             ids[0], self.layout, inc.endpoints, self.config.pd_transfer_timeout,
+                             inc.lease_deadline, skip, r.lora_name, self._wanted(ids[1:], r, skip))
             self._send(inc, info)
             r.times.cache_info_sent = self.clock()
 
@@ -249,17 +252,47 @@ class DecodeConnector(ConnectorBase):
             return False
         if self.buffer is None:
             return not self.scheduler.has_waiting and self.scheduler.preallocate(inc.request, cached)
-        need = -(-inc.request.num_prompt_tokens // self.layout.block_size) - len(cached)
+        need = sum(map(len, self._received(inc.request, len(cached))))
         if self.buffer.num_free_blocks < need:
             return False
         inc.buffer = self.buffer.allocate(need)
-        self.scheduler.hold_blocks(cached)  # until the swap-in takes them for the request
+        inc.window_cached = [b for hits in self.scheduler.window_hits(inc.request, cached) for b in hits]
+        self.scheduler.hold_blocks(cached + inc.window_cached)  # until the swap-in takes them for the request
         inc.cached = cached
         return True
 
+    def _received(self, r: Request, skip: int) -> list[range]:
+        """Per layer group, the prompt's blocks P writes: not the `skip` cached ones, nor in a sliding-window group
+        those that the first decode step cannot see."""
+        bs, groups = self.layout.block_size, self.layout.layer_groups
+        n = -(-r.num_prompt_tokens // bs)
+        if groups is None:
+            return [range(skip, n)]
+        return [range(max(groups.first_live_block(g, r.num_prompt_tokens, bs), skip), n)
+                for g in range(groups.num_groups)]
+
+    def _wanted(self, tables: list[list[int]], r: Request, skip: int) -> list[list[int]]:
+        """The sliding-window groups' tables as CacheInfo names them: NOT_WANTED but where P writes."""
+        return [[b if i in rng else NOT_WANTED for i, b in enumerate(table)]
+                for table, rng in zip(tables, self._received(r, skip)[1:], strict=True)]
+
+    def _buffer_tables(self, inc: Incoming) -> list[list[Block | None]]:
+        """Per layer group, the blocks P writes into: the cached prefix, then buffer blocks in the order
+        _reserve took them (group after group)."""
+        tables, buffer = [], iter(inc.buffer)
+        for g, rng in enumerate(self._received(inc.request, len(inc.cached))):
+            head = inc.cached[:rng.start] if g == 0 else [None] * rng.start
+            tables.append(head + [next(buffer) for _ in rng])
+        return tables
+
+    def _cache_blocks(self, r: Request, skip: int) -> list[Block]:
+        """The request's cache blocks P's KV goes into, group after group (as _buffer_tables orders the buffer's)."""
+        tables = [r.blocks, *r.group_blocks]
+        return [tables[g][i] for g, rng in enumerate(self._received(r, skip)) for i in rng]
+
     def _drop_cached(self, inc: Incoming) -> None:
-        self.scheduler.release_blocks(inc.cached)
-        inc.cached = []
+        self.scheduler.release_blocks(inc.cached + inc.window_cached)
+        inc.cached, inc.window_cached = [], []
 
     def _on_prefill_done(self, inc: Incoming, msg: PrefillDone) -> list[RequestOutput]:
         self._send(inc, PrefillAck(inc.transfer_id))
@@ -282,7 +315,7 @@ class DecodeConnector(ConnectorBase):
             self._swap_in()
             return []
         skip = r.num_cached_tokens // self.layout.block_size
-        self.copies.stage_in([b.block_id for b in r.blocks[skip:]])  # a device cache: staging -> cache
+        self.copies.stage_in([b.block_id for b in self._cache_blocks(r, skip)])  # a device cache: staging -> cache
         self._end(inc, Phase.DECODING)
         return self._start_decoding(inc, msg)
 
@@ -310,7 +343,7 @@ class DecodeConnector(ConnectorBase):
                 self.buffer_stats.wait_seconds.observe(r.times.swap_started - r.times.buffered)
             skip = r.num_cached_tokens // self.layout.block_size
             self.copies.swap_in(inc.transfer_id, [b.block_id for b in inc.buffer],
-                                [b.block_id for b in r.blocks[skip:skip + len(inc.buffer)]])
+                                [b.block_id for b in self._cache_blocks(r, skip)])
 
     def _on_swapped_in(self, report: SwapDone) -> list[RequestOutput]:
         inc = self._by_tid.get(report.transfer_id)
@@ -331,7 +364,7 @@ class DecodeConnector(ConnectorBase):
     def _hold_until_swapped(self, inc: Incoming) -> None:
         """The copy into these cache blocks is in flight: take them off the request so an abort does
         not free them under it."""
-        inc.held, inc.request.blocks = inc.request.blocks, []
+        inc.held = _take_blocks(inc.request)
 
     def _release_held(self, inc: Incoming) -> None:
         self.scheduler.release_blocks(inc.held)
@@ -359,8 +392,7 @@ class DecodeConnector(ConnectorBase):
             self._quarantine.append((release, blocks, self.buffer))
             self._drop_cached(inc)  # P never writes D's cached blocks
         else:
-            blocks, inc.request.blocks = inc.request.blocks, []
-            self._quarantine.append((release, blocks, None))
+            self._quarantine.append((release, _take_blocks(inc.request), None))
 
     def _release_quarantine(self, now: float) -> None:
         keep = []
@@ -380,3 +412,10 @@ class DecodeConnector(ConnectorBase):
 
     def _send(self, inc: Incoming, msg: ControlMessage) -> None:
         self.control.send(inc.prefill_addr, msg)
+
+
+def _take_blocks(request: Request) -> list[Block]:
+    """Every block the request holds, in every layer group, taken off it (for the caller to free later)."""
+    blocks = request.blocks + [b for table in request.group_blocks for b in table if b is not None]
+    request.blocks, request.group_blocks = [], []
+    return blocks

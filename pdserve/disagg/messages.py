@@ -218,6 +218,12 @@ class CacheInfo(msgspec.Struct, tag=True):
     lease_until: float  # the same moment on D's clock (unix time)
     skip_blocks: int = 0  # D's prefix cache holds the prompt's first blocks: P sends only the rest
     lora_name: str | None = None  # the LoRA adapter D decodes with: P's KV must be computed under the same
+    # Layer groups 1.. (config/layer_groups.py): D's block per block of the prompt, NOT_WANTED where D needs none
+    # (out of the window it decodes from, or in its own prefix cache). Empty with one block table.
+    group_dst_blocks: list[list[int]] = []
+
+
+NOT_WANTED = -1  # a CacheInfo.group_dst_blocks entry: P sends nothing for that block
 
 
 class PrefillDone(msgspec.Struct, tag=True):

@@ -28,6 +28,7 @@ from pdserve.disagg.lifecycle import (
     check_transition,
 )
 from pdserve.disagg.messages import (
+    NOT_WANTED,
     CacheInfo,
     ControlMessage,
     LeaseRenew,
@@ -36,13 +37,14 @@ from pdserve.disagg.messages import (
     PrefillDone,
     TransferDone,
 )
+from pdserve.engine.block_pool import Block
 from pdserve.engine.messages import PDParams, RequestOutput
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.scheduler_output import ScheduledChunk
 from pdserve.engine.stats import PDStats, copied
 from pdserve.kv.layout import KVLayout
-from pdserve.kv.transfer_plan import TransferPlan
+from pdserve.kv.transfer_plan import BlockPairs, TransferPlan
 from pdserve.transport import Endpoint, choose_endpoint
 from pdserve.worker.protocol import TokenLogprobs
 
@@ -61,6 +63,7 @@ class Outgoing:
     identity: bytes | None = None  # D's DEALER
     endpoint: Endpoint | None = None
     dst_blocks: list[int] = field(default_factory=list)
+    group_dst_blocks: list[list[int]] = field(default_factory=list)  # layer groups 1.. (CacheInfo)
     deadline: float = float("inf")  # D's lease, less the margin
     lease: float = 0.0  # D's lease length; renewed every third of it
     renewed: float = 0.0  # when the lease was last renewed (or granted)
@@ -122,9 +125,11 @@ class PrefillConnector(ConnectorBase):
             # has in its own prefix cache never go.
             first = max(min(out.sent_blocks, start // bs), out.skip_blocks)
             last = (end - 1) // bs
+            groups = [_wanted_pairs(table, dst, min(out.sent_blocks, start // bs), start // bs, last)
+                      for table, dst in zip(r.group_blocks, out.group_dst_blocks, strict=True)]
             plans.append(TransferPlan(out.transfer_id, out.endpoint, [b.block_id for b in r.blocks[first:last + 1]],
                                       out.dst_blocks[first:last + 1], max(start // bs - first, 0),
-                                      c.completes_known_tokens, out.deadline))
+                                      c.completes_known_tokens, out.deadline, groups))
             out.sent_blocks = max(out.sent_blocks, end // bs)
             out.started_writing = True
         return plans
@@ -218,6 +223,7 @@ class PrefillConnector(ConnectorBase):
         error = self._check_cache_info(out.request, info, endpoint)
         if error is None:
             out.endpoint, out.dst_blocks, out.skip_blocks = endpoint, info.dst_blocks, info.skip_blocks
+            out.group_dst_blocks = info.group_dst_blocks
             # D's own clock says when it gives the blocks up; the receipt time covers clock skew between hosts.
             out.deadline = min(received + info.lease, info.lease_until) - LEASE_MARGIN
             out.lease, out.renewed = info.lease, received
@@ -241,9 +247,25 @@ class PrefillConnector(ConnectorBase):
                     f"computes the prompt under {r.lora_name!r}: its KV would not fit")
         if len(info.dst_blocks) < -(-r.num_prompt_tokens // self.layout.block_size):
             return f"the decode instance sent {len(info.dst_blocks)} blocks for a {r.num_prompt_tokens}-token prompt"
+        if (error := self._check_group_blocks(r, info)) is not None:
+            return error
         if endpoint is None:
             return (f"no common cache transfer protocol: prefill has {','.join(self.config.cache_transfer_protocol)}"
                     f", decode offers {','.join(e.protocol for e in info.endpoints) or 'none'}")
+        return None
+
+    def _check_group_blocks(self, r: Request, info: CacheInfo) -> str | None:
+        """D names a block of each layer group per prompt block, and none that the prompt's last query cannot see
+        (this instance drops those as the prompt is computed)."""
+        groups = self.layout.layer_groups
+        if len(info.group_dst_blocks) != (groups.num_groups - 1 if groups is not None else 0):
+            return f"the decode instance sent blocks for {len(info.group_dst_blocks) + 1} layer groups"
+        bs, num_blocks = self.layout.block_size, -(-r.num_prompt_tokens // self.layout.block_size)
+        for g, dst in enumerate(info.group_dst_blocks, 1):
+            live = groups.first_live_block(g, r.num_prompt_tokens, bs)
+            if len(dst) < num_blocks or any(b != NOT_WANTED for b in dst[:live]):
+                return (f"the decode instance asked for layer group {g}'s blocks outside the window of a "
+                        f"{r.num_prompt_tokens}-token prompt")
         return None
 
     def _on_transfer_done(self, report: TransferDone) -> list[RequestOutput]:
@@ -336,3 +358,12 @@ class PrefillConnector(ConnectorBase):
     def _send(self, out: Outgoing, msg: ControlMessage) -> None:
         if out.identity is not None:
             self.control.send(out.identity, msg)
+
+
+def _wanted_pairs(table: list[Block | None], dst: list[int], first: int, computed_from: int, last: int) -> BlockPairs:
+    """A layer group's blocks first..last that D wants, those before `computed_from` to be sent whole. This instance
+    holds every one of them: D wants none that the prompt's last query cannot see (checked at its cache info), and
+    none of those went back to the pool while the prompt was computed."""
+    wanted = [i for i in range(first, last + 1) if dst[i] != NOT_WANTED]
+    return BlockPairs([table[i].block_id for i in wanted], [dst[i] for i in wanted],
+                      sum(i < computed_from for i in wanted))

@@ -52,10 +52,11 @@ class GroupTables:
             first = max(held, num_cached, self._live_from(g, computed))
             n += max(0, needed - first)
             if num_cached and not held:  # cached blocks revived from the free list count against it too
-                n += sum(1 for b in self._cached(g, request, computed, num_cached) if b.ref_cnt == 0)
+                n += sum(1 for b in self.cached_blocks(g, request, computed, num_cached) if b.ref_cnt == 0)
         return n
 
-    def _cached(self, group: int, request: Request, computed: int, num_cached: int) -> list[Block]:
+    def cached_blocks(self, group: int, request: Request, computed: int, num_cached: int) -> list[Block]:
+        """The group's cached blocks of the first `num_cached` that a query at `computed` can see."""
         hashes = request.block_hashes[self._live_from(group, computed):num_cached]
         return [self.pool.lookup(self.key(group, h)) for h in hashes]
 
@@ -68,7 +69,7 @@ class GroupTables:
         for g in self.others:
             table = request.group_blocks[g - 1]
             if num_cached and not table:
-                cached = self._cached(g, request, computed, num_cached)
+                cached = self.cached_blocks(g, request, computed, num_cached)
                 self.pool.take(cached)
                 table.extend([None] * (num_cached - len(cached)) + cached)
         needed = -(-total // self.block_size)

@@ -307,26 +307,45 @@ class KVCacheManager:
         finally:
             self.pool.free(reversed(hits))
 
-    def allocate(self, request: Request, num_new_tokens: int, cached_prefix: list[Block] = ()) -> bool:
-        """Give `request` blocks for `num_new_tokens` more tokens (after any cached prefix).
+    def allocate(self, request: Request, num_new_tokens: int, cached_prefix: list[Block] = (),
+                 query_from: int | None = None) -> bool:
+        """Give `request` blocks for `num_new_tokens` more tokens (after any cached prefix). `query_from`: where the
+        first query that reads them sits (default: the first new token); a sliding-window group holds no block
+        before its window from there (a decode instance's prompt, filled from outside: its first decode step).
 
         All or nothing: False, with nothing changed, when the pool cannot cover it.
         """
+        if not self.can_allocate(request, num_new_tokens, cached_prefix, query_from):
+            return False
+        computed = request.num_computed_tokens + len(cached_prefix) * self.block_size
+        needed = self.blocks_needed(computed + num_new_tokens) - len(request.blocks) - len(cached_prefix)
+        self.pool.take(cached_prefix)
+        request.blocks.extend(cached_prefix)
+        if self.groups is not None:
+            self.groups.allocate(request, computed if query_from is None else query_from, computed + num_new_tokens,
+                                 len(cached_prefix))
+        if needed > 0:
+            request.blocks.extend(self.pool.allocate(needed))
+        return True
+
+    def can_allocate(self, request: Request, num_new_tokens: int, cached_prefix: list[Block] = (),
+                     query_from: int | None = None) -> bool:
+        """allocate() would succeed now (nothing is taken)."""
         computed = request.num_computed_tokens + len(cached_prefix) * self.block_size
         total = computed + num_new_tokens
         needed = self.blocks_needed(total) - len(request.blocks) - len(cached_prefix)
         revived = sum(1 for b in cached_prefix if b.ref_cnt == 0)  # free blocks the prefix takes
         if self.groups is not None:
-            revived += self.groups.new_blocks(request, computed, total, len(cached_prefix))
-        if max(needed, 0) > self.pool.num_free_blocks - revived:
-            return False
-        self.pool.take(cached_prefix)
-        request.blocks.extend(cached_prefix)
-        if self.groups is not None:
-            self.groups.allocate(request, computed, total, len(cached_prefix))
-        if needed > 0:
-            request.blocks.extend(self.pool.allocate(needed))
-        return True
+            revived += self.groups.new_blocks(request, computed if query_from is None else query_from, total,
+                                              len(cached_prefix))
+        return max(needed, 0) <= self.pool.num_free_blocks - revived
+
+    def window_hits(self, request: Request, num_cached: int, query_from: int) -> list[list[Block]]:
+        """Each sliding-window group's cached blocks of the first `num_cached` blocks that a query at `query_from`
+        can see (those allocate() would take); none without layer groups."""
+        if self.groups is None:
+            return []
+        return [self.groups.cached_blocks(g, request, query_from, num_cached) for g in self.groups.others]
 
     def commit_computed(self, request: Request) -> None:
         """Index the request's blocks that became full with computed tokens."""

@@ -154,8 +154,8 @@ class Scheduler:
 
     def can_preallocate(self, request: Request, cached: list[Block] = ()) -> bool:
         """preallocate() would succeed now (nothing is taken)."""
-        needed = self.kv.blocks_needed(request.num_prompt_tokens + 1) - len(cached)
-        return not self.waiting and needed <= self.kv.pool.num_free_blocks
+        return not self.waiting and self.kv.can_allocate(request, self._preallocated_tokens(request, cached), cached,
+                                                         query_from=request.num_prompt_tokens)
 
     def cached_prefix(self, request: Request) -> list[Block] | None:
         """The prompt's leading blocks already in this instance's prefix cache (nothing taken); None while some
@@ -184,7 +184,8 @@ class Scheduler:
         self.check_request(request)
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        if not self.kv.allocate(request, request.num_prompt_tokens + 1 - len(cached) * self.kv.block_size, cached):
+        if not self.kv.allocate(request, self._preallocated_tokens(request, cached), cached,
+                                query_from=request.num_prompt_tokens):  # its first query: the first decode step
             return False
         request.num_cached_tokens = len(cached) * self.kv.block_size
         self.kv.record_hits(request, request.num_prompt_tokens)
@@ -192,6 +193,14 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.preallocated[request.request_id] = request
         return True
+
+    def _preallocated_tokens(self, request: Request, cached: list[Block]) -> int:
+        return request.num_prompt_tokens + 1 - len(cached) * self.kv.block_size
+
+    def window_hits(self, request: Request, cached: list[Block]) -> list[list[Block]]:
+        """With layer groups: each sliding group's cached blocks of the `cached` prefix that preallocate() would
+        take (those its first decode step can see)."""
+        return self.kv.window_hits(request, len(cached), request.num_prompt_tokens)
 
     def mark_prefilled(self, request_id: str, first_token: int) -> Request:
         """The prompt KV has arrived: start decoding from the prefill instance's first token."""

@@ -130,10 +130,11 @@ class KVLayout(msgspec.Struct, frozen=True):
         return self.num_blocks * self.block_bytes
 
 
-def layer_ranges(layout: KVLayout, src_blocks: Sequence[int], dst_blocks: Sequence[int], layer: int) -> list[ByteRange]:
-    """One layer of each block pair (regions of different blocks are never adjacent)."""
+def layer_ranges(layout: KVLayout, src_blocks: Sequence[int], dst_blocks: Sequence[int], slot: int) -> list[ByteRange]:
+    """One layer slot of each block pair (a model layer's slot: `layout.place`; regions of different blocks are
+    never adjacent)."""
     lb, bb = layout.layer_block_bytes, layout.block_bytes
-    return [(s * bb + layer * lb, d * bb + layer * lb, lb) for s, d in zip(src_blocks, dst_blocks, strict=True)]
+    return [(s * bb + slot * lb, d * bb + slot * lb, lb) for s, d in zip(src_blocks, dst_blocks, strict=True)]
 
 
 def block_ranges(layout: KVLayout, src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> list[ByteRange]:

@@ -348,15 +348,18 @@ class Worker:
         self._step_id += 1
         step_id, announcer, encode, copier = self._step_id, self._announcer, self._encoder.encode, self.copier
         announcer.send(encode(StepTransfers(step_id, step.transfers)))
-        whole = [b for p in step.transfers for b in p.src_blocks[:p.num_whole_blocks]]
-        computed = [b for p in step.transfers for b in p.src_blocks[p.num_whole_blocks:]]
+        by_group = list(zip(*(plan.groups for plan in step.transfers), strict=True))  # a layer's blocks: its group's
+        whole = [b for group in by_group for p in group for b in p.src_blocks[:p.num_whole_blocks]]
+        computed = [[b for p in group for b in p.src_blocks[p.num_whole_blocks:]] for group in by_group]
+        place = self.layout.place
 
         def layer_done(layer: int) -> None:
             events: list[CopyEvent] = []
             if layer == 0 and whole:
                 events.append(copier.copy(DEVICE, "staging", whole, whole))
-            if computed:
-                events.append(copier.copy(DEVICE, "staging", computed, computed, layer))
+            group, slot = place(layer)
+            if blocks := computed[group]:
+                events.append(copier.copy(DEVICE, "staging", blocks, blocks, slot))
             announcer.send(encode(LayerDone(step_id, layer, self.tp.rank)), events)
 
         return layer_done
