@@ -96,6 +96,7 @@ def test_a_prefill_decode_pair_answers_as_one_mixed_instance(tmp_path) -> None: 
     the same greedy answers, the long prompt's past the window included. Both keep a block table per layer group, and
     P sends a sliding group only the blocks of the window D decodes from."""
     import signal
+    from urllib.parse import urlsplit
 
     import openai
 
@@ -103,7 +104,8 @@ def test_a_prefill_decode_pair_answers_as_one_mixed_instance(tmp_path) -> None: 
     from tests.servers import Server, metrics
     from tests.test_launch import Launch
 
-    flags = ["--model", "gemma-3-270m", "--max-model-len", "2048", "--num-gpu-blocks-override", "1024"]  # of 3 layers
+    flags = ["--model", "gemma-3-270m", "--max-model-len", "2048", "--block-size", "16",
+             "--num-gpu-blocks-override", "1024"]  # blocks of 3 layers
     mixed = Server(tmp_path / "mixed", *flags, wait=False)
     launch = None
     (tmp_path / "pd").mkdir()
@@ -111,7 +113,7 @@ def test_a_prefill_decode_pair_answers_as_one_mixed_instance(tmp_path) -> None: 
         launch = Launch(tmp_path / "pd", *flags, "--prefill", "1", "--decode", "1", "--routers", "1",
                         "--pd-policy", "always")
         assert launch.log().count("a block table per layer group") == 2, "P and D must both group their layers"
-        decode = launch.instances()["decode-0"]["url"]
+        decode = urlsplit(launch.instances()["decode-0"]["url"])
         mixed.wait_ready(240)
         received = []  # D's KV bytes after each prompt
         for prompt in ("The capital of France is", "def fibonacci(n):", LONG):
@@ -119,7 +121,7 @@ def test_a_prefill_decode_pair_answers_as_one_mixed_instance(tmp_path) -> None: 
                 model="gemma-3-270m", prompt=prompt, max_tokens=16, temperature=0, logprobs=2)
                 for url in (launch.url, mixed.url)]
             assert_same_greedy_completion(answers[0], answers[1], f"1P1D against mixed, {len(prompt)} characters")
-            received.append((metrics(int(decode.rsplit(":", 1)[1]))["pdserve_kv_transfer_bytes_received_total"],
+            received.append((metrics(decode.port, decode.hostname)["pdserve_kv_transfer_bytes_received_total"],
                              answers[0].usage.prompt_tokens))
         # A prompt inside the window: every group gets every block (6 groups x 3 layer slots of a block each).
         layer_block = received[0][0] / (6 * 3 * -(-received[0][1] // 16))

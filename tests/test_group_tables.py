@@ -4,7 +4,7 @@ block comes back."""
 
 from __future__ import annotations
 
-from pdserve.config.layer_groups import LayerGroups
+from pdserve.config.layer_groups import LayerGroups, group_key
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 from tests.test_scheduler import TOKEN, make_request, run_until_idle, step
@@ -98,7 +98,8 @@ def test_speculative_proposals_past_the_window_are_trimmed_in_every_group():
 
 
 def test_whole_blocks_of_every_layer_keep_one_table():
-    """Where blocks are kept whole (tiers, KV events) or it is asked for, one table for every layer; PD roles group."""
+    """Where blocks are kept whole (the host and disk tiers) or it is asked for, one table for every layer; PD roles
+    and KV events group."""
     from pdserve.config.engine import EngineConfig
     from pdserve.config.layer_groups import layer_groups_for
     from pdserve.config.model import ModelConfig, RopeConfig
@@ -107,11 +108,11 @@ def test_whole_blocks_of_every_layer_keep_one_table():
                         num_kv_heads=1, head_dim=8, rms_norm_eps=1e-6, max_position_embeddings=32768,
                         rope=RopeConfig(), layer_windows=(512,) * 5 + (0,))
     assert layer_groups_for(gemma, EngineConfig().one_block_table_reason()).num_groups == 6  # groups of one layer
-    for flags in ({"splitwise_role": "decode"}, {"splitwise_role": "prefill"}, {"enable_role_switch": True}):
+    for flags in ({"splitwise_role": "decode"}, {"splitwise_role": "prefill"}, {"enable_role_switch": True},
+                  {"kv_events_config": {"enable_kv_cache_events": True}}):
         assert EngineConfig(**flags).one_block_table_reason() is None
     for flags, reason in (({"disable_hybrid_kv_cache_manager": True}, "--disable-hybrid"),
-                          ({"swap_space": 1.0}, "--swap-space"),
-                          ({"kv_events_config": {"enable_kv_cache_events": True}}, "KV events")):
+                          ({"swap_space": 1.0}, "--swap-space")):
         why = EngineConfig(**flags).one_block_table_reason()
         assert reason in why and layer_groups_for(gemma, why) is None
 
@@ -142,7 +143,7 @@ def test_a_hit_ends_where_every_sliding_group_still_has_the_window_before_it():
     tables = GroupTables(LayerGroups(((1,), (0,)), (0, 8)), pool, BS)
     hashes = [bytes([i]) * 32 for i in range(6)]
     for i, h in enumerate(hashes):
-        for key in (h, *([GroupTables.key(1, h)] if i != 4 else [])):
+        for key in (h, *([group_key(1, h)] if i != 4 else [])):
             (block,) = pool.allocate(1)
             pool.cache_full_block(block, key)
             pool.free([block])
@@ -158,3 +159,35 @@ def test_the_load_report_counts_a_prefix_cached_in_every_group():
     again, other = make_request("b", 41, max_tokens=1), make_request("c", 41, start=500, max_tokens=1)
     assert sched.kv.expected_cached_blocks(again, set()) == 10
     assert sched.kv.expected_cached_blocks(other, set()) == 0
+
+
+def test_kv_events_name_each_groups_blocks_and_a_router_indexes_the_full_attention_group():
+    """Each group's blocks are stored and removed under the token hashes with the group's index, kind and window
+    (vLLM's fields); a router's index keeps group 0's, so a sliding group's eviction leaves the prefix indexed."""
+    from pdserve.kv_events.events import BlockRemoved, BlockStored
+    from pdserve.kv_events.index import KVIndex
+
+    sched = _scheduler(num_blocks=40, max_num_batched_tokens=64)
+    recorder = sched.kv.record_events()
+    index = KVIndex()
+    index.set_sources("http://e", ["e#0"])  # not contacted
+    sched.add_request(make_request("a", 41, max_tokens=1))
+    a = sched.requests["a"]
+    run_until_idle(sched)
+    events = recorder.take()
+    stored = {e.group_idx: e for e in events if isinstance(e, BlockStored)}
+    assert (stored[0].kv_cache_spec_kind, stored[0].kv_cache_spec_sliding_window) == ("full_attention", None)
+    assert (stored[1].kv_cache_spec_kind, stored[1].kv_cache_spec_sliding_window) == ("sliding_window", WINDOW)
+    # one 41-token step wrote every block of every group before its window moved on: all 10 full ones are cached
+    assert stored[0].block_hashes == stored[1].block_hashes == stored[2].block_hashes == a.block_hashes[:10]
+    index.apply("e#0", events)
+    assert set(index.blocks("e#0")) == set(a.block_hashes[:10])
+
+    sched.add_request(make_request("b", 40, start=500, max_tokens=1))  # another prompt: the pool evicts
+    run_until_idle(sched)
+    events = recorder.take()
+    removed = {e.group_idx for e in events if isinstance(e, BlockRemoved)}
+    assert 1 in removed and all(len(h) == 32 for e in events for h in e.block_hashes)
+    index.apply("e#0", events)
+    assert set(index.blocks("e#0")) == {h for h in sched.kv.pool.cached_hashes() if len(h) == 32}
+    assert set(sched.kv.snapshot()[0].block_hashes) == set(index.blocks("e#0"))  # a late subscriber's view

@@ -95,8 +95,9 @@ def test_a_batch_is_vllm_wire_format() -> None:
         assert topic == b"kv" and len(seq) == 8 and int.from_bytes(seq, "big") == pub.seq
         ts, events, rank = raw
         assert isinstance(ts, float) and rank == 1
-        (tag, hashes, parent, token_ids, block_size, lora_id, medium, *lora_name), = events
-        assert lora_name in ([], [None])  # vLLM added lora_name last
+        (tag, hashes, parent, token_ids, block_size, lora_id, medium, *later), = events
+        # vLLM's later fields: lora_name, extra_keys, then a layer group's group_idx, kind and window (one group: None)
+        assert later == [None] * 5
         assert (tag, parent, token_ids, block_size, lora_id, medium) == ("BlockStored", None, list(range(BS * 2)), BS,
                                                                         None, "GPU")
         assert [len(h) for h in hashes] == [32, 32]  # SHA-256 chained block hashes, as the router computes them

@@ -217,3 +217,52 @@ def test_slowed_copies_are_waited_for_on_both_sides(tmp_path: Path, model, oracl
     finally:
         stop_all([p, d, router])
     assert segments() <= before, f"shared-memory segments left behind: {segments() - before}"
+
+
+def test_layer_groups_go_through_staging_and_the_decode_buffer_group_by_group(tmp_path: Path, tokenizer) -> None:  # noqa: ANN001
+    """A tiny Gemma 3 (a sliding layer with a 12-token window, a global layer: a block table each, 4-token blocks),
+    1P2D with caches in device memory: P stages each layer's blocks of its own group, one D swaps every group's
+    blocks in from its decode buffer, the other copies them in from staging. Prompts reach past the window, so the
+    sliding group gets only the window's blocks; greedy equals transformers fp32. (At the default initializer range
+    attention is spread over the keys, so a sliding layer's blocks sent wrong or not at all change the answer.)"""
+    from tests.tiny_models import make_tiny_servable
+
+    hf = make_tiny_servable(tmp_path / "gemma", name="gemma3", seed=1)
+    g = torch.Generator().manual_seed(3)
+    prompts, want = [], []
+    while len(prompts) < 4:
+        prompt = torch.randint(100, 49152, (int(torch.randint(30, 60, (1,), generator=g)),), generator=g).tolist()
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                              do_sample=False, output_scores=True, return_dict_in_generate=True, pad_token_id=0)
+        top2 = torch.stack(out.scores)[:, 0].topk(2, dim=-1).values
+        if (top2[:, 0] - top2[:, 1]).min() > MIN_MARGIN:
+            prompts.append(prompt)
+            want.append(out.sequences[0, len(prompt):].tolist())
+    before = segments()
+    router = Router(tmp_path / "router", "--pd-policy", "always")
+    reg = ["--router", router.url, *COMMON, "--model", str(tmp_path / "gemma"), "--served-model-name", "tiny",
+           "--dtype", "float32", "--block-size", "4", "--max-model-len", "128", "--num-gpu-blocks-override", "128"]
+    specs = {"p": ["--splitwise-role", "prefill", "--cache-transfer-protocol", "ipc,tcp"],
+             "d_buffer": ["--splitwise-role", "decode", "--cache-transfer-protocol", "ipc",
+                          "--splitwise-cache-buffer-size", "0.001"],
+             "d_tcp": ["--splitwise-role", "decode", "--cache-transfer-protocol", "tcp"]}
+    servers = [Server(tmp_path / name, *flags, *reg, wait=False, env=PRIVATE) for name, flags in specs.items()]
+    try:
+        for s in servers:
+            s.wait_ready(240)
+            assert "a block table per layer group (1 layers full, 1 layers window 12)" in s.log(), s.log()[-2000:]
+        router.wait_pairs(3)
+        client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="x", max_retries=0, timeout=120)
+        for prompt, tokens in zip(prompts * 2, want * 2, strict=True):
+            out = client.completions.create(model="tiny", prompt=prompt, max_tokens=NEW_TOKENS, temperature=0,
+                                            logprobs=1, extra_body={"min_tokens": NEW_TOKENS})
+            assert out.choices[0].logprobs.tokens == [tokenizer.token_text(t) for t in tokens], "not transformers'"
+        received = [metrics(s.port)["pdserve_kv_transfer_bytes_received_total"] for s in servers[1:]]
+        assert all(received), f"a decode instance received nothing: {received}"
+        assert metrics(servers[1].port)["pdserve_kv_swap_in_bytes_total"] > 0, "the buffer was never copied in"
+        for s in servers:
+            wait_for(lambda s=s: _all_free(s), 15, f"{s} did not give every block back")
+    finally:
+        stop_all([*servers, router])
+    assert segments() <= before, f"shared-memory segments left behind: {segments() - before}"

@@ -169,8 +169,6 @@ class EngineConfig:
             return "--disable-hybrid-kv-cache-manager"
         if self.swap_space:
             return "--swap-space (the host and disk tiers keep whole blocks)"
-        if self.kv_events_config is not None and self.kv_events_config.enabled:
-            return "KV events (a router indexes whole blocks)"
         return None
 
     def _check(self) -> None:

@@ -75,6 +75,20 @@ class LayerGroups(msgspec.Struct, frozen=True):
         return max(0, next_position - window + 1) // block_size
 
 
+HASH_BYTES = 32  # a block hash (kv/block_hash.py: SHA-256)
+
+
+def group_key(group: int, block_hash: bytes) -> bytes:
+    """The prefix cache's key for a block of layer group `group` (> 0): blocks of the same tokens in different
+    groups hold different layers' K/V; group 0's key is the hash itself."""
+    return block_hash + bytes([group]) if group else block_hash
+
+
+def split_group_key(key: bytes) -> tuple[int, bytes]:
+    """(group, block hash) of a prefix cache key (group_key)."""
+    return (key[-1], key[:-1]) if len(key) == HASH_BYTES + 1 else (0, key)
+
+
 def layer_groups_for(model: ModelConfig, one_table_reason: str | None) -> LayerGroups | None:
     """The model's layer groups, or None where it keeps one block table for every layer: a model without
     sliding-window layers, one without full-attention layers, or an instance with a reason to

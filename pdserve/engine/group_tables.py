@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable
 
-from pdserve.config.layer_groups import LayerGroups
+from pdserve.config.layer_groups import LayerGroups, group_key
 from pdserve.engine.block_pool import Block, BlockPool
 from pdserve.engine.request import Request
 from pdserve.engine.stats import LayerGroupUse
@@ -27,9 +27,6 @@ class GroupTables:
         self.groups, self.pool, self.block_size = groups, pool, block_size
         self.others = range(1, groups.num_groups)
 
-    @staticmethod
-    def key(group: int, block_hash: BlockHash) -> bytes:
-        return block_hash + bytes([group])
 
     def _live_from(self, group: int, position: int) -> int:
         return self.groups.first_live_block(group, position, self.block_size)
@@ -37,7 +34,7 @@ class GroupTables:
     def cached_run(self, hashes: list[BlockHash], n: int, coming: Collection[BlockHash] = ()) -> int:
         """The longest prefix of at most `n` blocks (group 0's hits) whose window every sliding group has cached (or
         will have: blocks `coming`, which requests ahead compute first)."""
-        while n > 0 and not all(h in coming or self.pool.lookup(self.key(g, h)) is not None
+        while n > 0 and not all(h in coming or self.pool.lookup(group_key(g, h)) is not None
                                 for g in self.others for h in hashes[self._live_from(g, n * self.block_size):n]):
             n -= 1
         return n
@@ -58,7 +55,7 @@ class GroupTables:
     def cached_blocks(self, group: int, request: Request, computed: int, num_cached: int) -> list[Block]:
         """The group's cached blocks of the first `num_cached` that a query at `computed` can see."""
         hashes = request.block_hashes[self._live_from(group, computed):num_cached]
-        return [self.pool.lookup(self.key(group, h)) for h in hashes]
+        return [self.pool.lookup(group_key(group, h)) for h in hashes]
 
     def allocate(self, request: Request, computed: int, total: int, num_cached: int) -> None:
         """Give every sliding group blocks up to `total` tokens and free what the query at `computed` cannot see
@@ -87,13 +84,22 @@ class GroupTables:
             table[:live] = [None] * min(live, len(table))
             self.pool.free(reversed(gone))
 
-    def commit(self, request: Request, first: int, full: int) -> None:
-        """Index the sliding groups' blocks first..full-1 that became full (those still held)."""
+    def commit(self, request: Request, first: int, full: int) -> list[tuple[int, int, list[BlockHash]]]:
+        """Index the sliding groups' blocks first..full-1 that became full (those still held). The runs newly
+        indexed, for KV events: (group, first block, their hashes)."""
+        runs: list[tuple[int, int, list[BlockHash]]] = []
         for g in self.others:
             table = request.group_blocks[g - 1] if request.group_blocks else []
+            run: list[BlockHash] = []
             for i in range(first, min(full, len(table))):
-                if table[i] is not None:
-                    self.pool.cache_full_block(table[i], self.key(g, request.block_hashes[i]))
+                block_hash = request.block_hashes[i]
+                if table[i] is not None and self.pool.cache_full_block(table[i], group_key(g, block_hash)):
+                    if not run:
+                        runs.append((g, i, run))
+                    run.append(block_hash)
+                else:
+                    run = []
+        return runs
 
     def trim(self, request: Request, keep: int) -> None:
         """Give back the blocks past the first `keep` of every sliding group."""

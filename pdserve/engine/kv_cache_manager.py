@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from pdserve.config.layer_groups import LayerGroups
+from pdserve.config.layer_groups import LayerGroups, split_group_key
 from pdserve.config.lora import lora_hash_root
 from pdserve.engine.block_pool import Block, BlockPool
 from pdserve.engine.disk_tier import DiskTier
@@ -26,7 +26,7 @@ from pdserve.engine.prefix_pull import QUARANTINE_S, PullCost
 from pdserve.engine.request import Request
 from pdserve.engine.stats import PrefixCacheStats
 from pdserve.kv.block_hash import BlockHash, hash_block
-from pdserve.kv_events.events import DEVICE, DISK, HOST, BlockStored, KVEvent
+from pdserve.kv_events.events import DEVICE, DISK, HOST, KVEvent
 from pdserve.kv_events.recorder import KVEventRecorder
 
 if TYPE_CHECKING:
@@ -58,7 +58,7 @@ class KVCacheManager:
 
     def record_events(self) -> KVEventRecorder:
         """From now on every change to the prefix cache (both tiers) is recorded for KV events."""
-        self.events = self.pool.events = KVEventRecorder(self.block_size)
+        self.events = self.pool.events = KVEventRecorder(self.block_size, self.groups.groups if self.groups else None)
         if self.host is not None:
             self.host.events = self.events
         if self.disk is not None:
@@ -67,9 +67,15 @@ class KVCacheManager:
 
     def snapshot(self) -> list[KVEvent]:
         """Every cached block, as BlockStored events (a KV event subscriber that missed too much)."""
-        tiers = [(DEVICE, self.pool.cached_hashes())] + ([(HOST, self.host.saved_hashes())] if self.host else [])
-        tiers += [(DISK, self.disk.saved_hashes())] if self.disk else []
-        return [BlockStored(hashes, None, [], self.block_size, None, medium) for medium, hashes in tiers if hashes]
+        recorder = KVEventRecorder(self.block_size, self.groups.groups if self.groups else None)
+        for key in sorted(self.pool.cached_hashes(), key=split_group_key):
+            group, block_hash = split_group_key(key)
+            recorder.stored([block_hash], None, [], DEVICE, group=group)
+        for medium, hashes in [(HOST, self.host.saved_hashes())] if self.host else []:
+            recorder.stored(hashes, None, [], medium)
+        for medium, hashes in [(DISK, self.disk.saved_hashes())] if self.disk else []:
+            recorder.stored(hashes, None, [], medium)
+        return recorder.take()
 
     def add_host_tier(self, num_blocks: int, copier: BlockCopies) -> None:
         if not self.enable_prefix_caching:
@@ -361,19 +367,20 @@ class KVCacheManager:
             elif run:  # its content was cached already, in another block
                 self._record_stored(request, start, run)
                 run = []
-        if self.groups is not None:
-            self.groups.commit(request, request.num_committed_blocks, full)
-        request.num_committed_blocks = max(request.num_committed_blocks, full)
         self._record_stored(request, start, run)
+        if self.groups is not None:
+            for group, first, hashes in self.groups.commit(request, request.num_committed_blocks, full):
+                self._record_stored(request, first, hashes, group)
+        request.num_committed_blocks = max(request.num_committed_blocks, full)
 
-    def _record_stored(self, request: Request, first: int, hashes: list[bytes]) -> None:
-        """Blocks first.. of the request (their hashes) were indexed in the device cache."""
+    def _record_stored(self, request: Request, first: int, hashes: list[bytes], group: int = 0) -> None:
+        """Blocks first.. of the request (their hashes) were indexed in the device cache (in this layer group)."""
         if self.events is None or not hashes:
             return
         bs = self.block_size
         parent = request.block_hashes[first - 1] if first else None
         self.events.stored(hashes, parent, request.token_ids[first * bs:(first + len(hashes)) * bs], DEVICE,
-                           request.lora_name)
+                           request.lora_name, group)
 
     def trim(self, request: Request) -> None:
         """Give back the blocks past the request's tokens (those taken for rejected proposals; never

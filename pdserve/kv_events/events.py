@@ -19,6 +19,7 @@ DISK = "DISK"  # the disk tier (--kv-disk-path): what the host tier saved, kept 
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 
 BlockHash = bytes | int  # vLLM sends bytes (SHA-256) or, from older versions, int
+FULL_ATTENTION, SLIDING_WINDOW = "full_attention", "sliding_window"  # vLLM's KV cache spec kinds
 
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -43,11 +44,18 @@ class BlockStored(KVCacheEvent):
     lora_id: int | None
     medium: str | None
     lora_name: str | None = None
+    extra_keys: list[Any] | None = None  # (vLLM's; pdserve's hashes have no extra keys)
+    # A model with layer groups (config/layer_groups.py) stores each group's blocks under the same hashes: the group,
+    # its kind and window say whose they are. None: one group for every layer.
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None  # FULL_ATTENTION or SLIDING_WINDOW
+    kv_cache_spec_sliding_window: int | None = None
 
 
 class BlockRemoved(KVCacheEvent):
     block_hashes: list[BlockHash]
     medium: str | None
+    group_idx: int | None = None
 
 
 class AllBlocksCleared(KVCacheEvent):

@@ -11,7 +11,16 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable
 
-from pdserve.kv_events.events import DEVICE, DISK, HOST, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from pdserve.kv_events.events import (
+    DEVICE,
+    DISK,
+    FULL_ATTENTION,
+    HOST,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+)
 
 DEVICE_BIT, HOST_BIT, DISK_BIT = 1, 2, 4
 _BITS = {DEVICE: DEVICE_BIT, HOST: HOST_BIT, DISK: DISK_BIT, None: DEVICE_BIT}
@@ -24,6 +33,7 @@ class KVIndex:
         self._holders: dict[bytes, dict[str, int]] = {}  # block hash -> {source: tier bits}
         self._held: dict[str, set[bytes]] = {}  # source -> its block hashes
         self._sources: dict[str, list[str]] = {}  # url -> its sources
+        self._full_groups: dict[str, set[int]] = {}  # source -> its full-attention layer groups (KV events' group_idx)
 
     # ---- written by the subscriber -------------------------------------------------------------
 
@@ -33,6 +43,7 @@ class KVIndex:
             for source in self._sources.pop(url, []):
                 self._clear(source)
                 del self._held[source]
+                self._full_groups.pop(source, None)
             if sources:
                 self._sources[url] = list(sources)
                 for source in sources:
@@ -43,12 +54,26 @@ class KVIndex:
             if source not in self._held:
                 return  # its url was forgotten while the batch was on its way
             for event in events:
+                if not isinstance(event, AllBlocksCleared) and not self._indexed(source, event):
+                    continue
                 if isinstance(event, BlockStored):
                     self._store(source, event.block_hashes, _BITS.get(event.medium, DEVICE_BIT))
                 elif isinstance(event, BlockRemoved):
                     self._remove(source, event.block_hashes, _BITS.get(event.medium, DEVICE_BIT))
                 elif isinstance(event, AllBlocksCleared):
                     self._clear(source)
+
+    def _indexed(self, source: str, event: BlockStored | BlockRemoved) -> bool:
+        """Whether the event's layer group is indexed: with layer groups (group_idx), the full-attention groups' blocks
+        say what a prefix hit finds; a sliding-window group drops blocks the hit does not need. A store names its
+        group's kind; a group not yet named is group 0 only."""
+        group = event.group_idx
+        if group is None:
+            return True
+        full = self._full_groups.setdefault(source, {0})
+        if isinstance(event, BlockStored) and event.kv_cache_spec_kind is not None:
+            (full.add if event.kv_cache_spec_kind == FULL_ATTENTION else full.discard)(group)
+        return group in full
 
     def clear(self, source: str) -> None:
         with self._lock:
