@@ -2,7 +2,7 @@
 from the same GGUF file: the SentencePiece vocabulary, and greedy answers on the exact path (fp32, dequantized),
 including a prompt longer than the local layers' 512-token window, computed in chunks and again from the prefix
 cache, with a block table per layer group (the sliding layers' give back what leaves their window); a 4k-token
-request's blocks; PD (a table per group too) and the disk tier (one block table for every layer)."""
+request's blocks; PD and the disk tier, with a block table per layer group too."""
 
 from __future__ import annotations
 
@@ -139,18 +139,20 @@ def test_a_prefill_decode_pair_answers_as_one_mixed_instance(tmp_path) -> None: 
 
 
 def test_a_restarted_server_serves_a_gemma_prefix_from_its_disk_tier(tmp_path) -> None:  # noqa: ANN001
-    """The long prompt's blocks go to the disk tier; after a restart on the same folder they are read back (not
-    computed) and the answer is the one computed the first time."""
+    """The long prompt's blocks go to the disk tier, every layer group's; after a restart on the same folder they are
+    read back (not computed: the global group's run and each sliding group's window) and the answer is the one
+    computed the first time."""
     import openai
 
     from tests.servers import Server, metrics, wait_for
 
-    flags = ["--model", "gemma-3-270m", "--max-model-len", "2048", "--num-gpu-blocks-override", "128",
+    flags = ["--model", "gemma-3-270m", "--max-model-len", "2048", "--num-gpu-blocks-override", "1024",
              "--swap-space", "0.2", "--kv-disk-path", str(tmp_path / "disk")]
     answers = []
     for run in ("first", "restarted"):
         server = Server(tmp_path / run, *flags)
         try:
+            assert "a block table per layer group" in server.log()  # each group's blocks go to disk under its key
             client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
             answers.append(client.completions.create(model="gemma-3-270m", prompt=LONG, max_tokens=12,
                                                      temperature=0))

@@ -97,9 +97,9 @@ def test_speculative_proposals_past_the_window_are_trimmed_in_every_group():
     run_until_idle(sched)
 
 
-def test_whole_blocks_of_every_layer_keep_one_table():
-    """Where blocks are kept whole (the host and disk tiers) or it is asked for, one table for every layer; PD roles
-    and KV events group."""
+def test_prefix_pulls_and_the_flag_keep_one_table():
+    """Where peers pull blocks (--enable-kv-pull) or it is asked for, one table for every layer; PD roles, KV events
+    and the host and disk tiers group."""
     from pdserve.config.engine import EngineConfig
     from pdserve.config.layer_groups import layer_groups_for
     from pdserve.config.model import ModelConfig, RopeConfig
@@ -109,10 +109,11 @@ def test_whole_blocks_of_every_layer_keep_one_table():
                         rope=RopeConfig(), layer_windows=(512,) * 5 + (0,))
     assert layer_groups_for(gemma, EngineConfig().one_block_table_reason()).num_groups == 6  # groups of one layer
     for flags in ({"splitwise_role": "decode"}, {"splitwise_role": "prefill"}, {"enable_role_switch": True},
-                  {"kv_events_config": {"enable_kv_cache_events": True}}):
+                  {"kv_events_config": {"enable_kv_cache_events": True}}, {"swap_space": 1.0},
+                  {"swap_space": 1.0, "kv_disk_path": "/tmp/x"}):
         assert EngineConfig(**flags).one_block_table_reason() is None
     for flags, reason in (({"disable_hybrid_kv_cache_manager": True}, "--disable-hybrid"),
-                          ({"swap_space": 1.0}, "--swap-space")):
+                          ({"swap_space": 1.0, "enable_kv_pull": True}, "--enable-kv-pull")):
         why = EngineConfig(**flags).one_block_table_reason()
         assert reason in why and layer_groups_for(gemma, why) is None
 
@@ -191,3 +192,46 @@ def test_kv_events_name_each_groups_blocks_and_a_router_indexes_the_full_attenti
     index.apply("e#0", events)
     assert set(index.blocks("e#0")) == {h for h in sched.kv.pool.cached_hashes() if len(h) == 32}
     assert set(sched.kv.snapshot()[0].block_hashes) == set(index.blocks("e#0"))  # a late subscriber's view
+
+
+def test_the_host_tier_keeps_each_groups_blocks_and_a_hit_brings_back_the_windows():
+    """With --swap-space, freed blocks of every group are saved to host memory under their group's key; after the
+    device cache lost them, the same prompt finds group 0's whole run there and each sliding group's window before
+    its end, copied back into device blocks with the right content (the test copier's number per block)."""
+    from pdserve.engine.request import Request
+    from pdserve.sampling import SamplingParams
+    from tests.test_host_tier import ArrayCopier
+
+    kv = KVCacheManager(24, BS, True, LayerGroups(((1,), (0,)), (0, 8)))  # a window of 8 tokens: 2 blocks
+    copier = ArrayCopier(24, 40)
+    kv.add_host_tier(40, copier)
+
+    def run(rid: str, first: int) -> Request:
+        request = Request(rid, list(range(first, first + 33)), SamplingParams(max_tokens=1))
+        cached = kv.find_cached_prefix(request)
+        assert kv.allocate(request, 33 - len(cached) * BS, cached)
+        for i, block in enumerate(request.blocks[len(cached):], len(cached)):
+            copier.device[block.block_id] = first + i  # group 0's block i
+        for i, block in enumerate(request.group_blocks[0]):
+            if block is not None and i >= len(cached):
+                copier.device[block.block_id] = 1000 + first + i  # the sliding group's
+        request.num_computed_tokens = 33
+        kv.commit_computed(request)
+        request.hits = cached  # type: ignore[attr-defined]
+        return request
+
+    kv.free(run("a", 100))
+    copier.complete_saves(kv)
+    assert kv.host.num_used_blocks == 16  # 8 full blocks in each group
+    kv.free(run("b", 500))  # another prompt takes most of the device cache
+    copier.complete_saves(kv)
+    again = run("a2", 100)
+    assert len(again.hits) == 8 and copier.loads > 0
+    assert [copier.device[b.block_id] for b in again.blocks[:8]] == [100 + i for i in range(8)]
+    window = again.group_blocks[0]
+    assert all(b is None for b in window[:6])  # a query at token 32 sees tokens 25-32: blocks 6, 7 and 8
+    assert [copier.device[b.block_id] for b in window[6:8]] == [1106, 1107]
+    assert kv.host.stats.hit_blocks == 8 + 2  # all from the host tier: group 0's run and the window
+    kv.free(again)
+    copier.complete_saves(kv)
+    kv.pool.check_all_free()

@@ -64,7 +64,7 @@ class DiskTier:
         if ok:
             self._blocks[block_hash] = None
             if self.events is not None:
-                self.events.stored([block_hash], None, [], DISK)
+                self.events.stored_key(block_hash, DISK)
         return True
 
     @property

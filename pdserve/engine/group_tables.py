@@ -11,7 +11,7 @@ blocks of the window before the hit's end (vLLM's rule for hybrid models).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 from pdserve.config.layer_groups import LayerGroups, group_key
 from pdserve.engine.block_pool import Block, BlockPool
@@ -21,23 +21,35 @@ from pdserve.kv.block_hash import BlockHash
 
 
 class GroupTables:
-    def __init__(self, groups: LayerGroups, pool: BlockPool, block_size: int) -> None:
+    def __init__(self, groups: LayerGroups, pool: BlockPool, block_size: int,
+                 release: Callable[[Iterable[Block]], object] | None = None) -> None:
+        """`release`: how blocks a table lets go go back (KVCacheManager.release: saved to the host tier too)."""
         if groups.windows[0] != 0:
             raise ValueError("layer group 0 must be the full-attention group")
         self.groups, self.pool, self.block_size = groups, pool, block_size
+        self.release = release or pool.free
         self.others = range(1, groups.num_groups)
 
 
     def _live_from(self, group: int, position: int) -> int:
         return self.groups.first_live_block(group, position, self.block_size)
 
-    def cached_run(self, hashes: list[BlockHash], n: int, coming: Collection[BlockHash] = ()) -> int:
+    def cached_run(self, hashes: list[BlockHash], n: int, coming: Collection[BlockHash] = (),
+                   elsewhere: Callable[[bytes], bool] | None = None) -> int:
         """The longest prefix of at most `n` blocks (group 0's hits) whose window every sliding group has cached (or
-        will have: blocks `coming`, which requests ahead compute first)."""
-        while n > 0 and not all(h in coming or self.pool.lookup(group_key(g, h)) is not None
-                                for g in self.others for h in hashes[self._live_from(g, n * self.block_size):n]):
+        will have: blocks `coming`, which requests ahead compute first; or has `elsewhere`: a key in a lower tier)."""
+        def held(g: int, h: BlockHash) -> bool:
+            key = group_key(g, h)
+            return h in coming or self.pool.lookup(key) is not None or (elsewhere is not None and elsewhere(key))
+
+        while n > 0 and not all(held(g, h) for g in self.others
+                                for h in hashes[self._live_from(g, n * self.block_size):n]):
             n -= 1
         return n
+
+    def window_keys(self, hashes: list[BlockHash], n: int) -> list[bytes]:
+        """The sliding groups' keys of the window before block n: what a hit of n blocks takes in those groups."""
+        return [group_key(g, h) for g in self.others for h in hashes[self._live_from(g, n * self.block_size):n]]
 
     def new_blocks(self, request: Request, computed: int, total: int, num_cached: int) -> int:
         """Blocks the sliding groups must take from the pool for tokens up to `total`, `computed` of them done
@@ -82,7 +94,7 @@ class GroupTables:
         gone = [b for b in table[:live] if b is not None]
         if gone:
             table[:live] = [None] * min(live, len(table))
-            self.pool.free(reversed(gone))
+            self.release(reversed(gone))
 
     def commit(self, request: Request, first: int, full: int) -> list[tuple[int, int, list[BlockHash]]]:
         """Index the sliding groups' blocks first..full-1 that became full (those still held). The runs newly
@@ -106,11 +118,11 @@ class GroupTables:
         for table in request.group_blocks:
             extra = [b for b in table[keep:] if b is not None]
             del table[keep:]
-            self.pool.free(reversed(extra))
+            self.release(reversed(extra))
 
     def free(self, request: Request) -> None:
         for table in request.group_blocks:
-            self.pool.free(reversed([b for b in table if b is not None]))
+            self.release(reversed([b for b in table if b is not None]))
         request.group_blocks = []
 
     def held(self, request: Request) -> list[int]:

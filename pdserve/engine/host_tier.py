@@ -77,7 +77,7 @@ class HostTier:
             self._saved[block_hash] = block
             self.stats.swap_out_blocks += from_device
             if self.events is not None:
-                self.events.stored([block_hash], None, [], HOST)
+                self.events.stored_key(block_hash, HOST)
         # else: clear() ran while it was in flight; the block went back to the clean list then
 
     def abandon(self, block_hash: BlockHash, block: int, unused_until: float | None = None) -> None:

@@ -43,7 +43,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
-        self.groups = GroupTables(layer_groups, self.pool, block_size) if layer_groups is not None else None
+        self.groups = GroupTables(layer_groups, self.pool, block_size, self.release) if layer_groups else None
         self.stats = PrefixCacheStats(hit_tokens_by_tier=dict.fromkeys(TIERS, 0))
         self.host: HostTier | None = None
         self.disk: DiskTier | None = None
@@ -69,12 +69,10 @@ class KVCacheManager:
         """Every cached block, as BlockStored events (a KV event subscriber that missed too much)."""
         recorder = KVEventRecorder(self.block_size, self.groups.groups if self.groups else None)
         for key in sorted(self.pool.cached_hashes(), key=split_group_key):
-            group, block_hash = split_group_key(key)
-            recorder.stored([block_hash], None, [], DEVICE, group=group)
-        for medium, hashes in [(HOST, self.host.saved_hashes())] if self.host else []:
-            recorder.stored(hashes, None, [], medium)
-        for medium, hashes in [(DISK, self.disk.saved_hashes())] if self.disk else []:
-            recorder.stored(hashes, None, [], medium)
+            recorder.stored_key(key, DEVICE)
+        for medium, tier in ((HOST, self.host), (DISK, self.disk)):
+            for key in sorted(tier.saved_hashes() if tier is not None else [], key=split_group_key):
+                recorder.stored_key(key, medium)
         return recorder.take()
 
     def add_host_tier(self, num_blocks: int, copier: BlockCopies) -> None:
@@ -120,7 +118,9 @@ class KVCacheManager:
                     or (self.host is not None and block_hash in self.host)):
                 break
             n += 1
-        return n if self.groups is None else self.groups.cached_run(hashes, n, coming)
+        if self.groups is None:
+            return n
+        return self.groups.cached_run(hashes, n, coming, elsewhere=lambda k: self.host is not None and k in self.host)
 
     def find_cached_prefix(self, request: Request) -> list[Block] | None:
         """The longest run of cached full blocks at the start of the request's tokens; None while blocks of the
@@ -141,8 +141,8 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        if self.groups is not None:  # (no host tier beside layer groups)
-            return hits[:self.groups.cached_run(hashes, len(hits))]
+        if self.groups is not None:
+            return self._group_prefix(request, hashes, hits)
         if self.host is not None and len(hits) < len(hashes):
             rest = hashes[len(hits):]
             if self._start_disk_load(request, rest) or self._start_pull(request, rest, len(hits)):
@@ -153,6 +153,34 @@ class KVCacheManager:
             self._record_stored(request, len(hits), [b.block_hash for b in loaded])
             hits += loaded
         return hits
+
+    def _group_prefix(self, request: Request, hashes: list[BlockHash], hits: list[Block]) -> list[Block] | None:
+        """find_cached_prefix with layer groups: group 0's run, continued in the host and disk tiers, as far as every
+        sliding group has its window's blocks before its end in some tier; what is below the device is brought up
+        (the sliding groups' blocks as cached blocks that allocate() takes)."""
+        if self.host is None:
+            return hits[:self.groups.cached_run(hashes, len(hits))]
+        n = len(hits)
+        while n < len(hashes) and self._below_device(hashes[n]):
+            n += 1
+        n = self.groups.cached_run(hashes, n, elsewhere=self._below_device)
+        keys = hashes[len(hits):n] + [k for k in self.groups.window_keys(hashes, n) if self.pool.lookup(k) is None]
+        if self._start_disk_load(request, keys):
+            return None
+        windows = [self.pool.lookup(k) for k in self.groups.window_keys(hashes, n)]
+        loaded = self._load_from_host(hits + [b for b in windows if b is not None], keys)
+        run = [b for b in loaded if split_group_key(b.block_hash)[0] == 0]  # group 0's, in order from len(hits)
+        for block in run:
+            request.prefix_tiers.setdefault(block.block_hash, HOST_TIER)
+        self._record_stored(request, len(hits), [b.block_hash for b in run])
+        if self.events is not None:
+            for block in loaded[len(run):]:
+                self.events.stored_key(block.block_hash, DEVICE)
+        hits = hits + run
+        return hits[:self.groups.cached_run(hashes, len(hits))]
+
+    def _below_device(self, key: bytes) -> bool:
+        return key in self.host or (self.disk is not None and self.disk.readable(key))
 
     # ---- loads into the host tier, off the step (prefix_loads.py) ------------------------------------
 

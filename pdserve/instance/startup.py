@@ -227,6 +227,8 @@ def kv_fingerprint(config: EngineConfig, layout: KVLayout) -> str:
 
     quantization = requested_quantization(config.quantization, config.model)
     digest = f"{weights_digest(resolve_model_folder(config.model))}:{quantization}"
+    if layout.layer_groups is not None:  # a block holds one group's layers: which ones is part of its bytes' meaning
+        digest += f":groups={layout.layer_groups.layers}"
     shape = (layout.num_layers, layout.num_kv_heads, layout.head_dim)
     return fingerprint(digest, layout.dtype, shape, layout.block_size)
 

@@ -39,6 +39,12 @@ class KVEventRecorder:
         else:
             self._events.append(event)
 
+    def stored_key(self, key: bytes, medium: str) -> None:
+        """A block under a prefix cache key (config/layer_groups.group_key) became readable, its tokens not kept
+        (a lower tier's, or one copied up from it)."""
+        group, block_hash = split_group_key(key)
+        self.stored([block_hash], None, [], medium, group=group)
+
     def removed(self, key: bytes, medium: str) -> None:
         """A prefix cache key (config/layer_groups.group_key) is gone."""
         group, block_hash = split_group_key(key)
