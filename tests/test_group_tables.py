@@ -97,9 +97,9 @@ def test_speculative_proposals_past_the_window_are_trimmed_in_every_group():
     run_until_idle(sched)
 
 
-def test_prefix_pulls_and_the_flag_keep_one_table():
-    """Where peers pull blocks (--enable-kv-pull) or it is asked for, one table for every layer; PD roles, KV events
-    and the host and disk tiers group."""
+def test_only_the_flag_keeps_one_table():
+    """`--disable-hybrid-kv-cache-manager` keeps one table for every layer; PD roles, KV events, the host and disk
+    tiers and prefix pulls group."""
     from pdserve.config.engine import EngineConfig
     from pdserve.config.layer_groups import layer_groups_for
     from pdserve.config.model import ModelConfig, RopeConfig
@@ -110,12 +110,10 @@ def test_prefix_pulls_and_the_flag_keep_one_table():
     assert layer_groups_for(gemma, EngineConfig().one_block_table_reason()).num_groups == 6  # groups of one layer
     for flags in ({"splitwise_role": "decode"}, {"splitwise_role": "prefill"}, {"enable_role_switch": True},
                   {"kv_events_config": {"enable_kv_cache_events": True}}, {"swap_space": 1.0},
-                  {"swap_space": 1.0, "kv_disk_path": "/tmp/x"}):
+                  {"swap_space": 1.0, "kv_disk_path": "/tmp/x"}, {"swap_space": 1.0, "enable_kv_pull": True}):
         assert EngineConfig(**flags).one_block_table_reason() is None
-    for flags, reason in (({"disable_hybrid_kv_cache_manager": True}, "--disable-hybrid"),
-                          ({"swap_space": 1.0, "enable_kv_pull": True}, "--enable-kv-pull")):
-        why = EngineConfig(**flags).one_block_table_reason()
-        assert reason in why and layer_groups_for(gemma, why) is None
+    why = EngineConfig(disable_hybrid_kv_cache_manager=True).one_block_table_reason()
+    assert "--disable-hybrid" in why and layer_groups_for(gemma, why) is None
 
 
 def test_the_load_calibrations_steps_run_on_a_model_with_layer_groups(tmp_path):
@@ -235,3 +233,31 @@ def test_the_host_tier_keeps_each_groups_blocks_and_a_hit_brings_back_the_window
     kv.free(again)
     copier.complete_saves(kv)
     kv.pool.check_all_free()
+
+
+def test_a_pull_brings_the_peers_run_and_each_sliding_groups_window_before_its_end():
+    """A router's hint names a peer holding the prompt's 4 full blocks: the pull asks for group 0's 4 and the sliding
+    group's window before block 4 (blocks 2 and 3: a window of 8 tokens), under the group's keys; the hit is then
+    all 4 blocks, with the window's contents in the sliding group's table."""
+    from pdserve.engine.prefix_pull import PullCost, PullHint
+    from pdserve.engine.request import Request
+    from pdserve.sampling import SamplingParams
+    from tests.test_prefix_pull import PROMPT, PullingCopier
+
+    kv = KVCacheManager(16, BS, True, LayerGroups(((1,), (0,)), (0, 8)))
+    copier = PullingCopier(16, 16)
+    kv.add_host_tier(16, copier)
+    kv.add_prefix_pulls(PullCost(block_bytes=100, block_size=BS, prefill_rate=lambda: 1e3))
+    request = Request("r", PROMPT, SamplingParams(max_tokens=1), kv_pull=PullHint("127.0.0.1:1", 4))  # not contacted
+    kv._hash_full_blocks(request, len(PROMPT) - 1)
+    hashes = request.block_hashes
+    copier.peer = {h: float(i) for i, h in enumerate(hashes)} | {group_key(1, h): 100.0 + i for i, h in
+                                                                 enumerate(hashes)}
+    assert kv.find_cached_prefix(request) is None  # the pull runs
+    assert copier.asked == [hashes + [group_key(1, hashes[2]), group_key(1, hashes[3])]]
+    assert kv.finish_loads() == ["r"]
+    prefix = kv.find_cached_prefix(request)
+    assert kv.allocate(request, len(PROMPT) - len(prefix) * BS, prefix)
+    assert [copier.device[b.block_id] for b in prefix] == [0.0, 1.0, 2.0, 3.0]
+    window = request.group_blocks[0]
+    assert window[:2] == [None, None] and [copier.device[b.block_id] for b in window[2:4]] == [102.0, 103.0]

@@ -167,8 +167,6 @@ class EngineConfig:
         (config/layer_groups.py); None: it groups them."""
         if self.disable_hybrid_kv_cache_manager:
             return "--disable-hybrid-kv-cache-manager"
-        if self.enable_kv_pull:
-            return "--enable-kv-pull (peers pull whole blocks)"
         return None
 
     def _check(self) -> None:

@@ -165,7 +165,8 @@ class KVCacheManager:
             n += 1
         n = self.groups.cached_run(hashes, n, elsewhere=self._below_device)
         keys = hashes[len(hits):n] + [k for k in self.groups.window_keys(hashes, n) if self.pool.lookup(k) is None]
-        if self._start_disk_load(request, keys):
+        if self._start_disk_load(request, keys) or self._start_pull(request, hashes[len(hits):], len(hits),
+                                                                    self._pulled_windows(request, hashes, n)):
             return None
         windows = [self.pool.lookup(k) for k in self.groups.window_keys(hashes, n)]
         loaded = self._load_from_host(hits + [b for b in windows if b is not None], keys)
@@ -178,6 +179,14 @@ class KVCacheManager:
                 self.events.stored_key(block.block_hash, DEVICE)
         hits = hits + run
         return hits[:self.groups.cached_run(hashes, len(hits))]
+
+    def _pulled_windows(self, request: Request, hashes: list[BlockHash], n: int) -> list[bytes]:
+        """The sliding groups' window keys a pull of the peer's run (past the `n` blocks held here) must bring too."""
+        hint = request.kv_pull
+        if self.pulls is None or hint is None or hint.num_blocks <= n:
+            return []
+        keys = self.groups.window_keys(hashes, min(len(hashes), hint.num_blocks))
+        return [k for k in keys if self.pool.lookup(k) is None and k not in self.host]
 
     def _below_device(self, key: bytes) -> bool:
         return key in self.host or (self.disk is not None and self.disk.readable(key))
@@ -208,9 +217,10 @@ class KVCacheManager:
         self.copier.start_load_from_disk(load.load_id, keys, host_blocks)
         return True
 
-    def _start_pull(self, request: Request, hashes: list[bytes], num_hits: int) -> bool:
-        """Past the local hits: start pulling the rest of the run the peer holds into host blocks, when that is
-        cheaper than computing it (one pull per request). False: no pull."""
+    def _start_pull(self, request: Request, hashes: list[bytes], num_hits: int, windows: list[bytes] = ()) -> bool:
+        """Past the local hits: start pulling the rest of the run the peer holds into host blocks (and with layer
+        groups the sliding groups' `windows` after it), when that is cheaper than computing it (one pull per
+        request). False: no pull."""
         hint = request.kv_pull
         if self.pulls is None or hint is None:
             return False
@@ -220,7 +230,7 @@ class KVCacheManager:
             if self.host.lookup(block_hash) is None:  # (most recently used: the reservations below keep it)
                 break
             local += 1
-        wanted = hashes[local:max(local, min(len(hashes), hint.num_blocks - num_hits))]
+        wanted = hashes[local:max(local, min(len(hashes), hint.num_blocks - num_hits))] + list(windows)
         if not wanted:
             return False
         if not self.pulls.pays(len(wanted)):
