@@ -30,7 +30,6 @@ class GroupTables:
         self.release = release or pool.free
         self.others = range(1, groups.num_groups)
 
-
     def _live_from(self, group: int, position: int) -> int:
         return self.groups.first_live_block(group, position, self.block_size)
 
