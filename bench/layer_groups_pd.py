@@ -1,7 +1,8 @@
 """Gemma 3 in PD with a block table per layer group against one table for every layer (vLLM's
 `--disable-hybrid-kv-cache-manager`), through `pdserve launch --prefill 1 --decode 1` as users start it.
 
-    .venv/bin/python bench/layer_groups_pd.py [--requests 4] [--prompt-tokens 4000] [--max-tokens 32]
+    .venv/bin/python bench/layer_groups_pd.py [--rounds 2] [--requests 4] [--prompt-tokens 4000] [--max-tokens 32]
+        [--launch-args="--kv-events-config {...}"]
 
 Each deployment gets the same distinct long prompts (random token ids: nothing is cached), one at a time, streamed.
 Reported per request: the KV bytes P wrote into D (D's `pdserve_kv_transfer_bytes_received_total`), the time to the
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import shlex
 import signal
 import statistics
 import subprocess
@@ -65,17 +67,18 @@ def one(router: str, prompt: list[int], max_tokens: int) -> tuple[float, float]:
     return times[0] - start, (times[-1] - times[0]) / max(1, len(times) - 1) * 1000
 
 
-def measure(extra: list[str], prompts: list[list[int]], args: argparse.Namespace) -> dict[str, float]:
+def measure(extra: list[str], prompts: list[list[int]], args: argparse.Namespace) -> list[tuple[float, float, float]]:
+    """(KV MB, TTFT s, TPOT ms) of each prompt."""
     proc, router = launch(extra, args.prompt_tokens + args.max_tokens + 64)
     try:
         (decode,) = [i["url"] for i in httpx.get(f"{router}/registered", timeout=10).json()["instances"]
                      if i["role"] == "decode"]
         one(router, [5] * 64, 4)  # warm up both instances
         before = received(decode)
-        ttfts, tpots = zip(*(one(router, p, args.max_tokens) for p in prompts), strict=True)
+        times = [one(router, p, args.max_tokens) for p in prompts]
         time.sleep(1.5)  # the counters are read from the engine once a second at most
-        return {"KV bytes per request (MB)": (received(decode) - before) / len(prompts) / 1e6,
-                "TTFT p50 (s)": statistics.median(ttfts), "TPOT p50 (ms)": statistics.median(tpots)}
+        mb = (received(decode) - before) / len(prompts) / 1e6
+        return [(mb, ttft, tpot) for ttft, tpot in times]
     finally:
         os.killpg(proc.pid, signal.SIGINT)
         try:
@@ -89,18 +92,22 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=4)
     parser.add_argument("--prompt-tokens", type=int, default=4000)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=2, help="deployments of each kind, in the order ABBA...")
+    parser.add_argument("--launch-args", default="", help="more `pdserve launch` flags for both deployments")
     args = parser.parse_args()
     rng = random.Random(0)
-    runs = {}
-    for name, extra in (("layer groups", []), ("one table", ["--disable-hybrid-kv-cache-manager"])):
+    modes = {"layer groups": [], "one table": ["--disable-hybrid-kv-cache-manager"]}
+    runs: dict[str, list[tuple[float, float, float]]] = {name: [] for name in modes}
+    order = [name for r in range(args.rounds) for name in (modes if r % 2 == 0 else reversed(modes))]  # ABBA...
+    for name in order:
         prompts = [[2] + [rng.randrange(1000, 200_000) for _ in range(args.prompt_tokens - 1)]
                    for _ in range(args.requests)]  # distinct for each run too: no prefix-cache hit anywhere
-        runs[name] = measure(extra, prompts, args)
-    print(f"Gemma 3 270M, pdserve launch 1P1D, {args.requests} prompts of {args.prompt_tokens} tokens, "
-          f"{args.max_tokens} new tokens each, one at a time\n")
+        runs[name] += measure([*modes[name], *shlex.split(args.launch_args)], prompts, args)
+    print(f"Gemma 3 270M, pdserve launch 1P1D, {args.rounds} deployments of each kind (ABBA), {args.requests} prompts "
+          f"of {args.prompt_tokens} tokens each, {args.max_tokens} new tokens, one at a time\n")
     print("| figure | layer groups | one table | groups / one table |\n|---|---|---|---|")
-    for key in runs["layer groups"]:
-        a, b = runs["layer groups"][key], runs["one table"][key]
+    for i, key in enumerate(("KV bytes per request (MB)", "TTFT p50 (s)", "TPOT p50 (ms)")):
+        a, b = (statistics.median(r[i] for r in runs[name]) for name in modes)
         print(f"| {key} | {a:.3g} | {b:.3g} | {a / b:.2f}x |")
 
 
