@@ -130,3 +130,14 @@ def test_gemma3_with_a_block_table_per_layer_group_reads_only_the_windows_blocks
                       kernel=path == "compiled")
         torch.testing.assert_close(logits[0], expected[start + len(piece) - 1], atol=TOL, rtol=0)
         cache.layers[0][window[:live]].fill_(1e4)  # what fell out of the window is gone
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_geglu_equals_torchs_gelu_tanh_times_up(ops, dtype) -> None:  # noqa: ANN001
+    """Gemma's gelu_tanh(gate) * up in one pass (math in fp32, rounded once) against torch's two ops."""
+    gate_up = (torch.randn(5, 2 * 640, generator=torch.Generator().manual_seed(0)) * 4).to(dtype)
+    out = gate_up.new_empty(5, 640)
+    ops.gelu_tanh_and_mul(out, gate_up)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    want = torch.nn.functional.gelu(gate, approximate="tanh") * up
+    assert torch.allclose(out.float(), want, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-5)

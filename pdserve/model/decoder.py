@@ -201,14 +201,12 @@ class DecoderModel(nn.Module):
 
     def _gated_activation(self, gate_up: torch.Tensor) -> torch.Tensor:
         """act(gate) * up: SwiGLU, or Gemma's GeGLU (tanh GELU)."""
-        if self.config.activation == "gelu_tanh":
-            gate, up = gate_up.chunk(2, dim=-1)
-            return F.gelu(gate, approximate="tanh") * up
+        gelu = self.config.activation == "gelu_tanh"
         if self.kernels is None:
             gate, up = gate_up.chunk(2, dim=-1)
-            return F.silu(gate) * up
+            return (F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)) * up
         act = gate_up.new_empty(gate_up.shape[0], self.config.intermediate_size)
-        self.kernels.silu_and_mul(act, gate_up)
+        (self.kernels.gelu_tanh_and_mul if gelu else self.kernels.silu_and_mul)(act, gate_up)
         return act
 
     def _add_block_output(self, residual: torch.Tensor, linear: Linear, x: torch.Tensor,

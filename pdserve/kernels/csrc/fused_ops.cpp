@@ -1,5 +1,5 @@
 // The decoder's small elementwise steps fused into one pass each: RoPE applied in place to the
-// q and k heads of the qkv projection's output, SwiGLU's silu(gate) * up, and RMSNorm. Unfused, each is four
+// q and k heads of the qkv projection's output, SwiGLU's silu(gate) * up (GeGLU's gelu_tanh(gate) * up), and RMSNorm. Unfused, each is four
 // to six torch ops per layer (with fp32 round trips in bf16 models) that together cost more time
 // per step than the attention itself at small batches.
 #include <ATen/ATen.h>
@@ -46,6 +46,25 @@ void silu_mul_rows(T* out, const T* x, int64_t tokens, int64_t width, int64_t x_
       for (int64_t i = 0; i < width; i += kLanes) {
         const fvec g = vload(gate + i);
         vstore(o + i, g / (1.f + vexp(-g)) * vload(up + i));
+      }
+    }
+  });
+}
+
+// Gemma's GeGLU: gelu_tanh(g) * up, with 0.5 * (1 + tanh(z)) written as the sigmoid of 2z (the same number, and the
+// form of SiLU's loop above).
+template <typename T>
+void gelu_tanh_mul_rows(T* out, const T* x, int64_t tokens, int64_t width, int64_t x_stride) {
+  constexpr float k2 = 2.f * 0.7978845608028654f;  // 2 * sqrt(2 / pi)
+  at::parallel_for(0, tokens, std::max<int64_t>(1, 8192 / width), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* gate = x + t * x_stride;
+      const T* up = gate + width;
+      T* o = out + t * width;
+      for (int64_t i = 0; i < width; i += kLanes) {
+        const fvec g = vload(gate + i);
+        const fvec z2 = g * (1.f + 0.044715f * g * g) * k2;
+        vstore(o + i, g / (1.f + vexp(-z2)) * vload(up + i));
       }
     }
   });
@@ -127,6 +146,20 @@ void silu_and_mul(const at::Tensor& out, const at::Tensor& x) {
   });
 }
 
+// out[T, I] = gelu_tanh(x[:, :I]) * x[:, I:], math in fp32.
+void gelu_tanh_and_mul(const at::Tensor& out, const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 32 == 0,
+              "x: [tokens, 2 * width] with width a multiple of 16");
+  TORCH_CHECK(out.is_contiguous() && out.size(0) == x.size(0) && 2 * out.size(1) == x.size(1) &&
+                  out.scalar_type() == x.scalar_type(),
+              "out: contiguous [tokens, width] of x's dtype");
+  dispatch(x.scalar_type(), "gelu_tanh_and_mul", [&](auto zero) {
+    using T = decltype(zero);
+    gelu_tanh_mul_rows<T>(static_cast<T*>(out.data_ptr()), static_cast<const T*>(x.data_ptr()), x.size(0),
+                          out.size(1), x.stride(0));
+  });
+}
+
 // out[T, H] = x / sqrt(mean(x^2) + eps) * weight, per row.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 16 == 0,
@@ -167,6 +200,7 @@ void rms_norm_heads(const at::Tensor& x, const at::Tensor& weight, double eps) {
 TORCH_LIBRARY_FRAGMENT(pdserve_kernels, m) {
   m.def("rotary_embedding(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin, bool interleaved) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+  m.def("gelu_tanh_and_mul(Tensor(a!) out, Tensor x) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rms_norm_heads(Tensor(a!) x, Tensor weight, float eps) -> ()");
 }
@@ -174,6 +208,7 @@ TORCH_LIBRARY_FRAGMENT(pdserve_kernels, m) {
 TORCH_LIBRARY_IMPL(pdserve_kernels, CPU, m) {
   m.impl("rotary_embedding", &rotary_embedding);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("gelu_tanh_and_mul", &gelu_tanh_and_mul);
   m.impl("rms_norm", &rms_norm);
   m.impl("rms_norm_heads", &rms_norm_heads);
 }
