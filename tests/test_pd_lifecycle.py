@@ -6,8 +6,10 @@ in milliseconds, where tests/test_pd.py needs whole deployments.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
+from collections.abc import Iterator
 
 import msgspec
 import pytest
@@ -486,9 +488,19 @@ def test_d_asks_p_only_for_the_blocks_its_prefix_cache_lacks(buffer_blocks):
 WINDOWED = LayerGroups(((1,), (0,)), (0, 8))  # layer 1 attends to everything, layer 0 to its last 8 tokens
 
 
-def _windowed_pair(ctx: zmq.Context, **decode: int | bool) -> tuple[Side, Side]:
-    return (Side("prefill", 32, ctx, groups=WINDOWED, chunk=8, prefix_caching=True),
+@contextlib.contextmanager
+def windowed_pair(**decode: int | bool) -> Iterator[tuple[Side, Side]]:
+    """P (8 tokens a step) and D with the WINDOWED groups; closed afterwards."""
+    ctx = zmq.Context()
+    p, d = (Side("prefill", 32, ctx, groups=WINDOWED, chunk=8, prefix_caching=True),
             Side("decode", 16, ctx, groups=WINDOWED, **decode))
+    try:
+        yield p, d
+    finally:
+        for side in (p, d):
+            side.conn.close()
+            side.service.sock.close()
+        ctx.term()
 
 
 def _prefill_in_chunks(p: Side, rp: Request) -> list:
@@ -508,9 +520,7 @@ def test_with_layer_groups_d_takes_and_p_sends_a_sliding_group_only_its_window(b
     """A 30-token prompt (8 blocks of 4) with a window of 8: D's first decode step sees tokens 23-30, so the sliding
     group needs blocks 5-7 only. D holds (or buffers) the global group's 8 and those 3; P, computing 8 tokens a
     step, plans the global group's blocks as each chunk computes them and the sliding group's from block 5 on."""
-    ctx = zmq.Context()
-    p, d = _windowed_pair(ctx, buffer_blocks=buffer_blocks)
-    try:
+    with windowed_pair(buffer_blocks=buffer_blocks) as (p, d):
         tid, rp, rd = submit(p, d, n_prompt=30)
         if buffer_blocks:
             assert d.conn.stats().buffer.blocks_used == 8 + 3 and d.free_blocks == d.num_blocks
@@ -537,17 +547,10 @@ def test_with_layer_groups_d_takes_and_p_sends_a_sliding_group_only_its_window(b
         assert rd in d.scheduler.running and rd.output_token_ids == [42]
         d.scheduler.abort(rd.request_id)
         assert d.free_blocks == d.num_blocks and p.free_blocks == p.num_blocks
-    finally:
-        for side in (p, d):
-            side.conn.close()
-            side.service.sock.close()
-        ctx.term()
 
 
 def test_with_layer_groups_d_asks_only_for_what_its_prefix_cache_lacks_in_every_group():
-    ctx = zmq.Context()
-    p, d = _windowed_pair(ctx, prefix_caching=True)
-    try:
+    with windowed_pair(prefix_caching=True) as (p, d):
         tid, rp, rd = submit(p, d, n_prompt=30)
         pump(p, d, lambda: p.conn.phase_of(tid) is PrefillPhase.SCHEDULED)
         _prefill_in_chunks(p, rp)
@@ -561,29 +564,17 @@ def test_with_layer_groups_d_asks_only_for_what_its_prefix_cache_lacks_in_every_
         plans = _prefill_in_chunks(p, rp2)
         assert [b for plan in plans for b in plan.dst_blocks] == [rd2.blocks[7].block_id]
         assert [b for plan in plans for b in plan.group_pairs[0].dst_blocks] == [rd2.group_blocks[0][7].block_id]
-    finally:
-        for side in (p, d):
-            side.conn.close()
-            side.service.sock.close()
-        ctx.term()
 
 
 def test_cache_info_naming_sliding_blocks_outside_the_window_is_refused_on_both_sides(monkeypatch):
     """P drops a sliding group's blocks as the prompt moves past them: a D that asks for them gets an error."""
-    ctx = zmq.Context()
-    p, d = _windowed_pair(ctx)
-    monkeypatch.setattr(d.conn, "_wanted", lambda tables, r, skip: [[7] * len(t) for t in tables])
-    try:
+    with windowed_pair() as (p, d):
+        monkeypatch.setattr(d.conn, "_wanted", lambda tables, r, skip: [[7] * len(t) for t in tables])
         tid, rp, rd = submit(p, d, n_prompt=30)
         p_out, d_out = pump(p, d, lambda: d.conn.phase_of(tid) is None and p.conn.phase_of(tid) is None)
         assert "layer group 1's blocks outside the window" in p_out[0].error
         assert "outside the window" in d_out[0].error
         assert p.free_blocks == p.num_blocks
-    finally:
-        for side in (p, d):
-            side.conn.close()
-            side.service.sock.close()
-        ctx.term()
 
 
 def test_p_renews_the_lease_from_inside_a_step_that_outlasts_it(pd):

@@ -36,39 +36,31 @@ void rotate_rows(T* x, int64_t tokens, int64_t heads, int64_t tok_stride, int64_
   });
 }
 
-template <typename T>
-void silu_mul_rows(T* out, const T* x, int64_t tokens, int64_t width, int64_t x_stride) {
+// out = act(gate) * up per row of x = [gate | up], math in fp32.
+template <typename T, typename Act>
+void gated_rows(T* out, const T* x, int64_t tokens, int64_t width, int64_t x_stride, Act act) {
   at::parallel_for(0, tokens, std::max<int64_t>(1, 8192 / width), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const T* gate = x + t * x_stride;
       const T* up = gate + width;
       T* o = out + t * width;
-      for (int64_t i = 0; i < width; i += kLanes) {
-        const fvec g = vload(gate + i);
-        vstore(o + i, g / (1.f + vexp(-g)) * vload(up + i));
-      }
+      for (int64_t i = 0; i < width; i += kLanes) vstore(o + i, act(vload(gate + i)) * vload(up + i));
     }
   });
 }
 
-// Gemma's GeGLU: gelu_tanh(g) * up, with 0.5 * (1 + tanh(z)) written as the sigmoid of 2z (the same number, and the
-// form of SiLU's loop above).
-template <typename T>
-void gelu_tanh_mul_rows(T* out, const T* x, int64_t tokens, int64_t width, int64_t x_stride) {
-  constexpr float k2 = 2.f * 0.7978845608028654f;  // 2 * sqrt(2 / pi)
-  at::parallel_for(0, tokens, std::max<int64_t>(1, 8192 / width), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const T* gate = x + t * x_stride;
-      const T* up = gate + width;
-      T* o = out + t * width;
-      for (int64_t i = 0; i < width; i += kLanes) {
-        const fvec g = vload(gate + i);
-        const fvec z2 = g * (1.f + 0.044715f * g * g) * k2;
-        vstore(o + i, g / (1.f + vexp(-z2)) * vload(up + i));
-      }
-    }
-  });
-}
+// Function objects, not pointers: the call inlines into gated_rows' loop.
+struct Silu {
+  fvec operator()(fvec g) const { return g / (1.f + vexp(-g)); }
+};
+
+// GELU's tanh approximation, with 0.5 * (1 + tanh(z)) written as the sigmoid of 2z (the same number, SiLU's form).
+struct GeluTanh {
+  fvec operator()(fvec g) const {
+    constexpr float k2 = 2.f * 0.7978845608028654f;  // 2 * sqrt(2 / pi)
+    return g / (1.f + vexp(-(g * (1.f + 0.044715f * g * g) * k2)));
+  }
+};
 
 // Rounded to T as Hugging Face's RMSNorm rounds: normalise in fp32, round, then scale by the weight.
 template <typename T>
@@ -132,31 +124,32 @@ void rotary_embedding(const at::Tensor& x, const at::Tensor& positions, const at
   });
 }
 
-// out[T, I] = silu(x[:, :I]) * x[:, I:], math in fp32.
-void silu_and_mul(const at::Tensor& out, const at::Tensor& x) {
+// A gated activation's operands: x [tokens, 2 * width] (gate | up), out [tokens, width].
+void check_gated(const at::Tensor& out, const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 32 == 0,
               "x: [tokens, 2 * width] with width a multiple of 16");
   TORCH_CHECK(out.is_contiguous() && out.size(0) == x.size(0) && 2 * out.size(1) == x.size(1) &&
                   out.scalar_type() == x.scalar_type(),
               "out: contiguous [tokens, width] of x's dtype");
+}
+
+// out[T, I] = silu(x[:, :I]) * x[:, I:], math in fp32.
+void silu_and_mul(const at::Tensor& out, const at::Tensor& x) {
+  check_gated(out, x);
   dispatch(x.scalar_type(), "silu_and_mul", [&](auto zero) {
     using T = decltype(zero);
-    silu_mul_rows<T>(static_cast<T*>(out.data_ptr()), static_cast<const T*>(x.data_ptr()), x.size(0), out.size(1),
-                     x.stride(0));
+    gated_rows<T>(static_cast<T*>(out.data_ptr()), static_cast<const T*>(x.data_ptr()), x.size(0), out.size(1),
+                  x.stride(0), Silu{});
   });
 }
 
 // out[T, I] = gelu_tanh(x[:, :I]) * x[:, I:], math in fp32.
 void gelu_tanh_and_mul(const at::Tensor& out, const at::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 32 == 0,
-              "x: [tokens, 2 * width] with width a multiple of 16");
-  TORCH_CHECK(out.is_contiguous() && out.size(0) == x.size(0) && 2 * out.size(1) == x.size(1) &&
-                  out.scalar_type() == x.scalar_type(),
-              "out: contiguous [tokens, width] of x's dtype");
+  check_gated(out, x);
   dispatch(x.scalar_type(), "gelu_tanh_and_mul", [&](auto zero) {
     using T = decltype(zero);
-    gelu_tanh_mul_rows<T>(static_cast<T*>(out.data_ptr()), static_cast<const T*>(x.data_ptr()), x.size(0),
-                          out.size(1), x.stride(0));
+    gated_rows<T>(static_cast<T*>(out.data_ptr()), static_cast<const T*>(x.data_ptr()), x.size(0), out.size(1),
+                  x.stride(0), GeluTanh{});
   });
 }
 
