@@ -261,3 +261,40 @@ def test_a_pull_brings_the_peers_run_and_each_sliding_groups_window_before_its_e
     assert [copier.device[b.block_id] for b in prefix] == [0.0, 1.0, 2.0, 3.0]
     window = request.group_blocks[0]
     assert window[:2] == [None, None] and [copier.device[b.block_id] for b in window[2:4]] == [102.0, 103.0]
+
+
+def test_a_run_that_goes_on_past_a_device_gap_takes_the_device_blocks_and_loads_the_rest():
+    """Group 0's block 5 is still on the device (held there while its host copy ran, say) while blocks 0-4 and 6-7
+    went: the hit takes block 5 as it is and loads the others from the host tier, in one run of 8."""
+    from pdserve.engine.request import Request
+    from pdserve.sampling import SamplingParams
+    from tests.test_host_tier import ArrayCopier
+
+    kv = KVCacheManager(24, BS, True, LayerGroups(((1,), (0,)), (0, 8)))
+    copier = ArrayCopier(24, 40)
+    kv.add_host_tier(40, copier)
+    first = Request("a", list(range(100, 133)), SamplingParams(max_tokens=1))
+    assert kv.allocate(first, 33)
+    for i, block in enumerate(first.blocks):
+        copier.device[block.block_id] = 100 + i
+    first.num_computed_tokens = 33
+    kv.commit_computed(first)
+    hashes = first.block_hashes
+    kv.free(first)
+    copier.complete_saves(kv)
+    kv.reset_prefix_cache()  # the device forgets; the host tier is refilled below from what was saved
+    for h, value in zip(hashes, range(100, 108), strict=False):
+        kv.host.saved(h, host := kv.host.reserve(h), from_device=False)
+        copier.host[host] = value
+        kv.host.saved(group_key(1, h), host := kv.host.reserve(group_key(1, h)), from_device=False)
+        copier.host[host] = 1000 + value
+    (block,) = kv.pool.allocate(1)  # block 5 back on the device, cached
+    copier.device[block.block_id] = 105
+    kv.pool.cache_full_block(block, hashes[5])
+    kv.pool.free([block])
+    again = Request("b", list(range(100, 133)), SamplingParams(max_tokens=1))
+    hits = kv.find_cached_prefix(again)
+    assert [copier.device[b.block_id] for b in hits] == [100 + i for i in range(8)]
+    assert hits[5] is block
+    assert kv.allocate(again, 33 - 8 * BS, hits)
+    assert [copier.device[b.block_id] for b in again.group_blocks[0][6:8]] == [1106, 1107]

@@ -566,6 +566,34 @@ def test_with_layer_groups_d_asks_only_for_what_its_prefix_cache_lacks_in_every_
         assert [b for plan in plans for b in plan.group_pairs[0].dst_blocks] == [rd2.group_blocks[0][7].block_id]
 
 
+def test_a_reset_while_a_buffered_request_holds_its_cached_window_keeps_those_blocks_for_it():
+    """With a decode buffer D holds the prompt's cached blocks, its window's among them, until the swap-in: a prefix
+    cache reset meanwhile (new weights, say) unindexes them, and the swap-in still takes the very blocks it held."""
+    with windowed_pair(buffer_blocks=16, prefix_caching=True) as (p, d):
+        tid, rp, rd = submit(p, d, n_prompt=30)
+        finish_buffered(p, d, rp, tid)
+        d.scheduler.abort(rd.request_id)  # the first turn is over: its full blocks stay cached
+
+        tid2, rp2, rd2 = submit(p, d, n_prompt=30)
+        held = [b for hits in d.conn._by_tid[tid2].window_cached for b in hits]
+        assert len(held) == 2  # the sliding group's blocks 5 and 6 (7 is partial: P sends it)
+        d.scheduler.kv.reset_prefix_cache()
+        finish_buffered(p, d, rp2, tid2)
+        assert rd2 in d.scheduler.running and rd2.group_blocks[0][5:7] == held
+        d.scheduler.abort(rd2.request_id)
+        assert d.free_blocks == d.num_blocks
+
+
+def finish_buffered(p: Side, d: Side, rp: Request, tid: str) -> None:
+    """P computes the prompt, the KV lands in D's buffer and is swapped into D's cache."""
+    pump(p, d, lambda: p.conn.phase_of(tid) is PrefillPhase.SCHEDULED)
+    _prefill_in_chunks(p, rp)
+    p.service.reports.append(TransferDone(tid, ok=True, nbytes=10))
+    pump(p, d, lambda: p.conn.phase_of(tid) is None)
+    d.service.reports.append(SwapDone(tid, nbytes=10, seconds=0.001))
+    d.conn.poll()
+
+
 def test_cache_info_naming_sliding_blocks_outside_the_window_is_refused_on_both_sides(monkeypatch):
     """P drops a sliding group's blocks as the prompt moves past them: a D that asks for them gets an error."""
     with windowed_pair() as (p, d):

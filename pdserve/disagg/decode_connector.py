@@ -70,7 +70,7 @@ class Incoming:
     lease_deadline: float = float("inf")
     buffer: list[Block] = field(default_factory=list)  # buffer blocks (with a splitwise cache buffer)
     cached: list[Block] = field(default_factory=list)  # with a buffer: the prompt's blocks in D's prefix cache
-    window_cached: list[Block] = field(default_factory=list)  # and the sliding-window groups' (layer groups)
+    window_cached: list[list[Block]] = field(default_factory=list)  # and each sliding-window group's (layer groups)
     done: PrefillDone | None = None  # P's message, kept while the KV waits in the buffer
     held: list[Block] = field(default_factory=list)  # aborted while swapping in: its cache blocks, till copied
 
@@ -180,7 +180,8 @@ class DecodeConnector(ConnectorBase):
         return len(self._by_tid)
 
     def next_deadline(self) -> float | None:
-        if self._buffered and self.scheduler.can_preallocate(self._buffered[0].request, self._buffered[0].cached):
+        first = self._buffered[0] if self._buffered else None
+        if first is not None and self.scheduler.can_preallocate(first.request, first.cached, first.window_cached):
             return self.clock()  # KV waiting for cache blocks that a finished step has just freed: at once
         deadlines = [i.lease_deadline for i in self._by_tid.values() if i.phase is Phase.PREALLOCATED]
         deadlines += [t for t, _, _ in self._quarantine] + [i.queue_deadline for i in self._queue]
@@ -256,8 +257,8 @@ class DecodeConnector(ConnectorBase):
         if self.buffer.num_free_blocks < need:
             return False
         inc.buffer = self.buffer.allocate(need)
-        inc.window_cached = [b for hits in self.scheduler.window_hits(inc.request, cached) for b in hits]
-        self.scheduler.hold_blocks(cached + inc.window_cached)  # until the swap-in takes them for the request
+        inc.window_cached = self.scheduler.window_hits(inc.request, cached)
+        self.scheduler.hold_blocks(cached + _flat(inc.window_cached))  # until the swap-in takes them for the request
         inc.cached = cached
         return True
 
@@ -291,7 +292,7 @@ class DecodeConnector(ConnectorBase):
         return [tables[g][i] for g, rng in enumerate(self._received(r, skip)) for i in rng]
 
     def _drop_cached(self, inc: Incoming) -> None:
-        self.scheduler.release_blocks(inc.cached + inc.window_cached)
+        self.scheduler.release_blocks(inc.cached + _flat(inc.window_cached))
         inc.cached, inc.window_cached = [], []
 
     def _on_prefill_done(self, inc: Incoming, msg: PrefillDone) -> list[RequestOutput]:
@@ -332,7 +333,7 @@ class DecodeConnector(ConnectorBase):
         first), and the cache service copies their KV over."""
         while self._buffered and not self.scheduler.has_waiting:
             inc = self._buffered[0]
-            if not self.scheduler.preallocate(inc.request, inc.cached):
+            if not self.scheduler.preallocate(inc.request, inc.cached, inc.window_cached):
                 return
             self._drop_cached(inc)  # the request holds them now
             self._buffered.popleft()
@@ -419,3 +420,7 @@ def _take_blocks(request: Request) -> list[Block]:
     blocks = request.blocks + [b for table in request.group_blocks for b in table if b is not None]
     request.blocks, request.group_blocks = [], []
     return blocks
+
+
+def _flat(tables: list[list[Block]]) -> list[Block]:
+    return [b for table in tables for b in table]

@@ -50,9 +50,11 @@ class GroupTables:
         """The sliding groups' keys of the window before block n: what a hit of n blocks takes in those groups."""
         return [group_key(g, h) for g in self.others for h in hashes[self._live_from(g, n * self.block_size):n]]
 
-    def new_blocks(self, request: Request, computed: int, total: int, num_cached: int) -> int:
+    def new_blocks(self, request: Request, computed: int, total: int, num_cached: int,
+                   hits: list[list[Block]] | None = None) -> int:
         """Blocks the sliding groups must take from the pool for tokens up to `total`, `computed` of them done
-        (`num_cached` leading blocks found cached: those are taken, not allocated)."""
+        (`num_cached` leading blocks found cached: those are taken, not allocated; `hits`: each group's of them,
+        held by the caller, else looked up)."""
         needed = -(-total // self.block_size)
         n = 0
         for g in self.others:
@@ -60,7 +62,8 @@ class GroupTables:
             first = max(held, num_cached, self._live_from(g, computed))
             n += max(0, needed - first)
             if num_cached and not held:  # cached blocks revived from the free list count against it too
-                n += sum(1 for b in self.cached_blocks(g, request, computed, num_cached) if b.ref_cnt == 0)
+                cached = hits[g - 1] if hits is not None else self.cached_blocks(g, request, computed, num_cached)
+                n += sum(1 for b in cached if b.ref_cnt == 0)
         return n
 
     def cached_blocks(self, group: int, request: Request, computed: int, num_cached: int) -> list[Block]:
@@ -68,7 +71,8 @@ class GroupTables:
         hashes = request.block_hashes[self._live_from(group, computed):num_cached]
         return [self.pool.lookup(group_key(group, h)) for h in hashes]
 
-    def allocate(self, request: Request, computed: int, total: int, num_cached: int) -> None:
+    def allocate(self, request: Request, computed: int, total: int, num_cached: int,
+                 hits: list[list[Block]] | None = None) -> None:
         """Give every sliding group blocks up to `total` tokens and free what the query at `computed` cannot see
         (new_blocks() said the pool has room). Call before group 0 allocates: the cached blocks are taken first,
         so that no new block evicts them."""
@@ -77,7 +81,7 @@ class GroupTables:
         for g in self.others:
             table = request.group_blocks[g - 1]
             if num_cached and not table:
-                cached = self.cached_blocks(g, request, computed, num_cached)
+                cached = hits[g - 1] if hits is not None else self.cached_blocks(g, request, computed, num_cached)
                 self.pool.take(cached)
                 table.extend([None] * (num_cached - len(cached)) + cached)
         needed = -(-total // self.block_size)

@@ -161,24 +161,41 @@ class KVCacheManager:
         if self.host is None:
             return hits[:self.groups.cached_run(hashes, len(hits))]
         n = len(hits)
-        while n < len(hashes) and self._below_device(hashes[n]):
+        while n < len(hashes) and (self.pool.lookup(hashes[n]) is not None or self._below_device(hashes[n])):
             n += 1
         n = self.groups.cached_run(hashes, n, elsewhere=self._below_device)
-        keys = hashes[len(hits):n] + [k for k in self.groups.window_keys(hashes, n) if self.pool.lookup(k) is None]
-        if self._start_disk_load(request, keys) or self._start_pull(request, hashes[len(hits):], len(hits),
-                                                                    self._pulled_windows(request, hashes, n)):
+        wanted = hashes[len(hits):n] + self.groups.window_keys(hashes, n)
+        missing = [k for k in wanted if self.pool.lookup(k) is None]
+        if self._start_disk_load(request, missing) or self._start_pull(request, hashes[len(hits):], len(hits),
+                                                                       self._pulled_windows(request, hashes, n)):
             return None
-        windows = [self.pool.lookup(k) for k in self.groups.window_keys(hashes, n)]
-        loaded = self._load_from_host(hits + [b for b in windows if b is not None], keys)
-        run = [b for b in loaded if split_group_key(b.block_hash)[0] == 0]  # group 0's, in order from len(hits)
-        for block in run:
-            request.prefix_tiers.setdefault(block.block_hash, HOST_TIER)
-        self._record_stored(request, len(hits), [b.block_hash for b in run])
-        if self.events is not None:
-            for block in loaded[len(run):]:
-                self.events.stored_key(block.block_hash, DEVICE)
-        hits = hits + run
+        on_device = [b for k in wanted if (b := self.pool.lookup(k)) is not None]
+        loaded = {b.block_hash for b in self._load_from_host(hits + on_device, missing)}
+        self._record_loaded(request, hashes, len(hits), n, loaded)
+        for i in range(len(hits), n):
+            if (block := self.pool.lookup(hashes[i])) is None:
+                break
+            hits.append(block)
         return hits[:self.groups.cached_run(hashes, len(hits))]
+
+    def _record_loaded(self, request: Request, hashes: list[BlockHash], first: int, end: int,
+                       loaded: set[bytes]) -> None:
+        """Tiers and KV events of the keys just copied up from the host tier: group 0's runs of blocks first..end,
+        then the sliding groups' window blocks."""
+        runs: list[tuple[int, list[bytes]]] = []
+        for i in range(first, end):
+            if hashes[i] not in loaded:
+                continue
+            request.prefix_tiers.setdefault(hashes[i], HOST_TIER)
+            if runs and runs[-1][0] + len(runs[-1][1]) == i:
+                runs[-1][1].append(hashes[i])
+            else:
+                runs.append((i, [hashes[i]]))
+        for start, run in runs:
+            self._record_stored(request, start, run)
+        if self.events is not None:
+            for key in loaded - set(hashes[first:end]):
+                self.events.stored_key(key, DEVICE)
 
     def _pulled_windows(self, request: Request, hashes: list[BlockHash], n: int) -> list[bytes]:
         """The sliding groups' window keys a pull of the peer's run (past the `n` blocks held here) must bring too."""
@@ -352,14 +369,16 @@ class KVCacheManager:
             self.pool.free(reversed(hits))
 
     def allocate(self, request: Request, num_new_tokens: int, cached_prefix: list[Block] = (),
-                 query_from: int | None = None) -> bool:
+                 query_from: int | None = None, window_hits: list[list[Block]] | None = None) -> bool:
         """Give `request` blocks for `num_new_tokens` more tokens (after any cached prefix). `query_from`: where the
         first query that reads them sits (default: the first new token); a sliding-window group holds no block
         before its window from there (a decode instance's prompt, filled from outside: its first decode step).
+        `window_hits`: the sliding groups' cached blocks of the prefix (window_hits()), held by the caller since it
+        found them; else looked up now.
 
         All or nothing: False, with nothing changed, when the pool cannot cover it.
         """
-        if not self.can_allocate(request, num_new_tokens, cached_prefix, query_from):
+        if not self.can_allocate(request, num_new_tokens, cached_prefix, query_from, window_hits):
             return False
         computed = request.num_computed_tokens + len(cached_prefix) * self.block_size
         needed = self.blocks_needed(computed + num_new_tokens) - len(request.blocks) - len(cached_prefix)
@@ -367,13 +386,13 @@ class KVCacheManager:
         request.blocks.extend(cached_prefix)
         if self.groups is not None:
             self.groups.allocate(request, computed if query_from is None else query_from, computed + num_new_tokens,
-                                 len(cached_prefix))
+                                 len(cached_prefix), window_hits or None)
         if needed > 0:
             request.blocks.extend(self.pool.allocate(needed))
         return True
 
     def can_allocate(self, request: Request, num_new_tokens: int, cached_prefix: list[Block] = (),
-                     query_from: int | None = None) -> bool:
+                     query_from: int | None = None, window_hits: list[list[Block]] | None = None) -> bool:
         """allocate() would succeed now (nothing is taken)."""
         computed = request.num_computed_tokens + len(cached_prefix) * self.block_size
         total = computed + num_new_tokens
@@ -381,7 +400,7 @@ class KVCacheManager:
         revived = sum(1 for b in cached_prefix if b.ref_cnt == 0)  # free blocks the prefix takes
         if self.groups is not None:
             revived += self.groups.new_blocks(request, computed if query_from is None else query_from, total,
-                                              len(cached_prefix))
+                                              len(cached_prefix), window_hits or None)
         return max(needed, 0) <= self.pool.num_free_blocks - revived
 
     def window_hits(self, request: Request, num_cached: int, query_from: int) -> list[list[Block]]:

@@ -152,10 +152,11 @@ class Scheduler:
         """A finished KV producer's blocks, once its KV went out (or will not)."""
         self.kv.free(request)
 
-    def can_preallocate(self, request: Request, cached: list[Block] = ()) -> bool:
+    def can_preallocate(self, request: Request, cached: list[Block] = (),
+                        window_cached: list[list[Block]] | None = None) -> bool:
         """preallocate() would succeed now (nothing is taken)."""
         return not self.waiting and self.kv.can_allocate(request, self._preallocated_tokens(request, cached), cached,
-                                                         query_from=request.num_prompt_tokens)
+                                                         request.num_prompt_tokens, window_cached)
 
     def cached_prefix(self, request: Request) -> list[Block] | None:
         """The prompt's leading blocks already in this instance's prefix cache (nothing taken); None while some
@@ -177,15 +178,17 @@ class Scheduler:
 
     # ---- decode role: prompt KV filled from outside ------------------------------------------
 
-    def preallocate(self, request: Request, cached: list[Block] = ()) -> bool:
+    def preallocate(self, request: Request, cached: list[Block] = (),
+                    window_cached: list[list[Block]] | None = None) -> bool:
         """Reserve blocks for the whole prompt (plus the first generated token) of a request whose
-        prompt KV another instance will write, the `cached` prefix (cached_prefix) taken as it is.
-        False (and nothing held) when blocks are short."""
+        prompt KV another instance will write, the `cached` prefix (cached_prefix) taken as it is (and with layer
+        groups `window_cached`, window_hits() of it, where the caller has held them since). False (and nothing
+        held) when blocks are short."""
         self.check_request(request)
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if not self.kv.allocate(request, self._preallocated_tokens(request, cached), cached,
-                                query_from=request.num_prompt_tokens):  # its first query: the first decode step
+                                request.num_prompt_tokens, window_cached):  # its first query: the first decode step
             return False
         request.num_cached_tokens = len(cached) * self.kv.block_size
         self.kv.record_hits(request, request.num_prompt_tokens)

@@ -64,16 +64,17 @@ class KVIndex:
                     self._clear(source)
 
     def _indexed(self, source: str, event: BlockStored | BlockRemoved) -> bool:
-        """Whether the event's layer group is indexed: with layer groups (group_idx), the full-attention groups' blocks
-        say what a prefix hit finds; a sliding-window group drops blocks the hit does not need. A store names its
-        group's kind; a group not yet named is group 0 only."""
+        """Whether the event's layer group is indexed: with layer groups (group_idx), the first full-attention group's
+        blocks say what a prefix hit finds (a sliding-window group drops blocks the hit does not need; another full
+        group holds the same hashes, and its events would undo the first one's). A store names its group's kind;
+        until one does, group 0 is taken for full attention."""
         group = event.group_idx
         if group is None:
             return True
         full = self._full_groups.setdefault(source, {0})
         if isinstance(event, BlockStored) and event.kv_cache_spec_kind is not None:
             (full.add if event.kv_cache_spec_kind == FULL_ATTENTION else full.discard)(group)
-        return group in full
+        return bool(full) and group == min(full)
 
     def clear(self, source: str) -> None:
         with self._lock:
