@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 if TYPE_CHECKING:
     import zmq
@@ -162,6 +162,16 @@ def stop_process(proc: subprocess.Popen, ask: Callable[[], None], timeout: float
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def exit_now(code: int) -> NoReturn:
+    """End a child whose orderly stop is done (its segments released, its sockets closed) without the interpreter's
+    teardown: with torch loaded that is ~0.45 s of finalizing objects that the OS frees anyway, paid at every stop
+    and restart. Logs and the standard streams are flushed first."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
 
 
 def child_entry(name: str, parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:

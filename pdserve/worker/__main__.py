@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -19,7 +18,7 @@ import zmq
 from pdserve.config.engine import EngineConfig
 from pdserve.config.errors import ModelLoadError
 from pdserve.utils.memory import keep_freed_memory
-from pdserve.utils.process import child_entry, recv_until_stopped
+from pdserve.utils.process import child_entry, exit_now, recv_until_stopped
 from pdserve.worker import core_loan
 from pdserve.worker.protocol import (
     CacheCommand,
@@ -101,4 +100,4 @@ def _answer(worker: Worker, msg: WorkerInput, loan: core_loan.Lender | core_loan
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())
