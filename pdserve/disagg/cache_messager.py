@@ -41,6 +41,7 @@ class CacheMessager:
                  connect: Callable[[Endpoint, CacheBuffer], KVWriter] = open_writer, ranks: int = 1) -> None:
         self.source = source
         self.layout = layout
+        self._places = layout.places()  # a model layer's (group, slot)
         self.report = report
         self._connect = connect
         self._writers: dict[Endpoint, KVWriter] = {}
@@ -69,7 +70,7 @@ class CacheMessager:
             return
         del self._ranks_done[key]
         self._write_layer(plans, msg)
-        if msg.layer == self.layout.model_layers - 1:
+        if msg.layer == len(self._places) - 1:
             self._finished = msg.step_id
             # A step the worker never finished (it failed mid-forward) left an entry; steps run one at a
             # time, so any older entry is such a leftover.
@@ -135,7 +136,7 @@ class CacheMessager:
             for pairs in plan.groups:
                 k = pairs.num_whole_blocks
                 ranges += block_ranges(self.layout, pairs.src_blocks[:k], pairs.dst_blocks[:k])
-        group, slot = self.layout.place(layer)
+        group, slot = self._places[layer]
         pairs = plan.group(group)
         k = pairs.num_whole_blocks
         return ranges + layer_ranges(self.layout, pairs.src_blocks[k:], pairs.dst_blocks[k:], slot)

@@ -46,7 +46,7 @@ class KVCache:
             [QuantizedKV(parts[0][:, layer], parts[1][:, layer]) for layer in range(layout.num_layers)]
             if layout.quantized else [parts[0][:, layer] for layer in range(layout.num_layers)])
         # Per model layer: its slot's view and the layer group whose block tables it reads (config/layer_groups.py).
-        self.by_layer = [(self.layers[slot], group) for group, slot in map(layout.place, range(layout.model_layers))]
+        self.by_layer = [(self.layers[slot], group) for group, slot in layout.places()]
 
     @classmethod
     def allocate(cls, layout: KVLayout, device: torch.device | str) -> KVCache:

@@ -60,6 +60,10 @@ class KVLayout(msgspec.Struct, frozen=True):
         """(group, slot) of a model layer: its block table and where in a block its K/V are."""
         return (0, layer) if self.layer_groups is None else self.layer_groups.place(layer)
 
+    def places(self) -> list[tuple[int, int]]:
+        """place() of every model layer, in order: looked up once by whoever reads layers by index."""
+        return [self.place(layer) for layer in range(self.model_layers)]
+
     def with_blocks(self, num_blocks: int) -> KVLayout:
         return msgspec.structs.replace(self, num_blocks=num_blocks)
 

@@ -82,6 +82,7 @@ class Worker:
             num_blocks = result.num_blocks
         self._check_fits(num_blocks)
         self.layout = self.runner.layout(num_blocks)  # the instance's (every KV head); this rank views its share
+        self._places = self.layout.places()  # a model layer's (group, slot)
         self.rows: dict[str, SamplingRow] = {}
         self.grammar_compiler = GrammarCompiler(self.runner.folder / "tokenizer.json", self.runner.config.vocab_size)
         self._cache_command: CacheCommand | None = None
@@ -351,13 +352,13 @@ class Worker:
         by_group = list(zip(*(plan.groups for plan in step.transfers), strict=True))  # a layer's blocks: its group's
         whole = [b for group in by_group for p in group for b in p.src_blocks[:p.num_whole_blocks]]
         computed = [[b for p in group for b in p.src_blocks[p.num_whole_blocks:]] for group in by_group]
-        place = self.layout.place
+        places = self._places
 
         def layer_done(layer: int) -> None:
             events: list[CopyEvent] = []
             if layer == 0 and whole:
                 events.append(copier.copy(DEVICE, "staging", whole, whole))
-            group, slot = place(layer)
+            group, slot = places[layer]
             if blocks := computed[group]:
                 events.append(copier.copy(DEVICE, "staging", blocks, blocks, slot))
             announcer.send(encode(LayerDone(step_id, layer, self.tp.rank)), events)

@@ -124,33 +124,25 @@ void rotary_embedding(const at::Tensor& x, const at::Tensor& positions, const at
   });
 }
 
-// A gated activation's operands: x [tokens, 2 * width] (gate | up), out [tokens, width].
-void check_gated(const at::Tensor& out, const at::Tensor& x) {
+// out[T, I] = act(x[:, :I]) * x[:, I:], math in fp32; x [tokens, 2 * width] (gate | up), out [tokens, width].
+template <typename Act>
+void gated_and_mul(const at::Tensor& out, const at::Tensor& x, const char* what) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 32 == 0,
               "x: [tokens, 2 * width] with width a multiple of 16");
   TORCH_CHECK(out.is_contiguous() && out.size(0) == x.size(0) && 2 * out.size(1) == x.size(1) &&
                   out.scalar_type() == x.scalar_type(),
               "out: contiguous [tokens, width] of x's dtype");
-}
-
-// out[T, I] = silu(x[:, :I]) * x[:, I:], math in fp32.
-void silu_and_mul(const at::Tensor& out, const at::Tensor& x) {
-  check_gated(out, x);
-  dispatch(x.scalar_type(), "silu_and_mul", [&](auto zero) {
+  dispatch(x.scalar_type(), what, [&](auto zero) {
     using T = decltype(zero);
     gated_rows<T>(static_cast<T*>(out.data_ptr()), static_cast<const T*>(x.data_ptr()), x.size(0), out.size(1),
-                  x.stride(0), Silu{});
+                  x.stride(0), Act{});
   });
 }
 
-// out[T, I] = gelu_tanh(x[:, :I]) * x[:, I:], math in fp32.
+void silu_and_mul(const at::Tensor& out, const at::Tensor& x) { gated_and_mul<Silu>(out, x, "silu_and_mul"); }
+
 void gelu_tanh_and_mul(const at::Tensor& out, const at::Tensor& x) {
-  check_gated(out, x);
-  dispatch(x.scalar_type(), "gelu_tanh_and_mul", [&](auto zero) {
-    using T = decltype(zero);
-    gated_rows<T>(static_cast<T*>(out.data_ptr()), static_cast<const T*>(x.data_ptr()), x.size(0), out.size(1),
-                  x.stride(0), GeluTanh{});
-  });
+  gated_and_mul<GeluTanh>(out, x, "gelu_tanh_and_mul");
 }
 
 // out[T, H] = x / sqrt(mean(x^2) + eps) * weight, per row.
