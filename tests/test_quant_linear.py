@@ -91,7 +91,7 @@ def test_every_row_count_matches_dequantized_matmul(name, dtype):
                 assert error <= TOLERANCE * scale, (name, n, k, rows, error / scale)
 
 
-@pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "Q6_K", "Q4_K"])
+@pytest.mark.parametrize("name", list(FORMATS))
 def test_row_lookup_is_the_dequantized_row(name):
     """The embedding lookup of a packed token table (no int8 step: exact up to the K-quants' fp16 scales)."""
     from pdserve.model.quantized_linear import QuantLinear

@@ -4,8 +4,8 @@ Each supported format is, block by block, an affine map of small unsigned codes:
 `group` consecutive inputs of one output row. A format without a stored min has a fixed one, -offset * scale.
 The K-quants' two-level scales (a super-block's fp16 d times a sub-block's 6- or 8-bit integer) are multiplied
 out here and kept as fp16, as the 32-element formats store theirs: a relative rounding of at most 2^-11 on a
-block's scale, far below the 4-6 bit codes' own step. 5- and 6-bit codes take a byte each (the kernels multiply
-bytes); 4-bit codes stay 4 bits. Nothing here is widened to floats, except by `dequantize`, the reference.
+block's scale, far below the 4-6 bit codes' own step. Codes are one uint8 per weight here; the packer gives each
+the bits of its format. Nothing here is widened to floats, except by `dequantize`, the reference.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import numpy as np
 @dataclass(frozen=True)
 class BlockFormat:
     name: str  # the GGUF type the codes came from (Q4_0 ...)
-    bits: int  # bits a code takes in the packed weight: 4 or 8
+    bits: int  # bits a code takes in the packed weight: 4, 5, 6 or 8
     group: int  # inputs per scale
     offset: int  # without mins: w = scale * (code - offset)
     has_min: bool  # w = scale * code + min
@@ -31,12 +31,12 @@ class BlockFormat:
 FORMATS = {
     "Q4_0": BlockFormat("Q4_0", 4, 32, 8, False),
     "Q4_1": BlockFormat("Q4_1", 4, 32, 0, True),
-    "Q5_0": BlockFormat("Q5_0", 8, 32, 16, False),
-    "Q5_1": BlockFormat("Q5_1", 8, 32, 0, True),
+    "Q5_0": BlockFormat("Q5_0", 5, 32, 16, False),
+    "Q5_1": BlockFormat("Q5_1", 5, 32, 0, True),
     "Q8_0": BlockFormat("Q8_0", 8, 32, 128, False),
     "Q4_K": BlockFormat("Q4_K", 4, 32, 0, True),
-    "Q5_K": BlockFormat("Q5_K", 8, 32, 0, True),
-    "Q6_K": BlockFormat("Q6_K", 8, 16, 32, False),
+    "Q5_K": BlockFormat("Q5_K", 5, 32, 0, True),
+    "Q6_K": BlockFormat("Q6_K", 6, 16, 32, False),
 }
 
 

@@ -32,16 +32,27 @@ def pack(matrix: QuantizedMatrix) -> torch.Tensor:
     f = matrix.fmt
     groups, blocks = n // GROUP_ROWS, k // f.group
     codes = _tensor(matrix.codes)
-    if f.bits == 8:  # [group][block][4-input chunk][row][4]
-        q = codes.view(groups, GROUP_ROWS, blocks, f.group // 4, 4).permute(0, 2, 3, 1, 4)
-    else:  # a chunk's low nibbles: inputs 4j..4j+3, high nibbles: the same half a block further
-        c = codes.view(groups, GROUP_ROWS, blocks, 2, f.group // 8, 4)
-        q = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)
     parts = [_per_block(matrix.scales, groups, blocks)]
     if f.has_min:
         parts.append(_per_block(matrix.mins, groups, blocks))  # type: ignore[arg-type]
-    parts.append(q.reshape(groups, blocks, -1))
+    if f.bits == 8:  # [group][block][4-input chunk][row][4]
+        q = codes.view(groups, GROUP_ROWS, blocks, f.group // 4, 4).permute(0, 2, 3, 1, 4)
+        parts.append(q.reshape(groups, blocks, -1))
+    else:  # a chunk's low nibbles: inputs 4j..4j+3, high nibbles: the same half a block further; then bit planes
+        c = codes.view(groups, GROUP_ROWS, blocks, 2, f.group // 8, 4)
+        q = ((c[:, :, :, 0] & 0x0F) | ((c[:, :, :, 1] & 0x0F) << 4)).permute(0, 2, 3, 1, 4)
+        parts.append(q.reshape(groups, blocks, -1))
+        parts += [_bit_plane(c, bit) for bit in range(4, f.bits)]
     return torch.cat(parts, dim=2).reshape(-1)
+
+
+def _bit_plane(c: torch.Tensor, bit: int) -> torch.Tensor:
+    """Bit `bit` of every code [group][row][block][half][chunk][4] as the kernel's masks: per block, per chunk and
+    nibble half, 64 bits (little-endian), bit 4r + i for row r's input i of the chunk."""
+    bits = ((c >> bit) & 1).permute(0, 2, 4, 3, 1, 5)  # [group][block][chunk][half][row][4]
+    groups, blocks = bits.shape[:2]
+    packed = np.packbits(bits.reshape(groups, blocks, -1, 64).numpy(), axis=-1, bitorder="little")
+    return torch.from_numpy(packed.reshape(groups, blocks, -1))
 
 
 def _per_block(values: np.ndarray, groups: int, blocks: int) -> torch.Tensor:

@@ -3,15 +3,20 @@
 // Every format pdserve keeps packed (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) is, block by block, an
 // affine map of small unsigned codes: w = scale * code + min, over blocks of `group` (32, or 16 for Q6_K) inputs
 // of one output row. Formats without a stored min have a fixed one, min = -offset * scale (Q4_0: 8, Q8_0: 128,
-// Q5_0: 16, Q6_K: 32). Codes are 4 bits (Q4_*) or 8 bits (the 5-, 6- and 8-bit formats, one byte each).
+// Q5_0: 16, Q6_K: 32). Codes take the bits of their format: 4 (Q4_*), 5 (Q5_*), 6 (Q6_K) or 8 (Q8_0), so the
+// packed weight is as large as the file's.
 //
 // Packed layout: groups of 16 output rows, one after the other; inside a group, one record per input block:
 //   16 fp16 scales, then (has_min) 16 fp16 mins, then the codes in chunks of 64 bytes, chunk j holding for
 //   each of the 16 rows 4 consecutive inputs (row r at bytes 4r .. 4r + 3). 8 bits: chunk j is inputs
-//   4j .. 4j + 3. 4 bits: the low nibbles of chunk j are inputs 4j .. 4j + 3, the high nibbles the same
-//   inputs group / 2 further on.
+//   4j .. 4j + 3. 4 to 6 bits: the low nibbles of chunk j are the low 4 bits of inputs 4j .. 4j + 3, the high
+//   nibbles those of the same inputs group / 2 further on; 5 and 6 bits: after the nibbles, one bit plane per
+//   bit above the fourth, each 8 bytes per chunk and nibble half (plane p, chunk j, half h at byte
+//   2 * group * p + 16 * j + 8 * h): bit 4r + i of that little-endian word is bit 4 + p of the code that sits
+//   at byte 4r + i of the chunk's nibbles.
 // So one 64-byte load is 16 rows by 4 inputs: exactly what VNNI's vpdpbusd multiplies (u8 codes by s8
-// activations, 4 products summed into each of 16 int32 lanes).
+// activations, 4 products summed into each of 16 int32 lanes); a plane's word is a mask that adds 16 or 32 to
+// the bytes it marks.
 //
 // Activations are quantized per block to int8 (scale = max |x| / 127) when a call starts, as llama.cpp does:
 //   sum_k w x = sum_blocks scale_w * scale_x * (sum codes * xq) + min_w * scale_x * sum xq.
@@ -74,8 +79,14 @@ inline int code_at(const uint8_t* q, int bits, int group, int row, int i) {
   if (bits == 8) return q[64 * (i / 4) + 4 * row + i % 4];
   const int half = i >= group / 2;
   const int j = (i % (group / 2)) / 4;
-  const uint8_t byte = q[64 * j + 4 * row + i % 4];
-  return half ? byte >> 4 : byte & 0x0F;
+  const int at = 4 * row + i % 4;
+  const uint8_t byte = q[64 * j + at];
+  int code = half ? byte >> 4 : byte & 0x0F;
+  for (int p = 0; p < bits - 4; ++p) {
+    const uint8_t* plane = q + 8 * group + 2 * group * p + 16 * j + 8 * half;
+    code |= ((plane[at / 8] >> (at % 8)) & 1) << (4 + p);
+  }
+  return code;
 }
 
 // x [rows, k] -> int8 codes per block of `group`, with each block's scale and code sum.
@@ -117,6 +128,12 @@ inline void store16(const float* acc, T* out, const T* bias, const T* residual) 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
 constexpr int kRowChunk = 8;
 
+inline __mmask64 load_mask64(const uint8_t* p) {
+  uint64_t m;
+  std::memcpy(&m, p, sizeof m);
+  return _cvtu64_mask64(m);
+}
+
 // acc[m][0..16): row (row0 + m)'s outputs of group g, for MR rows.
 template <int Bits, int G, bool HasMin, int MR>
 void group_dot(const Job& job, int64_t g, int64_t row0, float (*acc)[kGroupRows]) {
@@ -148,8 +165,14 @@ void group_dot(const Job& job, int64_t g, int64_t row0, float (*acc)[kGroupRows]
     } else {
       for (int j = 0; j < G / 8; ++j) {
         const __m512i v = _mm512_loadu_si512(q + 64 * j);
-        const __m512i lo = _mm512_and_si512(v, nibble);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+        __m512i lo = _mm512_and_si512(v, nibble);
+        __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+        for (int p = 0; p < Bits - 4; ++p) {  // 5 and 6 bits: the planes' masks add 16, 32
+          const uint8_t* plane = q + 8 * G + 2 * G * p + 16 * j;
+          const __m512i bit = _mm512_set1_epi8(static_cast<char>(16 << p));
+          lo = _mm512_mask_add_epi8(lo, load_mask64(plane), lo, bit);
+          hi = _mm512_mask_add_epi8(hi, load_mask64(plane + 8), hi, bit);
+        }
         for (int m = 0; m < MR; ++m) {
           const int c = (2 * j) % kChains, c2 = (2 * j + 1) % kChains;
           iacc[m][c] = _mm512_dpbusd_epi32(iacc[m][c], lo, _mm512_set1_epi32(load_i32(xb + m * job.k + 4 * j)));
@@ -190,6 +213,17 @@ inline __m256i dot4(__m256i w, __m256i x, bool signed_codes) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
 }
 
+// 32 bits of a plane word as bytes: `value` where the bit is set, 0 elsewhere.
+inline __m256i plane_bytes(const uint8_t* p, char value) {
+  uint32_t m;
+  std::memcpy(&m, p, sizeof m);
+  const __m256i spread = _mm256_shuffle_epi8(  // byte i gets byte i / 8 of m
+      _mm256_set1_epi32(static_cast<int32_t>(m)),
+      _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));  // byte i: bit i % 8
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(value));
+}
+
 // As the AVX-512 version, eight rows of the group at a time (half = 0, 1): 8 int32 lanes a register.
 template <int Bits, int G, bool HasMin, int MR>
 void group_dot(const Job& job, int64_t g, int64_t row0, float (*acc)[kGroupRows]) {
@@ -209,6 +243,7 @@ void group_dot(const Job& job, int64_t g, int64_t row0, float (*acc)[kGroupRows]
       __m256 mn = _mm256_setzero_ps();
       if constexpr (HasMin) mn = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 + 16 * half)));
       const uint8_t* q = blk + (HasMin ? 64 : 32) + 32 * half;
+      const uint8_t* planes = blk + (HasMin ? 64 : 32) + 8 * G;
       const int8_t* xb = job.xq + row0 * job.k + b * G;
       __m256i iacc[MR];
       for (int m = 0; m < MR; ++m) iacc[m] = _mm256_setzero_si256();
@@ -221,8 +256,13 @@ void group_dot(const Job& job, int64_t g, int64_t row0, float (*acc)[kGroupRows]
       } else {
         for (int j = 0; j < G / 8; ++j) {
           const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64 * j));
-          const __m256i lo = _mm256_and_si256(v, nibble);
-          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+          __m256i lo = _mm256_and_si256(v, nibble);
+          __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+          for (int p = 0; p < Bits - 4; ++p) {  // 5 and 6 bits: this half's 32 bits of each plane word
+            const uint8_t* plane = planes + 2 * G * p + 16 * j + 4 * half;
+            lo = _mm256_or_si256(lo, plane_bytes(plane, static_cast<char>(16 << p)));
+            hi = _mm256_or_si256(hi, plane_bytes(plane + 8, static_cast<char>(16 << p)));
+          }
           for (int m = 0; m < MR; ++m) {
             iacc[m] = _mm256_add_epi32(iacc[m], dot4(lo, _mm256_set1_epi32(load_i32(xb + m * job.k + 4 * j)), false));
             iacc[m] = _mm256_add_epi32(iacc[m], dot4(hi, _mm256_set1_epi32(load_i32(xb + m * job.k + G / 2 + 4 * j)), false));
@@ -309,17 +349,19 @@ void run(const Job& job, T* out, const T* bias, const T* residual) {
 template <typename T>
 void dispatch(const Job& job, T* out, const T* bias, const T* residual) {
   const Format& f = job.f;
-  if (f.bits == 4 && f.group == 32 && !f.has_min) return run<4, 32, false>(job, out, bias, residual);
-  if (f.bits == 4 && f.group == 32 && f.has_min) return run<4, 32, true>(job, out, bias, residual);
-  if (f.bits == 8 && f.group == 32 && !f.has_min) return run<8, 32, false>(job, out, bias, residual);
-  if (f.bits == 8 && f.group == 32 && f.has_min) return run<8, 32, true>(job, out, bias, residual);
-  if (f.bits == 8 && f.group == 16 && !f.has_min) return run<8, 16, false>(job, out, bias, residual);
+  if (f.bits == 4 && f.group == 32 && !f.has_min) return run<4, 32, false>(job, out, bias, residual);  // Q4_0
+  if (f.bits == 4 && f.group == 32 && f.has_min) return run<4, 32, true>(job, out, bias, residual);  // Q4_1, Q4_K
+  if (f.bits == 5 && f.group == 32 && !f.has_min) return run<5, 32, false>(job, out, bias, residual);  // Q5_0
+  if (f.bits == 5 && f.group == 32 && f.has_min) return run<5, 32, true>(job, out, bias, residual);  // Q5_1, Q5_K
+  if (f.bits == 6 && f.group == 16 && !f.has_min) return run<6, 16, false>(job, out, bias, residual);  // Q6_K
+  if (f.bits == 8 && f.group == 32 && !f.has_min) return run<8, 32, false>(job, out, bias, residual);  // Q8_0
   TORCH_CHECK(false, "quant_linear: no kernel for ", f.bits, "-bit codes in groups of ", f.group,
               f.has_min ? " with mins" : "");
 }
 
 Format checked_format(int64_t bits, int64_t group, int64_t offset, bool has_min) {
-  TORCH_CHECK((bits == 4 || bits == 8) && (group == 16 || group == 32), "quant_linear: bits 4 or 8, group 16 or 32");
+  TORCH_CHECK((bits >= 4 && bits <= 6) || bits == 8, "quant_linear: codes of 4, 5, 6 or 8 bits");
+  TORCH_CHECK(group == 16 || group == 32, "quant_linear: blocks of 16 or 32 inputs");
   return Format{bits, group, offset, has_min};
 }
 
