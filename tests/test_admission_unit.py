@@ -4,15 +4,17 @@ refusals and their Retry-After, and per-key token buckets (with their file read 
 from __future__ import annotations
 
 import os
+import random
 import time
 from pathlib import Path
 
 import pytest
 
-from pdserve.admission.load import LoadReport, LoadTracker, fit_step_costs, implausible_fit
+from pdserve.admission.load import LoadReport, LoadTracker
 from pdserve.admission.predictor import SLO, TPOT_MARGIN, Refusal, judge_tpot, judge_ttft, predict_ttft
 from pdserve.admission.rate_limit import RateLimits, client_key
 from pdserve.admission.sent import SentSince
+from pdserve.admission.step_fit import fit_step_costs, implausible_fit
 
 
 def report(queued: list[tuple[int, int]], rate: float = 1000.0, step: float = 0.05, cost: float = 0.002,
@@ -83,6 +85,24 @@ def test_a_prefix_is_priced_at_the_rate_of_steps_that_were_mostly_prompt() -> No
     assert t.prefill_rate < 0.6 * t.prompt_step_rate  # the average over prompt steps counts the decodes
 
 
+def test_the_running_fit_equals_a_fresh_fit_of_the_steps_it_kept() -> None:
+    """The tracker keeps the fit's sums as steps come and go (a report every ~20 ms refits): after thousands of
+    steps of changing batch sizes and prompt chunks through a 256-step window, its costs are those of a fit of
+    the last 256 steps alone."""
+    t = LoadTracker(max_num_seqs=64)
+    rng = random.Random(7)
+    kept = []
+    for i in range(3000):
+        streams = rng.choice([1, 2, 4, 8, 16]) if i < 2000 else rng.choice([3, 5])  # the sizes seen change too
+        prompt = rng.choice([0, 0, 0, 128, 512])
+        seconds = 0.012 + 0.0015 * streams + 0.0004 * prompt + rng.random() * 0.002
+        t.observe(prompt, streams, seconds)
+        kept = (kept + [(streams, prompt, seconds)])[-LoadTracker.FIT_STEPS:]
+    fresh = fit_step_costs(kept)
+    assert t.step_costs() == pytest.approx(fresh, rel=1e-6)
+    assert fresh[1] == pytest.approx(0.0015, rel=0.2) and fresh[2] == pytest.approx(0.0004, rel=0.2)
+
+
 def test_the_fit_never_makes_a_cost_negative() -> None:
     """A decode instance under conditional PD that computed two prompts of nearly one length itself (steps
     without streams) and then decoded one stream: unconstrained, the fit put the base at -3.3 s and a stream at
@@ -92,7 +112,7 @@ def test_the_fit_never_makes_a_cost_negative() -> None:
     t.observe(prefill_tokens=292, decodes=0, seconds=0.90)
     for _ in range(110):
         t.observe(prefill_tokens=0, decodes=1, seconds=0.026)
-    base, per_stream, per_token = fit_step_costs(list(t._steps))
+    base, per_stream, per_token = fit_step_costs(t._steps)
     assert 0 < base < 0.001 and per_stream == pytest.approx(0.026, rel=0.01) and 0.0025 < per_token < 0.0035
     # and a fit without a base is no step's cost: the tracker reports none (the predictions fall back to the rates)
     assert "base is zero" in implausible_fit((base, per_stream, per_token), t._steps)

@@ -14,10 +14,10 @@ listed by priority, so an admission can count only what is ahead of a request of
 from __future__ import annotations
 
 import time
-from collections import deque
-from collections.abc import Iterable
 
 import msgspec
+
+from pdserve.admission.step_fit import StepWindow, fit_step_costs, implausible_fit
 
 
 class LoadReport(msgspec.Struct):
@@ -61,9 +61,6 @@ class LoadReport(msgspec.Struct):
         return sum(tokens for p, tokens in self.queued if p <= priority)
 
 
-MIN_BASE = 1e-6  # seconds: a fitted base of 0 would read as "no fit yet"
-
-
 class LoadTracker:
     """The engine's side: step timings in, a LoadReport out."""
 
@@ -77,7 +74,7 @@ class LoadTracker:
         self._prompt_step_rate = 0.0
         self._step_time = self._prompt_per_step = self._decodes_per_step = 0.0
         self._quiet = (0.0, 0.0, 0.0)  # the calibration's (base, per stream, prefill rate)
-        self._steps: deque[tuple[int, int, float]] = deque(maxlen=self.FIT_STEPS)  # (streams, prompt tokens, s)
+        self._steps = StepWindow(self.FIT_STEPS)  # (streams, prompt tokens, seconds)
         self._open: tuple[int, int, float] | None = None  # the last step's (prompt tokens, streams, start)
 
     def step_started(self, now: float) -> None:
@@ -145,7 +142,7 @@ class LoadTracker:
     def step_costs(self) -> tuple[float, float, float]:
         """(base, per stream, per prompt token) seconds of a step, fitted over the last FIT_STEPS steps; zeros
         until they vary in their stream counts, and while the fit is implausible (implausible_fit)."""
-        costs = fit_step_costs(list(self._steps))
+        costs = self._steps.fit()
         return (0.0, 0.0, 0.0) if implausible_fit(costs, self._steps) else costs
 
     def report(self, queued: dict[int, int], decoding: int, waiting_streams: int, min_tokens_left: int | None,
@@ -157,79 +154,3 @@ class LoadTracker:
                           self.prefill_rate, self._step_time, per_stream, next_finish, self.step_tokens, base,
                           per_token, self._prompt_per_step, loras or [], decodes_per_step=self._decodes_per_step,
                           quiet_step_base=quiet_base, quiet_decode_cost=quiet_cost, quiet_prefill_rate=quiet_rate)
-
-
-def fit_step_costs(steps: list[tuple[int, int, float]]) -> tuple[float, float, float]:
-    """(base, per stream, per prompt token) seconds of a step; zeros until the steps seen vary in their stream
-    counts. Where decode-only steps of two or more batch sizes exist, base and per stream come from them and the
-    per-token cost from what the prompt steps took beyond that: a prompt's cost grows faster than its length
-    (attention), so one straight line through both kinds of step put the base below zero (a 2-core box: 256 and
-    1,024-token chunks in 0.16 and 0.74 s) and dropped it. Else one fit of the three, a prompt-token cost only
-    where prompt tokens varied. No cost is negative: a term the fit makes negative is left out and the others
-    fitted again (a decode instance that computed two prompts of nearly one length under conditional PD once gave
-    base -3.3 s and 3.3 s per stream, and every request after was refused). A fit's base is at least MIN_BASE,
-    so a report shows that it has one."""
-    if len({n for n, _, _ in steps}) < 2:
-        return 0.0, 0.0, 0.0
-    decode_only = [(n, s) for n, p, s in steps if n and not p]
-    if len({n for n, _ in decode_only}) >= 2:
-        base, per_stream, _ = _fit_nonnegative([(1.0, float(n), 0.0) for n, _ in decode_only],
-                                               [s for _, s in decode_only], [0, 1])
-        beyond = [(p, s - base - per_stream * n) for n, p, s in steps if p]
-        per_token = max(0.0, sum(p * r for p, r in beyond) / sum(p * p for p, _ in beyond)) if beyond else 0.0
-        return max(MIN_BASE, base), per_stream, per_token
-    terms = [0, 1, 2] if len({p for _, p, _ in steps}) >= 2 else [0, 1]
-    base, per_stream, per_token = _fit_nonnegative([(1.0, float(n), float(p)) for n, p, _ in steps],
-                                                   [s for _, _, s in steps], terms)
-    return max(MIN_BASE, base), per_stream, per_token
-
-
-def _fit_nonnegative(rows: list[tuple[float, float, float]], y: list[float], terms: list[int]
-                     ) -> tuple[float, float, float]:
-    """Least squares over the columns `terms` of rows; a negative coefficient's column is left out and the rest
-    fitted again."""
-    while True:
-        coef = _least_squares([tuple(r[t] for t in terms) for r in rows], y)
-        worst = min(range(len(terms)), key=lambda i: coef[i])
-        if coef[worst] >= 0 or len(terms) == 1:
-            break
-        del terms[worst]
-    costs = [0.0, 0.0, 0.0]
-    for t, c in zip(terms, coef, strict=True):
-        costs[t] = max(0.0, c)
-    return costs[0], costs[1], costs[2]
-
-
-def implausible_fit(costs: tuple[float, float, float], steps: Iterable[tuple[int, int, float]]) -> str | None:
-    """Why a fit of these steps cannot be a step's cost, or None: a base of zero (the fit dropped it: every step
-    costs something before its streams), or one stream costing more than a whole step of one stream measured
-    (calibrated beside another instance's calibration: `step 0.0 ms + 3.45 ms per stream`)."""
-    base, per_stream, _ = costs
-    if base == 0.0 and per_stream == 0.0:
-        return None  # no fit yet: nothing to judge
-    if base <= MIN_BASE:
-        return f"the fitted step base is zero ({per_stream * 1e3:.2f} ms per stream)"
-    single = [s for n, p, s in steps if n == 1 and p == 0]
-    if single and per_stream > min(single):
-        return (f"one more stream costs {per_stream * 1e3:.2f} ms in the fit, more than a measured one-stream step "
-                f"({min(single) * 1e3:.2f} ms)")
-    return None
-
-
-def _least_squares(rows: list[tuple[float, ...]], y: list[float]) -> list[float]:
-    """Coefficients minimising |rows @ c - y| (normal equations, Gaussian elimination; a tiny ridge keeps a
-    degenerate column at 0)."""
-    k = len(rows[0])
-    a = [[sum(r[i] * r[j] for r in rows) + (1e-9 if i == j else 0.0) for j in range(k)] for i in range(k)]
-    b = [sum(r[i] * v for r, v in zip(rows, y, strict=True)) for i in range(k)]
-    for col in range(k):
-        pivot = max(range(col, k), key=lambda i: abs(a[i][col]))
-        a[col], a[pivot], b[col], b[pivot] = a[pivot], a[col], b[pivot], b[col]
-        for i in range(col + 1, k):
-            f = a[i][col] / a[col][col]
-            a[i] = [x - f * z for x, z in zip(a[i], a[col], strict=True)]
-            b[i] -= f * b[col]
-    c = [0.0] * k
-    for i in reversed(range(k)):
-        c[i] = (b[i] - sum(a[i][j] * c[j] for j in range(i + 1, k))) / a[i][i]
-    return c
