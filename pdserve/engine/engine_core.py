@@ -20,11 +20,11 @@ from pdserve.engine.intake import Intake
 from pdserve.engine.kv_connector import CacheService, KVConnector, NoCacheService
 from pdserve.engine.messages import (
     EngineInput,
-    EngineOutputs,
     RequestOutput,
     Shutdown,
     UtilityCall,
 )
+from pdserve.engine.outbox import Outbox
 from pdserve.engine.request import Request
 from pdserve.engine.request_output import error_output, final_output
 from pdserve.engine.role_connectors import RoleConnectors
@@ -86,15 +86,15 @@ class EngineCore:
         self.tiers = TierUpkeep(self.kv, copies, self.cache_service, layout.block_bytes, self._run_copies_only)
         self.intake = Intake(self)
         self.utilities = EngineUtilities(self)
+        self.outbox: Outbox  # run() opens it on the frontend's socket
 
     # ---- the loop ------------------------------------------------------------------------------
 
     def run(self, inputs: zmq.Socket, outputs: zmq.Socket) -> None:
         decoder = msgspec.msgpack.Decoder(EngineInput)
-        encoder = msgspec.msgpack.Encoder()
+        self.outbox = Outbox(outputs)
         while True:
             raise_if_stopping()
-            pending: list[RequestOutput] = []
             timeout = 0 if self.scheduler.has_work else self._idle_timeout_ms()
             if timeout:
                 self.load.cycle_over(time.perf_counter())  # a wait is not part of the last step's cycle
@@ -112,23 +112,22 @@ class EngineCore:
                     return
                 if isinstance(msg, UtilityCall):
                     result, aborted = self.utilities.answer(msg)
-                    if aborted:
-                        outputs.send(encoder.encode(EngineOutputs(aborted)))
-                    outputs.send(encoder.encode(result))
+                    self.outbox.add(aborted)
+                    self.outbox.answer(result)
                 else:
-                    pending.extend(self.intake.handle(msg))
+                    self.outbox.add(self.intake.handle(msg))
             if not self.worker.alive():
                 raise ChildDied(self.worker.exit_message())  # no traceback
             self._check_cache_service()
             self.tiers.poll()
             self.scheduler.poll_loads()
-            pending.extend(self._poll_connector())
+            self.outbox.add(self._poll_connector())
             if self.scheduler.has_work or self.copies.pending:
-                pending.extend(self.step())
+                self.outbox.add(self.step())  # the step sent what was held once the worker had it
             self._publish_kv_events()
-            load = self._load_report_due()
-            if pending or load is not None:
-                outputs.send(encoder.encode(EngineOutputs(pending, load)))
+            self.outbox.add([], self._load_report_due())
+            if not self.scheduler.has_work:  # no step comes next to send them behind
+                self.outbox.send()
 
     def _load_report_due(self) -> LoadReport | None:
         """A load report every LOAD_INTERVAL while there is work, and one when it has all gone."""
@@ -199,6 +198,7 @@ class EngineCore:
         self.load.step_started(cycle_started)
         out = self.scheduler.schedule()
         if not out.chunks:
+            self.outbox.send()
             if self.copies.pending:
                 self._run_copies_only()
             else:
@@ -221,8 +221,9 @@ class EngineCore:
         step = ExecuteStep(new_requests, self._finished_on_worker, chunks, transfers, copies)
         self._finished_on_worker = []
         try:
-            result = self.worker.execute(step, while_waiting=self._during_step)
+            result = self.worker.execute(step, while_waiting=self._during_step, sent=self.outbox.send)
         except WorkerFailed as e:
+            self.outbox.send()
             self.copies.done([c.copy_id for c in copies])
             raise StepFailed(str(e)) from None
         self.copies.done(result.copies_done)

@@ -79,11 +79,15 @@ class WorkerClient:
             self._expect(rank, WorkerReady, timeout, what)
         return ready
 
-    def execute(self, step: ExecuteStep, while_waiting: Callable[[], None] | None = None) -> StepResult:
-        """Run one step on every rank; `while_waiting` runs every 50 ms of it (a step can outlast a PD lease)."""
+    def execute(self, step: ExecuteStep, while_waiting: Callable[[], None] | None = None,
+                sent: Callable[[], None] | None = None) -> StepResult:
+        """Run one step on every rank; `sent` runs once every rank has it, `while_waiting` every 50 ms of it (a
+        step can outlast a PD lease)."""
         payload = self._encoder.encode(step)
         for rank in self.ranks:
             rank.send_bytes(payload)
+        if sent is not None:
+            sent()
 
         def waiting() -> None:
             self._check_alive()
