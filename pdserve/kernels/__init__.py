@@ -47,8 +47,10 @@ def cflags() -> list[str]:
 
 def build_tag() -> str:
     """Sources, flags, torch version and CPU features: the build uses -march=native, so a new CPU means a
-    new build."""
+    new build. Also the sources' folder: torch's builder rebuilds when a build's source paths change, so two
+    checkouts sharing one tag rebuilt each other's library back and forth, under each other's running processes."""
     h = hashlib.sha256()
+    h.update(str(CSRC.resolve()).encode())
     for path in sorted(CSRC.iterdir()):
         h.update(path.read_bytes())
     h.update(torch.__version__.encode())
