@@ -1,7 +1,7 @@
 """Quantized GGUF files served by pdserve beside llama.cpp's own server (and vLLM's CPU build on the bf16 folder).
 
     .venv/bin/python bench/quantized.py [--shapes 1b,3b] [--formats Q4_0,Q8_0,Q4_K_M]
-        [--servers pdserve,llama.cpp,pdserve-w8a8,vllm] [--vllm-python V/bin/python] [--pd] [--out FILE.md]
+        [--servers pdserve,llama.cpp,pdserve-w8a8,vllm] [--vllm-python V/bin/python] [--pd] [--rounds 4] [--out FILE.md]
         [--pdserve-args=--disable-hybrid-kv-cache-manager]
     # Gemma 3 270M (issue 69) alone:
     .venv/bin/python bench/quantized.py --shapes "" --packaged gemma-3-270m --servers pdserve,llama.cpp
