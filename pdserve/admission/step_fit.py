@@ -9,7 +9,7 @@ busy), and a fit over 256 steps in Python took ~0.37 ms of the engine's step cyc
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 Step = tuple[int, int, float]  # (streams decoded, prompt tokens computed, seconds)
 
@@ -64,7 +64,7 @@ class StepWindow:
     def __len__(self) -> int:
         return len(self.steps)
 
-    def __iter__(self):  # noqa: ANN204 - Iterator[Step]
+    def __iter__(self) -> Iterator[Step]:
         return iter(self.steps)
 
     def append(self, step: Step) -> None:

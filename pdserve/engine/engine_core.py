@@ -125,7 +125,7 @@ class EngineCore:
             if self.scheduler.has_work or self.copies.pending:
                 self.outbox.add(self.step())  # the step sent what was held once the worker had it
             self._publish_kv_events()
-            self.outbox.add([], self._load_report_due())
+            self.outbox.report(self._load_report_due())
             if not self.scheduler.has_work:  # no step comes next to send them behind
                 self.outbox.send()
 
@@ -223,7 +223,6 @@ class EngineCore:
         try:
             result = self.worker.execute(step, while_waiting=self._during_step, sent=self.outbox.send)
         except WorkerFailed as e:
-            self.outbox.send()
             self.copies.done([c.copy_id for c in copies])
             raise StepFailed(str(e)) from None
         self.copies.done(result.copies_done)

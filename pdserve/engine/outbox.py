@@ -21,8 +21,11 @@ class Outbox:
         self.load: LoadReport | None = None
         self._encoder = msgspec.msgpack.Encoder()
 
-    def add(self, outputs: list[RequestOutput], load: LoadReport | None = None) -> None:
+    def add(self, outputs: list[RequestOutput]) -> None:
         self.outputs.extend(outputs)
+
+    def report(self, load: LoadReport | None) -> None:
+        """The newest load report (None: none due), sent with the outputs."""
         if load is not None:
             self.load = load
 
